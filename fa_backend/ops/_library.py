@@ -1,0 +1,3 @@
+"""The torch.library namespace of fa_backend's custom ops."""
+
+NAMESPACE = "fa_backend"

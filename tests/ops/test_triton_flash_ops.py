@@ -1,0 +1,95 @@
+"""torch.library contracts of fa_backend::triton_flash_fwd / _bwd: opcheck, fakes, torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa_backend
+from fa_backend.ops import triton_flash_bwd, triton_flash_fwd
+from tests.conftest import DEVICE
+from tests.reference import attention_math
+
+pytestmark = pytest.mark.usefixtures("poisoned")
+
+
+def _inputs(b=1, hq=2, hkv=1, sq=20, sk=24, d=16, dv=16, transposed=False, grad=False):
+    if transposed:  # (b, s, h, d) memory viewed as (b, h, s, d)
+        q = torch.randn(b, sq, hq, d, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+        k = torch.randn(b, sk, hkv, d, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+        v = torch.randn(b, sk, hkv, dv, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    else:
+        q = torch.randn(b, hq, sq, d, dtype=torch.float16, device=DEVICE)
+        k = torch.randn(b, hkv, sk, d, dtype=torch.float16, device=DEVICE)
+        v = torch.randn(b, hkv, sk, dv, dtype=torch.float16, device=DEVICE)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("is_causal,bottom_right", [(False, False), (True, False), (True, True)])
+def test_opcheck_fwd(is_causal, bottom_right, transposed):
+    q, k, v = _inputs(transposed=transposed, grad=True)
+    torch.library.opcheck(triton_flash_fwd, (q, k, v, None, is_causal, bottom_right))
+    torch.library.opcheck(triton_flash_fwd, (q, k, v, 0.3, is_causal, bottom_right))
+
+
+def test_opcheck_bwd():
+    q, k, v = _inputs(d=32, dv=16)
+    out, lse = triton_flash_fwd(q, k, v, None, True, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(triton_flash_bwd, (dout, q, k, v, out, lse, None, None, True, True))
+    torch.library.opcheck(triton_flash_bwd, (dout, q, k, v, out, lse, torch.randn_like(lse), 0.2, False, False))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fake_matches_real_metadata(transposed):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _inputs(d=32, dv=16, transposed=transposed)
+    real = triton_flash_fwd(q, k, v, None, False, False)
+    real_grads = triton_flash_bwd(torch.randn_like(real[0]), q, k, v, *real, None, None, False, False)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = triton_flash_fwd(fq, fk, fv, None, False, False)
+        fake_grads = triton_flash_bwd(torch.empty_like(fake[0]), fq, fk, fv, *fake, None, None, False, False)
+    for r, f in zip((*real, *real_grads), (*fake, *fake_grads)):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_matches_eager(backend, dynamic):
+    def block(q, k, v):
+        o = fa_backend.attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
+        return (o.transpose(1, 2).flatten(2) * 2).sum(-1)
+
+    compiled = torch.compile(block, fullgraph=True, backend=backend, dynamic=dynamic)
+    q, k, v = _inputs(sq=20, sk=24, grad=True)
+    eager = block(q, k, v)
+    got = compiled(q, k, v)
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)
+    g_eager = torch.autograd.grad(eager.sum(), (q, k, v))
+    g_comp = torch.autograd.grad(compiled(q, k, v).sum(), (q, k, v))
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compiled_graph_holds_the_op():
+    seen = []
+
+    def recorder(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: fa_backend.attention(q, k, v), fullgraph=True, backend=recorder)
+    q, k, v = _inputs()
+    torch.testing.assert_close(fn(q, k, v), fa_backend.attention(q, k, v), rtol=0, atol=0)
+    assert any("fa_backend.triton_flash_fwd" in s for s in seen), seen
+
+
+def test_matches_reference_after_compile():
+    q, k, v = _inputs(hq=4, hkv=2, sq=30, sk=30, d=32)
+    fn = torch.compile(lambda q, k, v: fa_backend.attention(q, k, v, is_causal=True), fullgraph=True, backend="aot_eager")
+    ref = attention_math(q.double(), k.double(), v.double(), is_causal=True)
+    assert (fn(q, k, v).double() - ref).abs().max() < 2e-3

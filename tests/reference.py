@@ -1,0 +1,89 @@
+"""References for kernel tests: PyTorch's math SDPA, in float64 (the truth) and in the input dtype.
+
+The accuracy rule (FlashAttention's): a fused result's max error against the float64 result
+must be at most 2x the error of PyTorch's own math implementation run in the same low precision,
+plus a small epsilon.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def causal_mask(sq: int, sk: int, bottom_right: bool, device) -> torch.Tensor:
+    """Boolean (sq, sk) mask, True = attend."""
+    offset = sk - sq if bottom_right else 0
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(offset)
+
+
+def attention_math(q, k, v, *, is_causal=False, bottom_right=False, scale=None, dtype=None):
+    """PyTorch's math SDPA (GQA, both causal alignments), computed in `dtype` (default: q's)."""
+    if dtype is not None:
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    mask = causal_mask(q.shape[2], k.shape[2], bottom_right, q.device) if is_causal else None
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attention_math_lowp(q, k, v, *, is_causal=False, bottom_right=False, scale=None):
+    """PyTorch's math SDPA composite with every intermediate in the input dtype.
+
+    On CUDA, the math backend computes fp16/bf16 inputs in that precision (q and k scaled by
+    sqrt(scale), S = q k^T, safe softmax, P v). On CPU it upcasts them to fp32 and only rounds
+    the result, which is not a same-precision baseline; this function runs the CUDA composite's
+    steps on any device.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    root = (q.shape[-1] ** -0.5 if scale is None else scale)
+    root_abs = abs(root) ** 0.5
+    s = (q * root_abs) @ (k * (root_abs if root >= 0 else -root_abs)).transpose(-1, -2)
+    if is_causal:
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], bottom_right, q.device), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # rows with no visible key: zeros, as _safe_softmax
+    return p @ v
+
+
+def attention_same_dtype(q, k, v, **kw):
+    """PyTorch's math SDPA in the inputs' own precision (the 2x rule's baseline)."""
+    if q.device.type == "cuda":
+        return attention_math(q, k, v, **kw)
+    return attention_math_lowp(q, k, v, **kw)
+
+
+def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return (a.double() - ref.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_within_bar(name: str, ours: torch.Tensor, same_dtype: torch.Tensor, ref: torch.Tensor, atol: float = 1e-5):
+    """ours must be finite and its error at most 2 x (PyTorch same-dtype error) + atol."""
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != reference {tuple(ref.shape)}"
+    assert torch.isfinite(ours).all(), f"{name}: non-finite values (unwritten or overflowed elements)"
+    err, base = max_err(ours, ref), max_err(same_dtype, ref)
+    assert err <= 2 * base + atol, f"{name}: max error {err:.3e} > 2 x PyTorch same-dtype error {base:.3e} + {atol:g}"
+
+
+def check_attention(attn_fn, q, k, v, *, is_causal=False, bottom_right=False, scale=None, grad=True, atol=1e-5):
+    """Run attn_fn(q, k, v) forward (and backward) and check output and gradients against the bar."""
+    leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    out = attn_fn(*leaves)
+    ref_leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+    ref = attention_math(*ref_leaves, is_causal=is_causal, bottom_right=bottom_right, scale=scale)
+    pt_leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    pt = attention_same_dtype(*pt_leaves, is_causal=is_causal, bottom_right=bottom_right, scale=scale)
+    assert out.dtype == q.dtype
+    assert_within_bar("out", out, pt, ref, atol)
+    if not grad:
+        return out
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    pt_grads = torch.autograd.grad(pt, pt_leaves, dout)
+    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
+        assert g.dtype == q.dtype
+        assert_within_bar(name, g, gp, gr, atol)
+    return out
