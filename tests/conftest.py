@@ -18,7 +18,18 @@ DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16
 warnings.filterwarnings("ignore", message="Conversion of an array with ndim > 0", category=DeprecationWarning)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, help="i/n: run the i-th of n interleaved slices of the tests "
+                     "(parallel processes on one GPU compile kernels concurrently)")
+
+
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        keep = [item for j, item in enumerate(items) if j % n == i]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

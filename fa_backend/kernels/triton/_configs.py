@@ -1,8 +1,9 @@
 """Tile configurations for the Triton kernels, per padded head dim.
 
-The GPU table was chosen by timing candidates on an H200 (scripts/tune_triton.py); the
-interpreter uses small tiles so CPU tests exercise multi-block loops on small shapes.
-`override` lets tests and the tuner pin a configuration.
+The GPU tables were chosen by timing candidates on an H200 (scripts/tune_triton.py) after
+pruning the ones that spill registers (scripts/compile_check.py); the interpreter uses small
+tiles so CPU tests exercise multi-block loops on small shapes. `override` pins a configuration
+for tests and the tuner.
 """
 
 from __future__ import annotations
@@ -17,54 +18,45 @@ from ._launch import interpreting, pad_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
-class FwdConfig:
-    block_m: int
-    block_n: int
+class TileConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
     num_warps: int = 4
     num_stages: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
-    """dK/dV kernel (KV block stationary, walks query blocks) and dQ kernel (query block stationary)."""
-
-    kv_block_m: int
-    kv_block_n: int
-    kv_num_warps: int
-    kv_num_stages: int
-    q_block_m: int
-    q_block_n: int
-    q_num_warps: int
-    q_num_stages: int
+    dkdv: TileConfig  # KV-block-stationary kernel: block_n keys held, walks block_m query rows
+    dq: TileConfig  # query-block-stationary kernel: block_m rows held, walks block_n keys
 
 
-_INTERPRETER_FWD = FwdConfig(16, 16, 4, 1)
-_INTERPRETER_BWD = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1)
+_INTERPRETER_FWD = TileConfig(16, 16, 4, 1)
+_INTERPRETER_BWD = BwdConfig(TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 1))
 
-# Keyed on max(padded d, padded dv). Larger head dims take smaller tiles so the fp32
-# accumulators stay in registers.
-_GPU_FWD: dict[int, FwdConfig] = {
-    16: FwdConfig(128, 64, 4, 3),
-    32: FwdConfig(128, 64, 4, 3),
-    64: FwdConfig(128, 64, 4, 3),
-    128: FwdConfig(128, 128, 8, 3),
-    256: FwdConfig(128, 64, 8, 2),
+# Keyed on max(padded d, padded dv).
+_GPU_FWD: dict[int, TileConfig] = {
+    16: TileConfig(128, 64, 4, 3),
+    32: TileConfig(128, 64, 4, 3),
+    64: TileConfig(128, 64, 4, 3),
+    128: TileConfig(128, 128, 8, 3),
+    256: TileConfig(128, 32, 8, 2),
 }
-_GPU_FWD_CAUSAL: dict[int, FwdConfig] = dict(_GPU_FWD)
+_GPU_FWD_CAUSAL: dict[int, TileConfig] = dict(_GPU_FWD)
 
 _GPU_BWD: dict[int, BwdConfig] = {
-    16: BwdConfig(64, 128, 4, 3, 128, 64, 4, 3),
-    32: BwdConfig(64, 128, 4, 3, 128, 64, 4, 3),
-    64: BwdConfig(64, 128, 4, 3, 128, 64, 4, 3),
-    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
-    256: BwdConfig(32, 64, 4, 1, 64, 32, 4, 1),
+    16: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2)),
+    32: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2)),
+    64: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2)),
+    128: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 2)),
+    256: BwdConfig(TileConfig(32, 64, 8, 1), TileConfig(32, 64, 4, 1)),
 }
 
 _override: dict[str, object] = {"fwd": None, "bwd": None}
 
 
 @contextlib.contextmanager
-def override(fwd: FwdConfig | None = None, bwd: BwdConfig | None = None) -> Iterator[None]:
+def override(fwd: TileConfig | None = None, bwd: BwdConfig | None = None) -> Iterator[None]:
     """Pin the tile configuration used by every launch inside the block."""
     saved = dict(_override)
     _override.update(fwd=fwd, bwd=bwd)
@@ -74,17 +66,61 @@ def override(fwd: FwdConfig | None = None, bwd: BwdConfig | None = None) -> Iter
         _override.update(saved)
 
 
+def fwd_table(causal: bool) -> dict[int, TileConfig]:
+    return _GPU_FWD_CAUSAL if causal else _GPU_FWD
+
+
+def bwd_table() -> dict[int, BwdConfig]:
+    return _GPU_BWD
+
+
+def fwd_candidates(width: int) -> list[TileConfig]:
+    """Forward tiles worth timing for a padded head dim (no register spills on sm90 at bf16)."""
+    if width <= 64:
+        return [TileConfig(128, 64, 4, s) for s in (2, 3, 4)] + [
+            TileConfig(128, 128, 8, s) for s in (2, 3)] + [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)]
+    if width <= 128:
+        return [TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 2), TileConfig(128, 64, 8, 3),
+                TileConfig(128, 64, 8, 4), TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 3),
+                TileConfig(64, 128, 8, 2), TileConfig(128, 32, 4, 4)]
+    return [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2),
+            TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 2)]
+
+
+def dkdv_candidates(width: int) -> list[TileConfig]:
+    if width <= 64:
+        return [TileConfig(64, 128, 8, s) for s in (1, 2, 3)] + [
+            TileConfig(64, 64, 4, s) for s in (1, 2)] + [TileConfig(32, 128, 4, 1), TileConfig(32, 64, 4, 2)]
+    if width <= 128:
+        return [TileConfig(64, 128, 8, s) for s in (1, 2)] + [
+            TileConfig(32, 128, 8, 2), TileConfig(64, 64, 8, 2), TileConfig(32, 64, 4, 2),
+            TileConfig(64, 64, 4, 1), TileConfig(32, 64, 8, 2)]
+    return [TileConfig(32, 64, 4, 1), TileConfig(32, 64, 8, 1), TileConfig(64, 64, 8, 1), TileConfig(32, 32, 4, 1),
+            TileConfig(16, 32, 4, 1)]
+
+
+def dq_candidates(width: int) -> list[TileConfig]:
+    if width <= 64:
+        return [TileConfig(64, 64, 4, s) for s in (1, 2, 3)] + [
+            TileConfig(128, 64, 8, s) for s in (1, 2)] + [TileConfig(128, 32, 4, 2), TileConfig(128, 128, 8, 2)]
+    if width <= 128:
+        return [TileConfig(128, 64, 8, s) for s in (1, 2)] + [
+            TileConfig(64, 64, 4, s) for s in (1, 2)] + [TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
+                                                          TileConfig(64, 32, 4, 2)]
+    return [TileConfig(64, 32, 4, 1), TileConfig(64, 64, 8, 1), TileConfig(64, 32, 8, 1), TileConfig(32, 64, 4, 1),
+            TileConfig(32, 32, 4, 1), TileConfig(16, 64, 4, 1)]
+
+
 def _width(d: int, dv: int) -> int:
     return max(pad_head_dim(d), pad_head_dim(dv))
 
 
-def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool) -> FwdConfig:
+def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool) -> TileConfig:
     if _override["fwd"] is not None:
         return _override["fwd"]  # type: ignore[return-value]
     if interpreting() or q.device.type != "cuda":
         return _INTERPRETER_FWD
-    table = _GPU_FWD_CAUSAL if causal else _GPU_FWD
-    return table[_width(d, dv)]
+    return fwd_table(causal)[_width(d, dv)]
 
 
 def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool) -> BwdConfig:
@@ -92,4 +128,4 @@ def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool) -> BwdConfig:
         return _override["bwd"]  # type: ignore[return-value]
     if interpreting() or q.device.type != "cuda":
         return _INTERPRETER_BWD
-    return _GPU_BWD[_width(d, dv)]
+    return bwd_table()[_width(d, dv)]

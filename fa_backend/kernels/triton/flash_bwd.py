@@ -26,7 +26,7 @@ from ._launch import grid_1d, pad_head_dim
 _LOG2E = 1.0 / math.log(2.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
 def _bwd_preprocess(
     O, DO, DLSE, DELTA,
     stride_ob, stride_oh, stride_om, stride_od,
@@ -97,7 +97,7 @@ def _bwd_dkdv_loop(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS", "causal_offset"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -201,7 +201,7 @@ def _bwd_dq_loop(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -285,23 +285,23 @@ def flash_bwd(
         HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
     )
 
-    n_blocks = triton.cdiv(sk, cfg.kv_block_n)
+    n_blocks = triton.cdiv(sk, cfg.dkdv.block_n)
     _bwd_dkdv[grid_1d(n_blocks * b * hkv)](
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         hq, hkv, hq // hkv, sq, sk, n_blocks, causal_offset, qk_scale, scale,
-        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
+        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
-        num_warps=cfg.kv_num_warps, num_stages=cfg.kv_num_stages,
+        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages,
     )
 
-    m_blocks = triton.cdiv(sq, cfg.q_block_m)
+    m_blocks = triton.cdiv(sq, cfg.dq.block_m)
     _bwd_dq[grid_1d(m_blocks * b * hq)](
         q, k, v, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         hq, hq // hkv, sq, sk, m_blocks, causal_offset, qk_scale, scale,
-        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
+        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
-        num_warps=cfg.q_num_warps, num_stages=cfg.q_num_stages,
+        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages,
     )
     return dq, dk, dv

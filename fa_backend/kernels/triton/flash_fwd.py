@@ -72,7 +72,9 @@ def _fwd_kv_loop(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Sequence-length arguments are not specialised (divisibility / == 1): a new length would
+# otherwise compile a new kernel variant.
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
 def _attn_fwd(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,

@@ -113,8 +113,8 @@ def test_output_layout_and_non_contiguous_grad():
 
 
 @pytest.mark.parametrize("fwd,bwd", [
-    (_configs.FwdConfig(32, 16), _configs.BwdConfig(32, 16, 4, 1, 32, 16, 4, 1)),
-    (_configs.FwdConfig(16, 32), _configs.BwdConfig(16, 32, 4, 1, 16, 32, 4, 1)),
+    (_configs.TileConfig(32, 16), _configs.BwdConfig(_configs.TileConfig(32, 16), _configs.TileConfig(32, 16))),
+    (_configs.TileConfig(16, 32), _configs.BwdConfig(_configs.TileConfig(16, 32), _configs.TileConfig(16, 32))),
 ], ids=["tall", "wide"])
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 def test_tile_shapes(fwd, bwd, alignment):

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call: GPU test suite (sharded over processes so kernels compile in parallel),
+# optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory]
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=${*:-tests bench}
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader || true
+export PYTHONPATH=$PWD
+status=0
+if [[ " $steps " == *" tests "* ]]; then
+  n=${SHARDS:-6}
+  for i in $(seq 0 $((n - 1))); do
+    python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --shard="$i/$n" > "$OUT/tests_$i.log" 2>&1 &
+  done
+  for i in $(seq 0 $((n - 1))); do wait -n || status=1; done
+  for i in $(seq 0 $((n - 1))); do echo "shard $i: $(tail -n 1 "$OUT/tests_$i.log")"; done
+  grep -h -E "^(FAILED|ERROR)" "$OUT"/tests_*.log | head -40
+  cat "$OUT"/tests_*.log > "$OUT/tests.log"; rm -f "$OUT"/tests_*.log
+fi
+if [[ " $steps " == *" tune "* ]]; then
+  python3 scripts/tune_triton.py --dims ${TUNE_DIMS:-64 128 256} --seqlen ${TUNE_SEQLEN:-4096} --json "$OUT/tune.json" \
+    > "$OUT/tune.log" 2>&1 || status=1
+  sed -n '/^compiled/p;/FAILED/p;/^best per/,$p' "$OUT/tune.log"
+fi
+if [[ " $steps " == *" bench "* ]]; then
+  extra=""; [[ " $steps " == *" memory "* ]] && extra="--memory"
+  python3 -m fa_backend bench ${BENCH_ARGS:-} $extra --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
+  sed -n '/TFLOP\/s, d=/,$p' "$OUT/bench.log"
+fi
+exit $status

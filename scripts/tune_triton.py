@@ -1,0 +1,146 @@
+"""Time the tile candidates of each Triton kernel on the GPU and print the best per head dim.
+
+Kernels are compiled in parallel worker processes first (they share Triton's disk cache), then
+timed one by one in this process. dK/dV candidates are timed with the table's dQ tile and vice
+versa: the two backward kernels are separate launches, so their times add.
+
+    python scripts/tune_triton.py --dims 64 128 256 --seqlen 4096 --json tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _jobs(dims: list[int]):
+    from fa_backend.kernels.triton import _configs as C
+
+    jobs = []
+    for d in dims:
+        for causal in (False, True):
+            for cfg in dict.fromkeys([C.fwd_table(causal)[d]] + C.fwd_candidates(d)):
+                jobs.append(("fwd", d, causal, cfg))
+            base = C.bwd_table()[d]
+            for cfg in dict.fromkeys([base.dkdv] + C.dkdv_candidates(d)):
+                jobs.append(("dkdv", d, causal, cfg))
+            for cfg in dict.fromkeys([base.dq] + C.dq_candidates(d)):
+                jobs.append(("dq", d, causal, cfg))
+    return jobs
+
+
+def _override(kind, d, cfg):
+    from fa_backend.kernels.triton import _configs as C
+
+    base = C.bwd_table()[d]
+    if kind == "fwd":
+        return C.override(fwd=cfg)
+    if kind == "dkdv":
+        return C.override(bwd=C.BwdConfig(cfg, base.dq))
+    return C.override(bwd=C.BwdConfig(base.dkdv, cfg))
+
+
+def _inputs(d, seqlen, tokens=16384, width=2048):
+    import torch
+
+    b, h = max(1, tokens // seqlen), max(1, width // d)
+    return [torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+            for _ in range(3)]
+
+
+def _run(kind, d, causal, cfg, q, k, v):
+    import torch
+
+    import fa_backend
+
+    with _override(kind, d, cfg):
+        out = fa_backend.attention(q, k, v, is_causal=causal)
+        if kind != "fwd":
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+
+def _compile_worker(jobs):
+    """Compile (run once on a small input of the same specialisation) and report failures."""
+    import torch
+
+    failed = []
+    for kind, d, causal, cfg in jobs:
+        try:
+            q, k, v = _inputs(d, 256, tokens=256)
+            _run(kind, d, causal, cfg, q, k, v)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a failing candidate is reported, not fatal
+            failed.append(((kind, d, causal, cfg), f"{type(e).__name__}: {str(e)[:160]}"))
+    return failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import torch
+    from triton.testing import do_bench
+
+    from fa_backend.bench import attention_flops
+
+    jobs = _jobs(args.dims)
+    t0 = time.time()
+    chunks = [jobs[i::args.workers] for i in range(args.workers)]
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        failures = [f for part in pool.map(_compile_worker, chunks) for f in part]
+    print(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s; {len(failures)} failed", flush=True)
+    bad = {job for job, _ in failures}
+    for job, err in failures:
+        print(f"  FAILED {job}: {err}")
+
+    results = []
+    for kind, d, causal, cfg in jobs:
+        if (kind, d, causal, cfg) in bad:
+            continue
+        q, k, v = _inputs(d, args.seqlen)
+        flops = attention_flops(q.shape[0], q.shape[1], args.seqlen, args.seqlen, d, causal)
+        if kind == "fwd":
+            def fn():
+                _run(kind, d, causal, cfg, q, k, v)
+        else:
+            with _override(kind, d, cfg):
+                out = __import__("fa_backend").attention(q, k, v, is_causal=causal)
+            dout = torch.randn_like(out)
+
+            def fn():
+                with _override(kind, d, cfg):
+                    torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        ms = do_bench(fn, warmup=20, rep=60, return_mode="median")
+        tflops = (flops if kind == "fwd" else 2.5 * flops) / ms * 1e-9
+        results.append({"kernel": kind, "d": d, "causal": causal, "config": list(cfg.__dict__.values()),
+                        "ms": ms, "tflops": tflops})
+        print(f"{kind:4} d={d:3} causal={causal:d} {cfg}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s"
+              f"{'  (fwd+bwd kernels)' if kind != 'fwd' else ''}", flush=True)
+        del q, k, v
+
+    print("\nbest per kernel (seqlen %d):" % args.seqlen)
+    for kind in ("fwd", "dkdv", "dq"):
+        for d in args.dims:
+            for causal in (False, True):
+                rows = [r for r in results if (r["kernel"], r["d"], r["causal"]) == (kind, d, causal)]
+                if rows:
+                    best = min(rows, key=lambda r: r["ms"])
+                    print(f"  {kind:4} d={d:3} causal={causal:d}: {best['config']} {best['tflops']:.1f} TFLOP/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
