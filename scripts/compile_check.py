@@ -128,8 +128,8 @@ def main() -> None:
         for causal in (False, True):
             plan = {
                 "fwd": (check_fwd, [_configs.fwd_table(causal)[d]], _configs.fwd_candidates(d)),
-                "dkdv": (check_dkdv, [_configs.bwd_table()[d].dkdv], _configs.dkdv_candidates(d)),
-                "dq": (check_dq, [_configs.bwd_table()[d].dq], _configs.dq_candidates(d)),
+                "dkdv": (check_dkdv, [_configs.bwd_table(causal)[d].dkdv], _configs.dkdv_candidates(d)),
+                "dq": (check_dq, [_configs.bwd_table(causal)[d].dq], _configs.dq_candidates(d)),
             }
             for name in args.kernels:
                 check, table, candidates = plan[name]

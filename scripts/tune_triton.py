@@ -27,7 +27,7 @@ def _jobs(dims: list[int]):
         for causal in (False, True):
             for cfg in dict.fromkeys([C.fwd_table(causal)[d]] + C.fwd_candidates(d)):
                 jobs.append(("fwd", d, causal, cfg))
-            base = C.bwd_table()[d]
+            base = C.bwd_table(causal)[d]
             for cfg in dict.fromkeys([base.dkdv] + C.dkdv_candidates(d)):
                 jobs.append(("dkdv", d, causal, cfg))
             for cfg in dict.fromkeys([base.dq] + C.dq_candidates(d)):
@@ -35,10 +35,10 @@ def _jobs(dims: list[int]):
     return jobs
 
 
-def _override(kind, d, cfg):
+def _override(kind, d, causal, cfg):
     from fa_backend.kernels.triton import _configs as C
 
-    base = C.bwd_table()[d]
+    base = C.bwd_table(causal)[d]
     if kind == "fwd":
         return C.override(fwd=cfg)
     if kind == "dkdv":
@@ -59,7 +59,7 @@ def _run(kind, d, causal, cfg, q, k, v):
 
     import fa_backend
 
-    with _override(kind, d, cfg):
+    with _override(kind, d, causal, cfg):
         out = fa_backend.attention(q, k, v, is_causal=causal)
         if kind != "fwd":
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
@@ -113,12 +113,12 @@ def main() -> int:
             def fn():
                 _run(kind, d, causal, cfg, q, k, v)
         else:
-            with _override(kind, d, cfg):
+            with _override(kind, d, causal, cfg):
                 out = __import__("fa_backend").attention(q, k, v, is_causal=causal)
             dout = torch.randn_like(out)
 
             def fn():
-                with _override(kind, d, cfg):
+                with _override(kind, d, causal, cfg):
                     torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         ms = do_bench(fn, warmup=20, rep=60, return_mode="median")
         tflops = (flops if kind == "fwd" else 2.5 * flops) / ms * 1e-9

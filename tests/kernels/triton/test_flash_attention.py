@@ -132,7 +132,7 @@ def test_lse_and_its_gradient():
     qr, kr, vr = ref_leaves
     kr2, vr2 = kr.repeat_interleave(2, 1), vr.repeat_interleave(2, 1)
     s = (qr @ kr2.transpose(-1, -2)) * 16 ** -0.5
-    s = s.masked_fill(~torch.ones(25, 31, dtype=torch.bool).tril(6), float("-inf"))
+    s = s.masked_fill(~torch.ones(25, 31, dtype=torch.bool, device=DEVICE).tril(6), float("-inf"))
     lse_ref = torch.logsumexp(s, -1)
     out_ref = torch.softmax(s, -1) @ vr2
     assert max_err(lse, lse_ref) < 1e-3
