@@ -21,7 +21,8 @@ if [[ " $steps " == *" tests "* ]]; then
   cat "$OUT"/tests_*.log > "$OUT/tests.log"; rm -f "$OUT"/tests_*.log
 fi
 if [[ " $steps " == *" tune "* ]]; then
-  python3 scripts/tune_triton.py --dims ${TUNE_DIMS:-64 128 256} --seqlen ${TUNE_SEQLEN:-4096} --json "$OUT/tune.json" \
+  python3 scripts/tune_triton.py --dims ${TUNE_DIMS:-64 128 256} --seqlens ${TUNE_SEQLENS:-4096} \
+    --kernels ${TUNE_KERNELS:-fwd dkdv dq} --json "$OUT/tune.json" \
     > "$OUT/tune.log" 2>&1 || status=1
   sed -n '/^compiled/p;/FAILED/p;/^best per/,$p' "$OUT/tune.log"
 fi

@@ -19,19 +19,18 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _jobs(dims: list[int]):
+def _jobs(dims: list[int], kernels: list[str]):
     from fa_backend.kernels.triton import _configs as C
 
     jobs = []
     for d in dims:
         for causal in (False, True):
-            for cfg in dict.fromkeys([C.fwd_table(causal)[d]] + C.fwd_candidates(d)):
-                jobs.append(("fwd", d, causal, cfg))
             base = C.bwd_table(causal)[d]
-            for cfg in dict.fromkeys([base.dkdv] + C.dkdv_candidates(d)):
-                jobs.append(("dkdv", d, causal, cfg))
-            for cfg in dict.fromkeys([base.dq] + C.dq_candidates(d)):
-                jobs.append(("dq", d, causal, cfg))
+            plan = {"fwd": [C.fwd_table(causal)[d]] + C.fwd_candidates(d),
+                    "dkdv": [base.dkdv] + C.dkdv_candidates(d),
+                    "dq": [base.dq] + C.dq_candidates(d)}
+            for kind in kernels:
+                jobs.extend((kind, d, causal, cfg) for cfg in dict.fromkeys(plan[kind]))
     return jobs
 
 
@@ -83,7 +82,8 @@ def _compile_worker(jobs):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"])
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -93,7 +93,7 @@ def main() -> int:
 
     from fa_backend.bench import attention_flops
 
-    jobs = _jobs(args.dims)
+    jobs = _jobs(args.dims, args.kernels)
     t0 = time.time()
     chunks = [jobs[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:
@@ -104,11 +104,11 @@ def main() -> int:
         print(f"  FAILED {job}: {err}")
 
     results = []
-    for kind, d, causal, cfg in jobs:
+    for seqlen, (kind, d, causal, cfg) in ((s, job) for s in args.seqlens for job in jobs):
         if (kind, d, causal, cfg) in bad:
             continue
-        q, k, v = _inputs(d, args.seqlen)
-        flops = attention_flops(q.shape[0], q.shape[1], args.seqlen, args.seqlen, d, causal)
+        q, k, v = _inputs(d, seqlen)
+        flops = attention_flops(q.shape[0], q.shape[1], seqlen, seqlen, d, causal)
         if kind == "fwd":
             def fn():
                 _run(kind, d, causal, cfg, q, k, v)
@@ -122,20 +122,22 @@ def main() -> int:
                     torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         ms = do_bench(fn, warmup=20, rep=60, return_mode="median")
         tflops = (flops if kind == "fwd" else 2.5 * flops) / ms * 1e-9
-        results.append({"kernel": kind, "d": d, "causal": causal, "config": list(cfg.__dict__.values()),
-                        "ms": ms, "tflops": tflops})
-        print(f"{kind:4} d={d:3} causal={causal:d} {cfg}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s"
+        results.append({"kernel": kind, "d": d, "causal": causal, "seqlen": seqlen,
+                        "config": list(cfg.__dict__.values()), "ms": ms, "tflops": tflops})
+        print(f"{kind:4} d={d:3} causal={causal:d} s={seqlen:5d} {cfg}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s"
               f"{'  (fwd+bwd kernels)' if kind != 'fwd' else ''}", flush=True)
         del q, k, v
 
-    print("\nbest per kernel (seqlen %d):" % args.seqlen)
+    print("\nbest per kernel (and the table's current tile):")
     for kind in ("fwd", "dkdv", "dq"):
         for d in args.dims:
             for causal in (False, True):
-                rows = [r for r in results if (r["kernel"], r["d"], r["causal"]) == (kind, d, causal)]
-                if rows:
-                    best = min(rows, key=lambda r: r["ms"])
-                    print(f"  {kind:4} d={d:3} causal={causal:d}: {best['config']} {best['tflops']:.1f} TFLOP/s")
+                for seqlen in args.seqlens:
+                    rows = [r for r in results if (r["kernel"], r["d"], r["causal"], r["seqlen"]) == (kind, d, causal, seqlen)]
+                    if rows:
+                        best = min(rows, key=lambda r: r["ms"])
+                        print(f"  {kind:4} d={d:3} causal={causal:d} s={seqlen:5d}: {best['config']} "
+                              f"{best['tflops']:.1f} TFLOP/s (table {rows[0]['config']}: {rows[0]['tflops']:.1f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -84,11 +84,14 @@ def fwd_candidates(width: int) -> list[TileConfig]:
     """Forward tiles worth timing for a padded head dim (no register spills on sm90 at bf16)."""
     if width <= 64:
         return [TileConfig(128, 64, 4, s) for s in (2, 3, 4)] + [
-            TileConfig(128, 128, 8, s) for s in (2, 3)] + [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)]
+            TileConfig(128, 128, 8, s) for s in (2, 3)] + [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 4),
+                                                          TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 4),
+                                                          TileConfig(64, 32, 4, 3)]
     if width <= 128:
         return [TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 2), TileConfig(128, 64, 8, 3),
                 TileConfig(128, 64, 8, 4), TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 3),
-                TileConfig(64, 128, 8, 2), TileConfig(128, 32, 4, 4)]
+                TileConfig(64, 128, 8, 2), TileConfig(128, 32, 4, 4), TileConfig(64, 32, 4, 3),
+                TileConfig(64, 64, 4, 4), TileConfig(128, 128, 8, 2)]
     return [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2),
             TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 2)]
 

@@ -21,7 +21,7 @@ import triton.language as tl
 from ._common import _kv_bounds, _load_lse_log2, _load_rows
 from ._configs import bwd_config
 from . import _launch
-from ._launch import grid_1d, pad_head_dim
+from ._launch import grid_1d, tile_dims
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -271,7 +271,7 @@ def flash_bwd(
         # No query or no key: every gradient is zero (empty tensors stay empty).
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg = bwd_config(q, d, dv_dim, causal)
-    block_d, block_dv = pad_head_dim(d), pad_head_dim(dv_dim)
+    block_d, block_dv = tile_dims(d, dv_dim)
     causal_offset = sk - sq if bottom_right else 0
     qk_scale = scale * _LOG2E
 

@@ -20,7 +20,7 @@ from .._layout import new_attention_output
 from ._common import LN2, _kv_bounds, _load_rows
 from ._configs import fwd_config
 from . import _launch
-from ._launch import grid_1d, pad_head_dim
+from ._launch import grid_1d, tile_dims
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -159,12 +159,13 @@ def flash_fwd(
     cfg = fwd_config(q, d, dv, causal)
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
     causal_offset = sk - sq if bottom_right else 0
+    block_d, block_dv = tile_dims(d, dv)
     _attn_fwd[grid_1d(num_m_blocks * b * hq)](
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, sq, sk, num_m_blocks, causal_offset, scale * _LOG2E,
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=pad_head_dim(d), BLOCK_DV=pad_head_dim(dv), CAUSAL=causal, SCALE_NEG=scale < 0,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -104,3 +104,10 @@ def test_compile_fullgraph_on_gpu():
     g2 = torch.autograd.grad(fn(q, k, v).sum(), (q, k, v))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("d,dv", [(40, 24), (24, 40), (72, 48), (48, 72), (80, 24), (160, 96), (96, 40), (24, 8),
+                                  (200, 136), (8, 120)])
+def test_mixed_head_dims(d, dv):
+    # Pairs whose tiles are both column-masked and pad to different widths (see _launch.tile_dims).
+    _check(*_qkv(2, 4, 2, 300, 517, d, dv, dtype=torch.float16), is_causal=True, alignment="bottom_right")
