@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 PEERS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+# Calls per timed sample: the host enqueues several calls back to back, as a model's eager loop
+# does, so per-call Python overhead overlaps GPU work instead of sitting inside every sample.
+REPEAT = 4
 
 
 @dataclasses.dataclass
@@ -73,12 +76,14 @@ def bench_one(backend: str, d: int, causal: bool, seqlen: int, dtype: torch.dtyp
     try:
         with ctx:
             out = fn(q, k, v)
-            rec.fwd_ms = do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+            rec.fwd_ms = do_bench(lambda: [fn(q, k, v) for _ in range(REPEAT)],
+                                  warmup=25, rep=100, return_mode="median") / REPEAT
             rec.fwd_tflops = flops / rec.fwd_ms * 1e-9
             if backward:
                 dout = torch.randn_like(out)
-                rec.bwd_ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                                      warmup=25, rep=100, return_mode="median")
+                grad = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+                rec.bwd_ms = do_bench(lambda: [grad() for _ in range(REPEAT)],
+                                      warmup=25, rep=100, return_mode="median") / REPEAT
                 rec.bwd_tflops = 2.5 * flops / rec.bwd_ms * 1e-9
     except RuntimeError as e:  # a peer that refuses this shape (e.g. head dim) is reported, not fatal
         rec.error = str(e).splitlines()[0][:120]
@@ -114,6 +119,32 @@ def peak_memory(seqlens: list[int], d: int = 64, batch: int = 2, heads: int = 16
             torch.cuda.empty_cache()
         rows.append(row)
     return rows
+
+
+def host_overhead(n: int = 2000) -> dict[str, float]:
+    """Eager wall time per call (µs) of a tiny bf16 call (b=1, h=1, s=16, d=64): host-bound."""
+    import time
+
+    import fa_backend
+
+    q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    qg = q.clone().requires_grad_()
+    calls = {
+        "fa_backend.attention": lambda: fa_backend.attention(q, q, q),
+        "fa_backend.attention (requires_grad)": lambda: fa_backend.attention(qg, qg, qg),
+        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, q, q),
+    }
+    result = {}
+    for name, fn in calls.items():
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        result[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+    return result
 
 
 def environment() -> dict:
@@ -157,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--fwd-only", action="store_true")
     parser.add_argument("--memory", action="store_true", help="also report peak memory vs the math backend")
+    parser.add_argument("--overhead", action="store_true", help="also report host time per tiny eager call")
     parser.add_argument("--json", help="write the records (and environment) to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -182,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\npeak extra memory of fwd+bwd (MiB), causal, b=2 h=16 d=64 bf16")
         for row in result["memory"]:
             print(f"  s={row['seqlen']:5d}: triton {row['triton_mib']:8.1f}   math {row['math_mib']:8.1f}")
+    if args.overhead:
+        result["host_overhead_us"] = host_overhead()
+        print("\nhost time per tiny eager call (b=1 h=1 s=16 d=64 bf16)")
+        for name, us in result["host_overhead_us"].items():
+            print(f"  {name:40} {us:7.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

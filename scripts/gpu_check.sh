@@ -27,7 +27,7 @@ if [[ " $steps " == *" tune "* ]]; then
   sed -n '/^compiled/p;/FAILED/p;/^best per/,$p' "$OUT/tune.log"
 fi
 if [[ " $steps " == *" bench "* ]]; then
-  extra=""; [[ " $steps " == *" memory "* ]] && extra="--memory"
+  extra=""; [[ " $steps " == *" memory "* ]] && extra="--memory --overhead"
   python3 -m fa_backend bench ${BENCH_ARGS:-} $extra --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
   sed -n '/TFLOP\/s, d=/,$p' "$OUT/bench.log"
 fi

@@ -156,7 +156,7 @@ def flash_fwd(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = fwd_config(q, d, dv, causal)
+    cfg = fwd_config(q, d, dv, causal, sk)
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
     causal_offset = sk - sq if bottom_right else 0
     block_d, block_dv = tile_dims(d, dv)
