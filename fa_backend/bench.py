@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="also report peak memory vs the math backend")
     parser.add_argument("--overhead", action="store_true", help="also report host time per tiny eager call")
     parser.add_argument("--json", help="write the records (and environment) to this file")
+    parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
@@ -222,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.plot:
+        from .bench_report import plot
+
+        plot(result, args.plot)
     return 0
 
 
