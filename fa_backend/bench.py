@@ -87,8 +87,6 @@ def bench_one(backend: str, d: int, causal: bool, seqlen: int, dtype: torch.dtyp
                 rec.bwd_tflops = 2.5 * flops / rec.bwd_ms * 1e-9
     except RuntimeError as e:  # a peer that refuses this shape (e.g. head dim) is reported, not fatal
         rec.error = str(e).splitlines()[0][:120]
-    del q, k, v
-    torch.cuda.empty_cache()
     return rec
 
 
@@ -205,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in args.seqlens:
                 for backend in args.backends:
                     rec = bench_one(backend, d, causal, s, dtype, backward=not args.fwd_only)
+                    torch.cuda.empty_cache()
                     records.append(rec)
                     print(f"  {backend:>9} d={d} causal={causal:d} s={s:5d}: fwd {_fmt(rec.fwd_tflops)} "
                           f"bwd {_fmt(rec.bwd_tflops)} TFLOP/s{'  ' + rec.error if rec.error else ''}", flush=True)

@@ -126,7 +126,6 @@ def main() -> int:
                         "config": list(cfg.__dict__.values()), "ms": ms, "tflops": tflops})
         print(f"{kind:4} d={d:3} causal={causal:d} s={seqlen:5d} {cfg}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s"
               f"{'  (fwd+bwd kernels)' if kind != 'fwd' else ''}", flush=True)
-        del q, k, v
 
     print("\nbest per kernel (and the table's current tile):")
     for kind in ("fwd", "dkdv", "dq"):

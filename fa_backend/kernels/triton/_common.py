@@ -50,3 +50,10 @@ def _load_lse_log2(LSE_ptr, rows, n_rows):
     """
     lse = tl.load(LSE_ptr + rows, mask=rows < n_rows, other=float("inf"))
     return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _tile_ptrs(base, row0, stride_row, stride_col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pointers to the BLOCK_R x BLOCK_C tile whose first row is `row0` (offset taken in 64 bits)."""
+    return (base + tl.cast(row0, tl.int64) * stride_row
+            + tl.arange(0, BLOCK_R)[:, None] * stride_row + tl.arange(0, BLOCK_C)[None, :] * stride_col)

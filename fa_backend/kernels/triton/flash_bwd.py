@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _kv_bounds, _load_lse_log2, _load_rows
+from ._common import _kv_bounds, _load_lse_log2, _load_rows, _tile_ptrs
 from ._configs import bwd_config
 from . import _launch
 from ._launch import grid_1d, tile_dims
@@ -44,10 +44,8 @@ def _bwd_preprocess(
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + m0.to(tl.int64) * stride_om
-              + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_dv[None, :] * stride_od)
-    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh + m0.to(tl.int64) * stride_dom
-               + tl.arange(0, BLOCK_M)[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
+    o_ptrs = _tile_ptrs(O + off_b * stride_ob + off_h * stride_oh, m0, stride_om, stride_od, BLOCK_M, BLOCK_DV)
+    do_ptrs = _tile_ptrs(DO + off_b * stride_dob + off_h * stride_doh, m0, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
     o = _load_rows(o_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -76,9 +74,8 @@ def _bwd_dkdv_loop(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     cols = n0 + tl.arange(0, BLOCK_N)
-    start64 = tl.cast(start, tl.int64)
-    q_ptrs = Q + start64 * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_ptrs = DO + start64 * stride_dom + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
+    q_ptrs = _tile_ptrs(Q, start, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
+    do_ptrs = _tile_ptrs(DO, start, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
@@ -120,11 +117,8 @@ def _bwd_dkdv(
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    n_off = n0.to(tl.int64)
-    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh + n_off * stride_kn
-              + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh + n_off * stride_vn
-              + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+    k_ptrs = _tile_ptrs(K + off_b * stride_kb + off_hk * stride_kh, n0, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+    v_ptrs = _tile_ptrs(V + off_b * stride_vb + off_hk * stride_vh, n0, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
     v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -159,10 +153,8 @@ def _bwd_dkdv(
 
     dk *= sm_scale
     col_ok = cols[:, None] < SEQ_K
-    dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh + n_off * stride_dkn
-               + tl.arange(0, BLOCK_N)[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
-    dv_ptrs = (DV + off_b * stride_dvb + off_hk * stride_dvh + n_off * stride_dvn
-               + tl.arange(0, BLOCK_N)[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd)
+    dk_ptrs = _tile_ptrs(DK + off_b * stride_dkb + off_hk * stride_dkh, n0, stride_dkn, stride_dkd, BLOCK_N, BLOCK_D)
+    dv_ptrs = _tile_ptrs(DV + off_b * stride_dvb + off_hk * stride_dvh, n0, stride_dvn, stride_dvd, BLOCK_N, BLOCK_DV)
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok & (offs_d[None, :] < HEAD_DIM))
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok & (offs_dv[None, :] < HEAD_DIM_V))
 
@@ -180,9 +172,8 @@ def _bwd_dq_loop(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    start64 = tl.cast(start, tl.int64)
-    k_ptrs = K + start64 * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + start64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+    v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -223,14 +214,11 @@ def _bwd_dq(
     off_h = (bh % NUM_HEADS_Q).to(tl.int64)
     off_hk = off_h // GROUP
     m0 = pid_m * BLOCK_M
-    m_off = m0.to(tl.int64)
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh + m_off * stride_qm
-              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh + m_off * stride_dom
-               + tl.arange(0, BLOCK_M)[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
+    q_ptrs = _tile_ptrs(Q + off_b * stride_qb + off_h * stride_qh, m0, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
+    do_ptrs = _tile_ptrs(DO + off_b * stride_dob + off_h * stride_doh, m0, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
     q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
     do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     lse = _load_lse_log2(LSE + bh.to(tl.int64) * SEQ_Q, rows, SEQ_Q)
@@ -247,8 +235,7 @@ def _bwd_dq(
                       n_full, hi, rows, SEQ_K, causal_offset, qk_scale,
                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL)
     dq *= sm_scale
-    dq_ptrs = (DQ + off_b * stride_dqb + off_h * stride_dqh + m_off * stride_dqm
-               + tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
+    dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 

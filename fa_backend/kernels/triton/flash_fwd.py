@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._layout import new_attention_output
-from ._common import LN2, _kv_bounds, _load_rows
+from ._common import LN2, _kv_bounds, _load_rows, _tile_ptrs
 from ._configs import fwd_config
 from . import _launch
 from ._launch import grid_1d, tile_dims
@@ -37,9 +37,8 @@ def _fwd_kv_loop(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    start64 = tl.cast(start, tl.int64)
-    k_ptrs = K + start64 * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + start64 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+    v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
@@ -101,8 +100,7 @@ def _attn_fwd(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh + m0.to(tl.int64) * stride_qm
-              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q_ptrs = _tile_ptrs(Q + off_b * stride_qb + off_h * stride_qh, m0, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
     q = _load_rows(q_ptrs, offs_m, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
     K_bh = K + off_b * stride_kb + off_hk * stride_kh
     V_bh = V + off_b * stride_vb + off_hk * stride_vh
@@ -129,8 +127,7 @@ def _attn_fwd(
 
     row_ok = offs_m < SEQ_Q
     tl.store(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=row_ok)
-    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + m0.to(tl.int64) * stride_om
-              + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_dv[None, :] * stride_od)
+    o_ptrs = _tile_ptrs(O + off_b * stride_ob + off_h * stride_oh, m0, stride_om, stride_od, BLOCK_M, BLOCK_DV)
     if HEAD_DIM_V == BLOCK_DV:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
