@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "demo": ("fa_backend.demo", "run the kernels next to PyTorch and print the comparison"),
+    "demo": ("fa_backend.demo", "a small GPT routed through fa_backend, with a routing report (--kernels: "
+                                "the kernels next to PyTorch)"),
+    "doctor": ("fa_backend.doctor", "hardware, software, backends, a tiny check of each kernel, routing status"),
     "bench": ("fa_backend.bench", "GPU: TFLOP/s against PyTorch's SDPA backends"),
 }
 

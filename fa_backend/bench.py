@@ -119,29 +119,43 @@ def peak_memory(seqlens: list[int], d: int = 64, batch: int = 2, heads: int = 16
     return rows
 
 
-def host_overhead(n: int = 2000) -> dict[str, float]:
-    """Eager wall time per call (µs) of a tiny bf16 call (b=1, h=1, s=16, d=64): host-bound."""
+def _per_call_us(fn, n: int, sync) -> float:
+    """Median over 7 rounds of the wall time per call of `fn` called n times back to back."""
     import time
 
-    import fa_backend
-
-    q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
-    qg = q.clone().requires_grad_()
-    calls = {
-        "fa_backend.attention": lambda: fa_backend.attention(q, q, q),
-        "fa_backend.attention (requires_grad)": lambda: fa_backend.attention(qg, qg, qg),
-        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, q, q),
-    }
-    result = {}
-    for name, fn in calls.items():
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
+    for _ in range(100):
+        fn()
+    rounds = []
+    for _ in range(7):
+        sync()
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        result[name] = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+        sync()
+    return sorted(rounds)[3]
+
+
+def host_overhead(device: str = "cuda", n: int = 2000) -> dict[str, float]:
+    """Eager wall time per tiny call (µs): b=1, h=1, s=16, d=64, so the host is the bottleneck.
+
+    On CUDA (bf16): our op directly, the same call through routed F.scaled_dot_product_attention,
+    and PyTorch's own SDPA. On CPU (fp32, falls back to PyTorch): SDPA unrouted and routed.
+    """
+    import fa_backend
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(1, 1, 16, 64, device=device, dtype=dtype)
+    qg = q.clone().requires_grad_()
+    sdpa = lambda: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
+    result = {"F.scaled_dot_product_attention (not routed)": _per_call_us(sdpa, n, sync)}
+    if device == "cuda":
+        result["fa_backend.attention (direct)"] = _per_call_us(lambda: fa_backend.attention(q, q, q), n, sync)
+        result["fa_backend.attention (direct, requires_grad)"] = _per_call_us(
+            lambda: fa_backend.attention(qg, qg, qg), n, sync)
+    with fa_backend.enabled():
+        result["F.scaled_dot_product_attention (routed)"] = _per_call_us(sdpa, n, sync)
     return result
 
 
@@ -187,11 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fwd-only", action="store_true")
     parser.add_argument("--memory", action="store_true", help="also report peak memory vs the math backend")
     parser.add_argument("--overhead", action="store_true", help="also report host time per tiny eager call")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only the host-time report (works without a GPU: the CPU fallback path)")
     parser.add_argument("--json", help="write the records (and environment) to this file")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.overhead_only:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        for name, us in host_overhead(device).items():
+            print(f"  {name:48} {us:7.1f} us per call ({device})")
+        return 0
     if not torch.cuda.is_available():
-        print("bench needs a CUDA GPU", file=sys.stderr)
+        print("bench needs a CUDA GPU (use --overhead-only on CPU)", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
@@ -218,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         result["host_overhead_us"] = host_overhead()
         print("\nhost time per tiny eager call (b=1 h=1 s=16 d=64 bf16)")
         for name, us in result["host_overhead_us"].items():
-            print(f"  {name:40} {us:7.1f} us")
+            print(f"  {name:48} {us:7.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,31 +1,57 @@
-"""AttentionCall: the metadata of one attention call, built without reading tensor values."""
+"""AttentionCall: the metadata of one attention call, built without reading tensor values.
+
+Only metadata is read (device, dtype, shapes, strides, flags), so the same description comes out
+of real tensors, FakeTensors under torch.compile and meta tensors, with no device sync.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+MASK_KINDS = ("none", "bool", "additive")
+
+_CAPABILITIES: dict[tuple[str, int], tuple[int, int]] = {}
 
 
-@functools.cache
-def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
-    if device_type != "cuda":
-        return None
-    return torch.cuda.get_device_capability(index)
+def _plain_tensor_types() -> tuple[type, ...]:
+    # Tensors PyTorch itself substitutes while tracing (fake, functional) are not user subclasses.
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
+
+
+_PLAIN_TYPES: list[tuple[type, ...]] = []
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, cached; None for other devices."""
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else None)
-    return _capability(device.type, index)
+    """(major, minor) of a CUDA device (looked up once, then read from a dict); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    key = (device.type, device.index if device.index is not None else 0)
+    cap = _CAPABILITIES.get(key)
+    if cap is None:
+        cap = _CAPABILITIES[key] = tuple(torch.cuda.get_device_capability(key[1]))
+    return cap
+
+
+def precompute_capabilities() -> None:
+    """Fill the capability cache for every visible GPU (so traced code only reads a dict)."""
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            device_capability(torch.device("cuda", i))
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
-    """Shapes in SDPA layout: q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv)."""
+    """One call in SDPA terms: q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv).
+
+    Shape fields of non-4-D inputs are left at 0; `ranks` tells. `shapes_consistent` is False when
+    q, k and v do not fit together (batch, heads, seqlens, head dims): PyTorch then raises its error.
+    """
 
     device_type: str
     capability: tuple[int, int] | None
@@ -39,8 +65,17 @@ class AttentionCall:
     head_dim_v: int
     is_causal: bool = False
     causal_alignment: str = "top_left"
+    mask_kind: str = "none"
+    mask_shape: tuple[int, ...] | None = None
+    dropout_p: float = 0.0
     scale: float | None = None
+    enable_gqa: bool = False
     requires_grad: bool = False
+    ranks: tuple[int, int, int] = (4, 4, 4)
+    shapes_consistent: bool = True
+    same_dtype: bool = True
+    same_device: bool = True
+    subclass: bool = False
 
     @property
     def gqa_group(self) -> int:
@@ -48,13 +83,54 @@ class AttentionCall:
 
     def describe(self) -> str:
         causal = f", causal={self.causal_alignment}" if self.is_causal else ""
+        mask = f", mask={self.mask_kind}{list(self.mask_shape or ())}" if self.mask_kind != "none" else ""
+        drop = f", dropout_p={self.dropout_p}" if self.dropout_p else ""
         return (f"attention(q={self.batch}x{self.heads_q}x{self.seqlen_q}x{self.head_dim}, "
                 f"k/v heads={self.heads_kv}, sk={self.seqlen_k}, dv={self.head_dim_v}, "
-                f"dtype={self.dtype}, device={self.device_type}{causal})")
+                f"dtype={self.dtype}, device={self.device_type}{causal}{mask}{drop})")
+
+    def shape_class(self) -> str:
+        """A coarse label for logs: what selects kernels, not every seqlen."""
+        return (f"{self.device_type}/{str(self.dtype).replace('torch.', '')}/d{self.head_dim}"
+                f"{'' if self.head_dim_v == self.head_dim else f'-dv{self.head_dim_v}'}/h{self.heads_q}:{self.heads_kv}")
+
+    @classmethod
+    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False, causal_alignment: str = "top_left") -> AttentionCall:
+        """Describe a call from its arguments (SDPA's, plus FlashAttention's causal alignment)."""
+        ranks = (q.dim(), k.dim(), v.dim())
+        if ranks == (4, 4, 4):
+            b, hq, sq, d = q.shape
+            hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+            consistent = (b == k.shape[0] == v.shape[0] and hkv == v.shape[1] and sk == v.shape[2]
+                          and d == k.shape[3])
+        else:
+            b = hq = hkv = sq = sk = d = dv = 0
+            consistent = False
+        if attn_mask is None:
+            mask_kind, mask_shape = "none", None
+        else:
+            mask_kind = "bool" if attn_mask.dtype == torch.bool else "additive"
+            mask_shape = tuple(attn_mask.shape)
+        if not _PLAIN_TYPES:
+            _PLAIN_TYPES.append(_plain_tensor_types())
+        subclass = any(type(t) not in _PLAIN_TYPES[0] for t in (q, k, v, attn_mask) if t is not None)
+        grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, attn_mask) if t is not None)
+        return cls(
+            device_type=q.device.type, capability=device_capability(q.device), dtype=q.dtype,
+            batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
+            is_causal=bool(is_causal), causal_alignment=causal_alignment, mask_kind=mask_kind,
+            mask_shape=mask_shape, dropout_p=float(dropout_p), scale=scale, enable_gqa=bool(enable_gqa),
+            requires_grad=grad, ranks=ranks, shapes_consistent=consistent,
+            same_dtype=q.dtype == k.dtype == v.dtype, same_device=q.device == k.device == v.device,
+            subclass=subclass,
+        )
 
 
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_alignment: str = "top_left") -> None:
-    """Raise ValueError for malformed input (wrong ranks, mismatched shapes, dtypes or devices)."""
+    """Raise ValueError for malformed input to fa_backend.attention (ranks, shapes, dtypes, devices)."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"expected {name} to be a Tensor, got {type(t).__name__}")
@@ -75,18 +151,3 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_alignment
         raise ValueError(f"number of query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
-
-
-def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                  causal_alignment: str = "top_left", scale: float | None = None) -> AttentionCall:
-    """Build the AttentionCall of validated tensors (metadata only: works on meta/fake tensors)."""
-    b, hq, sq, d = q.shape
-    return AttentionCall(
-        device_type=q.device.type,
-        capability=device_capability(q.device),
-        dtype=q.dtype,
-        batch=b, heads_q=hq, heads_kv=k.shape[1], seqlen_q=sq, seqlen_k=k.shape[2],
-        head_dim=d, head_dim_v=v.shape[3],
-        is_causal=bool(is_causal), causal_alignment=causal_alignment, scale=scale,
-        requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-    )

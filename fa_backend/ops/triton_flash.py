@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ..dispatch import counters
 from ..dispatch.backends.triton import TritonBackend
-from ..dispatch.call import describe_call, validate
+from ..dispatch.call import AttentionCall, validate
 from ..dispatch.reasons import BackendUnsupportedError
 from ..kernels._layout import new_attention_output
 from ._library import NAMESPACE
@@ -19,7 +20,7 @@ from ._library import NAMESPACE
 def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
     """ValueError for malformed input; BackendUnsupportedError listing every reason otherwise."""
     validate(q, k, v)
-    call = describe_call(q, k, v, is_causal=is_causal)
+    call = AttentionCall.from_tensors(q, k, v, is_causal=is_causal, enable_gqa=True)
     reasons = TritonBackend.why_not(call)
     if reasons:
         raise BackendUnsupportedError(call.describe(), {TritonBackend.NAME: reasons})
@@ -38,6 +39,7 @@ def triton_flash_fwd(
     check_triton_inputs(q, k, v, is_causal)
     from ..kernels.triton import flash_fwd
 
+    counters.record_run("triton")
     return flash_fwd(q, k, v, _resolve_scale(q, scale), is_causal, bottom_right)
 
 

@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
 from ..call import AttentionCall
 from ..reasons import Reason, ReasonCode
+from .base import Backend
 
 
-@functools.cache
-def _triton_missing() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "the `triton` package is not installed (pip install triton)"
-    return None
+# Probed once at import: traced code (torch.compile) must only read a constant.
+TRITON_MISSING: str | None = (None if importlib.util.find_spec("triton") is not None
+                              else "the `triton` package is not installed (pip install triton)")
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton reads TRITON_INTERPRET when kernels are defined; CPU tensors are only runnable then.
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-class TritonBackend:
+def use_interpreter() -> None:
+    """Run the Triton kernels in Triton's CPU interpreter from now on (demos, doctor on CPU).
+
+    Only possible before the kernels are first imported: Triton decides at definition time.
+    """
+    global INTERPRETER
+    if INTERPRETER:
+        return
+    if "fa_backend.kernels.triton.flash_fwd" in sys.modules:
+        raise RuntimeError("the Triton kernels are already loaded for the GPU; set TRITON_INTERPRET=1 before "
+                           "the first attention call to use the interpreter")
+    os.environ["TRITON_INTERPRET"] = "1"
+    INTERPRETER = True
+
+
+class TritonBackend(Backend):
     """Limits of fa_backend/kernels/triton, as data; `why_not` returns every failing rule."""
 
     NAME = "triton"
@@ -31,6 +45,8 @@ class TritonBackend:
     HEAD_DIM_MULTIPLE = 8
     MAX_HEAD_DIM = 256
     MIN_CAPABILITY = (8, 0)
+    SUPPORTED_MASKS = frozenset({"none"})
+    SUPPORTS_DROPOUT = False
     SUPPORTS_GQA = True
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = True
     SUPPORTS_BACKWARD = True
@@ -39,22 +55,45 @@ class TritonBackend:
     @classmethod
     def why_not(cls, call: AttentionCall) -> list[Reason]:
         reasons: list[Reason] = []
-        missing = _triton_missing()
-        if missing:
-            reasons.append(Reason(ReasonCode.NOT_INSTALLED, missing))
+        if TRITON_MISSING:
+            reasons.append(Reason(ReasonCode.NOT_INSTALLED, TRITON_MISSING))
+        if call.subclass:
+            reasons.append(Reason(ReasonCode.LAYOUT, "tensor subclass inputs (DTensor, NestedTensor, ...) are left to PyTorch"))
+        if call.ranks != (4, 4, 4):
+            reasons.append(Reason(ReasonCode.LAYOUT, f"ranks={call.ranks} (supported: 4-D (batch, heads, seqlen, head_dim))"))
+        elif not call.shapes_consistent:
+            reasons.append(Reason(ReasonCode.LAYOUT, "query, key and value shapes do not fit together (PyTorch reports the error)"))
+        if not call.same_device:
+            reasons.append(Reason(ReasonCode.DEVICE, "query, key and value are on different devices"))
         if call.device_type == "cuda":
             cap = call.capability
             if cap is not None and cap < cls.MIN_CAPABILITY:
                 reasons.append(Reason(ReasonCode.CAPABILITY,
                                       f"requires compute capability >= {cls.MIN_CAPABILITY}, the GPU has {cap}"))
-        elif not (call.device_type == "cpu" and _interpreter_on()):
+        elif not (call.device_type == "cpu" and INTERPRETER):
             reasons.append(Reason(ReasonCode.DEVICE,
                                   f"device={call.device_type} (supported: cuda; cpu only under TRITON_INTERPRET=1)"))
-        if call.dtype not in cls.SUPPORTED_DTYPES:
+        if not call.same_dtype:
+            reasons.append(Reason(ReasonCode.DTYPE, "query, key and value have different dtypes"))
+        elif call.dtype not in cls.SUPPORTED_DTYPES:
             reasons.append(Reason(ReasonCode.DTYPE,
                                   f"dtype={call.dtype} (supported: torch.float16, torch.bfloat16; inputs are never downcast)"))
-        for name, dim in (("head_dim", call.head_dim), ("head_dim_v", call.head_dim_v)):
-            if dim % cls.HEAD_DIM_MULTIPLE or not 0 < dim <= cls.MAX_HEAD_DIM:
-                reasons.append(Reason(ReasonCode.HEAD_DIM,
-                                      f"{name}={dim} (supported: multiples of {cls.HEAD_DIM_MULTIPLE} up to {cls.MAX_HEAD_DIM})"))
+        if call.ranks == (4, 4, 4):
+            for name, dim in (("head_dim", call.head_dim), ("head_dim_v", call.head_dim_v)):
+                if dim % cls.HEAD_DIM_MULTIPLE or not 0 < dim <= cls.MAX_HEAD_DIM:
+                    reasons.append(Reason(ReasonCode.HEAD_DIM,
+                                          f"{name}={dim} (supported: multiples of {cls.HEAD_DIM_MULTIPLE} up to {cls.MAX_HEAD_DIM})"))
+            if call.heads_kv == 0 or call.heads_q % call.heads_kv:
+                reasons.append(Reason(ReasonCode.GQA, f"heads_q={call.heads_q} is not a multiple of heads_kv={call.heads_kv}"))
+            elif call.heads_q != call.heads_kv and not call.enable_gqa:
+                reasons.append(Reason(ReasonCode.GQA, f"heads_q={call.heads_q} != heads_kv={call.heads_kv} needs enable_gqa=True"))
+        if call.mask_kind not in cls.SUPPORTED_MASKS:
+            reasons.append(Reason(ReasonCode.MASK, f"attn_mask ({call.mask_kind}) is not supported yet (supported: none)"))
+        if call.dropout_p > 0 and not cls.SUPPORTS_DROPOUT:
+            reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0.0)"))
         return reasons
+
+    @classmethod
+    def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
+        return torch.ops.fa_backend.triton_flash_fwd(q, k, v, scale, bool(is_causal), bottom_right)[0]

@@ -1,0 +1,28 @@
+"""What every backend provides: a stable NAME, why_not(call) and run(...)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..call import AttentionCall
+from ..reasons import Reason
+
+
+class Backend:
+    """Backends are classes with classmethods only; limits are class attributes (data)."""
+
+    NAME: ClassVar[str]
+
+    @classmethod
+    def why_not(cls, call: AttentionCall) -> list[Reason]:
+        """Every reason this backend cannot run `call`; empty when it can."""
+        raise NotImplementedError
+
+    @classmethod
+    def run(cls, call: AttentionCall, sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float | None,
+            enable_gqa: bool) -> torch.Tensor:
+        """Run an eligible call. `sdpa` is the intercepted PyTorch function (used by fallbacks)."""
+        raise NotImplementedError

@@ -1,0 +1,53 @@
+"""Counters: which backend ran how often, and every fallback reason.
+
+Eager calls are counted when routed; the `triton` op also counts itself at run time (custom ops
+run on every call, compiled or not). Decisions taken while tracing for torch.compile are counted
+once per compilation under "traced", since compiled graphs run no Python.
+"""
+
+from __future__ import annotations
+
+import collections
+
+_RUNS: collections.Counter = collections.Counter()
+_FALLBACKS: collections.Counter = collections.Counter()
+_TRACED: collections.Counter = collections.Counter()
+
+
+def record_run(backend: str) -> None:
+    _RUNS[backend] += 1
+
+
+def record_fallback(backend: str, code: str) -> None:
+    _FALLBACKS[f"{backend}:{code}"] += 1
+
+
+def record_call(backend: str | None, fallback_keys: tuple[str, ...]) -> None:
+    """One routed call: its backend's run (None: counted elsewhere) and its "backend:reason" keys."""
+    if backend is not None:
+        _RUNS[backend] += 1
+    for key in fallback_keys:
+        _FALLBACKS[key] += 1
+
+
+def record_traced(backend: str, skipped: str) -> None:
+    _TRACED[backend if not skipped else f"{backend} (skipped {skipped})"] += 1
+
+
+def stats() -> dict:
+    """{"runs": {backend: n}, "fallbacks": {"backend:reason": n}, "traced": {...}, "routing": {...}}."""
+    from .state import ROUTING, allowed_backends, routing_active
+
+    return {
+        "runs": dict(_RUNS),
+        "fallbacks": dict(_FALLBACKS),
+        "traced": dict(_TRACED),
+        "routing": {"enabled": ROUTING["enabled"], "active_in_this_thread": routing_active(),
+                    "allowed_backends": allowed_backends()},
+    }
+
+
+def reset_stats() -> None:
+    _RUNS.clear()
+    _FALLBACKS.clear()
+    _TRACED.clear()

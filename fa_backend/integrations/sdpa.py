@@ -1,0 +1,272 @@
+"""Routing unchanged `F.scaled_dot_product_attention` calls through the dispatcher.
+
+A TorchFunctionMode sees every SDPA call made from Python (user code, third-party models,
+`torch.ops.aten.scaled_dot_product_attention`), in eager mode and while torch.compile traces, where
+Dynamo inlines the mode so that the chosen op lands in the graph with no graph break. Decisions
+use metadata only. The mode stack is per thread: `enable()` pushes the router in the calling thread
+and in every thread started afterwards; threads that already existed keep running unrouted, and
+`fa_backend.stats()["routing"]` tells, for the current thread, whether routing is active.
+
+`nn.MultiheadAttention` / `nn.TransformerEncoderLayer`: with any TorchFunctionMode active PyTorch
+skips their fused C++ fast path and runs `F.multi_head_attention_forward`, whose inner SDPA call a
+mode cannot see. The router therefore handles `multi_head_attention_forward` (need_weights=False)
+itself and routes its inner SDPA call (eager only; see `_route_mha`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from .. import _logging
+from ..dispatch import counters as _stats
+from ..dispatch.backends import BACKENDS
+from ..dispatch.call import AttentionCall, precompute_capabilities
+from ..dispatch.select import Decision, select
+from ..dispatch.state import ROUTER_TYPES, ROUTING, allowed_backends, routing_active
+
+_SDPA = F.scaled_dot_product_attention
+_ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention
+_ATEN_SDPA_DEFAULT = torch.ops.aten.scaled_dot_product_attention.default
+_MHA = F.multi_head_attention_forward
+_LOG = _logging.DISPATCH_LOGGER
+
+
+def _bind_sdpa(args, kwargs):
+    """SDPA's arguments by name: (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
+    names = ("attn_mask", "dropout_p", "is_causal")
+    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    q, k, v = args[:3] if len(args) >= 3 else (tuple(args) + tuple(kwargs[n] for n in ("query", "key", "value")[len(args):]))
+    values = dict(defaults)
+    for name, value in zip(names, args[3:]):
+        values[name] = value
+    for name in defaults:
+        if name in kwargs:
+            values[name] = kwargs[name]
+    return q, k, v, values["attn_mask"], values["dropout_p"], values["is_causal"], values["scale"], values["enable_gqa"]
+
+
+@torch.compiler.assume_constant_result
+def _note_trace(backend: str, skipped: str) -> bool:
+    """Runs once per compilation (its result is baked into the graph): log and count the decision."""
+    _stats.record_traced(backend, skipped)
+    if skipped:
+        _logging.log_once(("traced", backend, skipped), _LOG, logging.INFO,
+                          "torch.compile: SDPA call routed to %s; skipped %s", backend, skipped)
+    else:
+        _LOG.debug("torch.compile: SDPA call routed to %s", backend)
+    return True
+
+
+class _Routed:
+    """A cached eager decision: what runs, and the counters one such call bumps."""
+
+    __slots__ = ("call", "decision", "cast", "run_key", "fallback_keys")
+
+    def __init__(self, call: AttentionCall, decision: Decision, cast):
+        self.call, self.decision, self.cast = call, decision, cast
+        # the triton op counts its own runs (compiled or not), so routed triton calls add none here
+        self.run_key = None if decision.backend == "triton" else decision.backend
+        self.fallback_keys = tuple(f"{name}:{r.code.value}" for name, rs in decision.rejected.items() for r in rs)
+        for name, reasons in decision.rejected.items():
+            codes = tuple(r.code.value for r in reasons)
+            if codes != ("not_installed",):
+                key = (name, codes, call.device_type, call.dtype, call.head_dim, call.head_dim_v, call.heads_q,
+                       call.heads_kv)
+                _logging.log_once(key, _LOG, logging.INFO, "%s skipped for %s: %s; ran %s", name, call.shape_class(),
+                                  "; ".join(str(r) for r in reasons), decision.backend)
+
+    def count(self) -> None:
+        _stats.record_call(self.run_key, self.fallback_keys)
+        if _LOG.isEnabledFor(logging.DEBUG):
+            _LOG.debug("routed %s to %s", self.call.describe(), self.decision.backend)
+
+
+# Eager decisions keyed on everything the eligibility rules read; bounded, cleared when full.
+_CACHE: dict = {}
+_CACHE_LIMIT = 4096
+
+
+def _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast):
+    if cast is not None:
+        # PyTorch's autocast casts SDPA's inputs to the autocast dtype: decide on what would run.
+        q, k, v = (t.to(cast) if t.is_floating_point() else t for t in (q, k, v))
+    return AttentionCall.from_tensors(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Routed:
+    device = q.device.type
+    cast = torch.get_autocast_dtype(device) if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) else None
+    allowed = allowed_backends()
+    mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.requires_grad)
+    key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
+           v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast,
+           torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    entry = _CACHE.get(key)
+    if entry is None:
+        call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
+        entry = _Routed(call, select(call, allowed), cast)  # select raises when a restriction fits nothing
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        _CACHE[key] = entry
+    return entry
+
+
+def route_sdpa(sdpa, args, kwargs) -> torch.Tensor:
+    """Decide and run one intercepted SDPA call (`sdpa` is the function that was called)."""
+    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind_sdpa(args, kwargs)
+    if torch.compiler.is_compiling():
+        device = q.device.type
+        cast = torch.get_autocast_dtype(device) if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) else None
+        call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
+        decision = select(call, allowed_backends())
+        _note_trace(decision.backend, ",".join(f"{n}:{'+'.join(r.code.value for r in rs)}"
+                                               for n, rs in decision.rejected.items()))
+    else:
+        entry = _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        entry.count()
+        call, decision, cast = entry.call, entry.decision, entry.cast
+    if decision.backend == "triton" and cast is not None:
+        q, k, v = (t.to(cast) for t in (q, k, v))
+    return BACKENDS[decision.backend].run(call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+# --- nn.MultiheadAttention / nn.TransformerEncoderLayer --------------------------------------
+
+_MHA_SIGNATURE = inspect.signature(_MHA)
+_MHA_LOCK = threading.Lock()
+_MHA_DEPTH = {"n": 0}
+_MHA_THREAD = threading.local()
+
+
+def _inner_sdpa(*args, **kwargs):
+    """Stands in for F's module-global `scaled_dot_product_attention` while a routed MHA runs."""
+    if getattr(_MHA_THREAD, "routing", False):
+        return route_sdpa(_SDPA, args, kwargs)
+    return _SDPA(*args, **kwargs)
+
+
+def _route_mha(args, kwargs):
+    """Run F.multi_head_attention_forward with its inner SDPA call routed.
+
+    F.multi_head_attention_forward calls SDPA through torch.nn.functional's module global, so that
+    global is pointed at `_inner_sdpa` while this thread's call runs (other threads fall through to
+    the original function). Under torch.compile the forward runs as PyTorch wrote it and is logged.
+    """
+    bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+    if bound.arguments.get("need_weights", True) or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            _note_trace("torch", "multi_head_attention_forward:not routed under torch.compile")
+        return _MHA(*args, **kwargs)
+    module = sys.modules["torch.nn.functional"]
+    with _MHA_LOCK:
+        if _MHA_DEPTH["n"] == 0:
+            module.scaled_dot_product_attention = _inner_sdpa
+        _MHA_DEPTH["n"] += 1
+    _MHA_THREAD.routing = True
+    try:
+        return _MHA(*args, **kwargs)
+    finally:
+        _MHA_THREAD.routing = False
+        with _MHA_LOCK:
+            _MHA_DEPTH["n"] -= 1
+            if _MHA_DEPTH["n"] == 0:
+                module.scaled_dot_product_attention = _SDPA
+
+
+# --- the mode -----------------------------------------------------------------------------------
+
+class SDPARouter(TorchFunctionMode):
+    """Routes SDPA calls while active: process-wide instances follow `enable()`/`disable()`,
+    scoped ones (from `enabled()`) are active for as long as they are on the stack."""
+
+    def __init__(self, scoped: bool = False):
+        super().__init__()
+        self.scoped = scoped
+
+    def active(self) -> bool:
+        return self.scoped or ROUTING["enabled"]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA or func is _ATEN_SDPA_DEFAULT or func is _ATEN_SDPA:
+            if self.active():
+                return route_sdpa(func, args, kwargs)
+        elif func is _MHA and self.active():
+            return _route_mha(args, kwargs)
+        return func(*args, **kwargs)
+
+
+ROUTER_TYPES.append(SDPARouter)
+
+# --- switching routing on and off ---------------------------------------------------------------
+
+_PREVIOUS_THREAD_PROFILE = {"hook": None, "installed": False}
+
+
+def _own_router_on_stack() -> SDPARouter | None:
+    for mode in _get_current_function_mode_stack():
+        if isinstance(mode, SDPARouter) and not mode.scoped:
+            return mode
+    return None
+
+
+def _thread_start_hook(frame, event, arg):
+    """Installed with threading.setprofile: runs at the start of every new thread once."""
+    previous = _PREVIOUS_THREAD_PROFILE["hook"]
+    sys.setprofile(previous)
+    if ROUTING["enabled"] and _own_router_on_stack() is None:
+        SDPARouter().__enter__()  # stays for the thread's lifetime; inert after disable()
+    if previous is not None:
+        return previous(frame, event, arg)
+    return None
+
+
+def enable() -> None:
+    """Route every SDPA call through fa_backend, process-wide (idempotent).
+
+    Covers the calling thread and threads started from now on; threads that were already running
+    are not reached (call `enable()` or use `enabled()` in them).
+    """
+    precompute_capabilities()
+    _CACHE.clear()
+    ROUTING["enabled"] = True
+    if _own_router_on_stack() is None:
+        SDPARouter().__enter__()
+    if not _PREVIOUS_THREAD_PROFILE["installed"]:
+        _PREVIOUS_THREAD_PROFILE.update(hook=threading.getprofile(), installed=True)
+        threading.setprofile(_thread_start_hook)
+
+
+def disable() -> None:
+    """Stop routing (idempotent). Routers left in other threads' mode stacks become inert."""
+    ROUTING["enabled"] = False
+    _CACHE.clear()
+    stack = _get_current_function_mode_stack()
+    if stack and isinstance(stack[-1], SDPARouter) and not stack[-1].scoped:
+        stack[-1].__exit__(None, None, None)
+    if _PREVIOUS_THREAD_PROFILE["installed"]:
+        threading.setprofile(_PREVIOUS_THREAD_PROFILE["hook"])
+        _PREVIOUS_THREAD_PROFILE.update(hook=None, installed=False)
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """Route SDPA calls made in this thread inside the block (nests with enable())."""
+    precompute_capabilities()
+    if routing_active():
+        yield
+        return
+    with SDPARouter(scoped=True):
+        yield
+
+
+__all__ = ["SDPARouter", "disable", "enable", "enabled", "route_sdpa", "routing_active"]

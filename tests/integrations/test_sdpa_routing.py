@@ -1,0 +1,273 @@
+"""Routing unchanged F.scaled_dot_product_attention calls: eager, compiled, restricted, logged."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa_backend
+from fa_backend import _logging
+from fa_backend.dispatch import BackendUnsupportedError, ReasonCode
+from tests.conftest import DEVICE
+
+DT = torch.float16
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    fa_backend.disable()
+    fa_backend.reset_stats()
+    _logging.reset_once()
+    torch._dynamo.reset()
+    yield
+    fa_backend.disable()
+    torch._dynamo.reset()
+
+
+def _qkv(b=1, hq=2, hkv=2, s=24, d=16, dtype=DT):
+    return (torch.randn(b, hq, s, d, dtype=dtype, device=DEVICE), torch.randn(b, hkv, s, d, dtype=dtype, device=DEVICE),
+            torch.randn(b, hkv, s, d, dtype=dtype, device=DEVICE))
+
+
+def _runs():
+    return fa_backend.stats()["runs"]
+
+
+def test_import_changes_nothing():
+    assert fa_backend.stats()["routing"] == {"enabled": False, "active_in_this_thread": False, "allowed_backends": None}
+    q, k, v = _qkv()
+    F.scaled_dot_product_attention(q, k, v)
+    assert _runs() == {}
+
+
+def test_enable_routes_and_matches_the_op():
+    q, k, v = _qkv(hq=4, hkv=2)
+    fa_backend.enable()
+    fa_backend.enable()  # idempotent
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert _runs() == {"triton": 1}
+    direct = fa_backend.attention(q, k, v, is_causal=True)
+    assert torch.equal(out, direct)
+    fa_backend.disable()
+    fa_backend.disable()
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert _runs() == {"triton": 2}  # the direct call above, not the unrouted one
+
+
+def test_routed_gradients_match_the_op():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    with fa_backend.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = torch.autograd.grad(fa_backend.attention(q, k, v, scale=0.3).sum(), (q, k, v))
+    for a, b in zip(grads, ref):
+        assert torch.equal(a, b)
+
+
+def test_aten_op_is_routed_too():
+    q, k, v = _qkv()
+    with fa_backend.enabled():
+        torch.ops.aten.scaled_dot_product_attention(q, k, v)
+        torch.ops.aten.scaled_dot_product_attention.default(q, k, v, is_causal=True)
+    assert _runs() == {"triton": 2}
+
+
+def test_scoped_enable_restores():
+    q, k, v = _qkv()
+    with fa_backend.enabled():
+        assert fa_backend.stats()["routing"]["active_in_this_thread"]
+        F.scaled_dot_product_attention(q, k, v)
+    assert not fa_backend.stats()["routing"]["active_in_this_thread"]
+    F.scaled_dot_product_attention(q, k, v)
+    assert _runs() == {"triton": 1}
+
+
+def test_fallback_is_correct_counted_and_logged_once(caplog):
+    q, k, v = _qkv(dtype=torch.float32)
+    mask = torch.rand(24, 24, device=DEVICE) > 0.3
+    caplog.set_level(logging.INFO, logger="fa_backend")
+    with fa_backend.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    s = fa_backend.stats()
+    assert s["runs"] == {"torch": 2}
+    assert s["fallbacks"]["triton:dtype"] == 2 and s["fallbacks"]["triton:mask"] == 2
+    records = [r for r in caplog.records if "triton skipped" in r.getMessage()]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    msg = records[0].getMessage()
+    assert "[dtype] dtype=torch.float32" in msg and "[mask] attn_mask (bool)" in msg and msg.endswith("ran torch")
+
+
+def test_debug_record_per_routed_call(caplog):
+    q, k, v = _qkv()
+    caplog.set_level(logging.DEBUG, logger="fa_backend")
+    with fa_backend.enabled():
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v)
+    assert sum("routed attention(" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records) == 3
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv("FA_BACKEND_LOG", "off")
+    _logging.configure_from_env()
+    assert not _logging.LOGGER.isEnabledFor(logging.CRITICAL)
+    monkeypatch.setenv("FA_BACKEND_LOG", "debug")
+    _logging.configure_from_env()
+    assert _logging.LOGGER.isEnabledFor(logging.DEBUG)
+    monkeypatch.setenv("FA_BACKEND_LOG", "loud")
+    with pytest.raises(ValueError, match="FA_BACKEND_LOG"):
+        _logging.configure_from_env()
+    _logging.LOGGER.setLevel(logging.NOTSET)
+
+
+def test_reset_stats():
+    with fa_backend.enabled():
+        F.scaled_dot_product_attention(*_qkv())
+    assert _runs()
+    fa_backend.reset_stats()
+    assert fa_backend.stats()["runs"] == {} and fa_backend.stats()["fallbacks"] == {}
+
+
+# --- restricting and forcing ---------------------------------------------------------------------
+
+def test_restriction_picks_and_nests():
+    q, k, v = _qkv()
+    with fa_backend.enabled():
+        with fa_backend.sdpa_backends(["math"]):
+            F.scaled_dot_product_attention(q, k, v)
+            with fa_backend.sdpa_backends(["torch", "math"]):
+                F.scaled_dot_product_attention(q, k, v)
+            F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v)
+    assert _runs() == {"math": 2, "torch": 1, "triton": 1}
+    assert fa_backend.stats()["routing"]["allowed_backends"] is None
+
+
+def test_forced_backend_raises_every_reason():
+    q, k, v = _qkv(dtype=torch.float32, d=12)
+    with fa_backend.enabled(), fa_backend.sdpa_backends("triton"):
+        with pytest.raises(BackendUnsupportedError) as info:
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    codes = [r.code for r in info.value.rejected["triton"]]
+    assert codes == [ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.HEAD_DIM, ReasonCode.DROPOUT]
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_restriction_is_per_thread():
+    q, k, v = _qkv()
+    seen = {}
+    start, done = threading.Event(), threading.Event()
+
+    def other():
+        with fa_backend.enabled():
+            start.wait()
+            seen["allowed"] = fa_backend.stats()["routing"]["allowed_backends"]
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with fa_backend.sdpa_backends(["math"]):
+        start.set()
+        done.wait()
+    t.join()
+    assert seen["allowed"] is None
+
+
+# --- threads ---------------------------------------------------------------------------------------
+
+def test_enable_reaches_threads_started_later_only():
+    q, k, v = _qkv()
+    results = {}
+    release = threading.Event()
+
+    def probe(name, wait=False):
+        if wait:
+            release.wait()
+        results[name] = fa_backend.stats()["routing"]["active_in_this_thread"]
+
+    early = threading.Thread(target=probe, args=("early", True))
+    early.start()  # running before enable(): its mode stack stays as it was
+    fa_backend.enable()
+    late = threading.Thread(target=probe, args=("late",))
+    late.start()
+    late.join()
+    release.set()
+    early.join()
+    assert results == {"early": False, "late": True}
+    fa_backend.disable()
+    after = threading.Thread(target=probe, args=("after_disable",))
+    after.start()
+    after.join()
+    assert results["after_disable"] is False
+
+
+# --- nn modules --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("training", [False, True])
+def test_multihead_attention_is_routed(training):
+    mha = torch.nn.MultiheadAttention(32, 2, batch_first=True, dropout=0.0).to(DEVICE, DT).train(training)
+    x = torch.randn(2, 24, 32, dtype=DT, device=DEVICE)
+    with torch.set_grad_enabled(training):
+        ref = mha(x, x, x, need_weights=False)[0]
+        with fa_backend.enabled():
+            out = mha(x, x, x, need_weights=False)[0]
+    assert _runs() == {"triton": 1}
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # module global restored
+
+
+def test_transformer_encoder_layer_is_routed():
+    layer = torch.nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
+    layer = layer.to(DEVICE, DT).eval()
+    x = torch.randn(2, 24, 32, dtype=DT, device=DEVICE)
+    with torch.no_grad():
+        ref = layer(x)
+        with fa_backend.enabled():
+            out = layer(x)
+    assert _runs() == {"triton": 1}
+    torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
+
+
+def test_need_weights_is_left_alone():
+    mha = torch.nn.MultiheadAttention(32, 2, batch_first=True).to(DEVICE, DT)
+    x = torch.randn(2, 8, 32, dtype=DT, device=DEVICE)
+    with fa_backend.enabled():
+        _, weights = mha(x, x, x, need_weights=True)
+    assert weights is not None and _runs() == {}
+
+
+# --- semantics PyTorch defines -------------------------------------------------------------------
+
+def test_tensor_subclass_mask_goes_to_pytorch():
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = _qkv(dtype=torch.float32)
+    bias = causal_lower_right(24, 24)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    with fa_backend.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, ref)
+
+
+def test_malformed_call_raises_pytorchs_error():
+    q = torch.randn(1, 2, 8, 16, dtype=DT, device=DEVICE)
+    k = torch.randn(1, 2, 8, 32, dtype=DT, device=DEVICE)
+    with fa_backend.enabled(), pytest.raises(RuntimeError) as routed:
+        F.scaled_dot_product_attention(q, k, k)
+    with pytest.raises(RuntimeError) as native:
+        F.scaled_dot_product_attention(q, k, k)
+    assert type(routed.value) is type(native.value)
+
+
+def test_autocast_inputs_are_routed_in_the_autocast_dtype():
+    q, k, v = _qkv(dtype=torch.float32)
+    with fa_backend.enabled(), torch.autocast(DEVICE, dtype=torch.float16):
+        out = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == torch.float16
+    assert _runs() == {"triton": 1}

@@ -1,0 +1,153 @@
+"""Routing under torch.compile(fullgraph=True): no graph breaks, decisions at trace time, guarded."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa_backend
+from fa_backend import _logging
+from tests.conftest import DEVICE
+
+DT = torch.float16
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    fa_backend.disable()
+    fa_backend.reset_stats()
+    _logging.reset_once()
+    torch._dynamo.reset()
+    yield
+    fa_backend.disable()
+    torch._dynamo.reset()
+
+
+class Recorder:
+    """A torch.compile backend that keeps the call_function targets of every graph it compiles."""
+
+    def __init__(self):
+        self.graphs: list[list[str]] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    def has_op(self, i=-1):
+        return any("fa_backend.triton_flash_fwd" in t for t in self.graphs[i])
+
+    def has_sdpa(self, i=-1):
+        return any("scaled_dot_product_attention" in t for t in self.graphs[i])
+
+
+def _qkv(s=24, d=16, dtype=DT):
+    return tuple(torch.randn(1, 2, s, d, dtype=dtype, device=DEVICE) for _ in range(3))
+
+
+def block(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2) * 2
+
+
+def test_no_graph_break_and_op_in_graph():
+    q, k, v = _qkv()
+    fa_backend.enable()
+    explained = torch._dynamo.explain(block)(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    rec = Recorder()
+    out = torch.compile(block, fullgraph=True, backend=rec)(q, k, v)
+    assert rec.has_op() and not rec.has_sdpa()
+    assert torch.equal(out, block(q, k, v))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_forward_and_backward_match_eager(dynamic):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    fa_backend.enable()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    out = compiled(q, k, v)
+    ref = block(q, k, v)
+    assert torch.equal(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        assert torch.equal(a, b)
+    q2, k2, v2 = (t.requires_grad_() for t in _qkv(s=40))  # another length: dynamic shapes or a recompile
+    assert torch.equal(compiled(q2, k2, v2), block(q2, k2, v2))
+
+
+def test_enable_disable_recompiles_instead_of_going_stale():
+    q, k, v = _qkv()
+    rec = Recorder()
+    compiled = torch.compile(block, fullgraph=True, backend=rec)
+    fa_backend.enable()
+    compiled(q, k, v)
+    compiled(q, k, v)
+    assert len(rec.graphs) == 1 and rec.has_op()
+    fa_backend.disable()
+    compiled(q, k, v)
+    assert len(rec.graphs) == 2 and rec.has_sdpa() and not rec.has_op()
+    fa_backend.enable()
+    compiled(q, k, v)  # cached graph for the enabled state
+    assert len(rec.graphs) == 2
+    assert rec.has_op(0)
+
+
+def test_restriction_change_recompiles():
+    q, k, v = _qkv()
+    rec = Recorder()
+    compiled = torch.compile(block, fullgraph=True, backend=rec)
+    with fa_backend.enabled():
+        compiled(q, k, v)
+        with fa_backend.sdpa_backends(["math", "triton"]):
+            compiled(q, k, v)
+        compiled(q, k, v)
+    assert rec.has_op(0) and rec.has_sdpa(1) and len(rec.graphs) == 2
+
+
+def test_restriction_inside_compiled_code():
+    q, k, v = _qkv()
+    rec = Recorder()
+
+    def fn(q, k, v):
+        with fa_backend.sdpa_backends(["torch"]):
+            a = F.scaled_dot_product_attention(q, k, v)
+        return a + F.scaled_dot_product_attention(q, k, v)
+
+    with fa_backend.enabled():
+        out = torch.compile(fn, fullgraph=True, backend=rec)(q, k, v)
+    assert len(rec.graphs) == 1 and rec.has_op() and rec.has_sdpa()
+    torch.testing.assert_close(out, fn(q, k, v), atol=2e-3, rtol=2e-3)
+
+
+def test_fallback_reasons_reported_at_trace_time(caplog):
+    q, k, v = _qkv(dtype=torch.float32)
+    caplog.set_level(logging.INFO, logger="fa_backend")
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    with fa_backend.enabled():
+        for _ in range(3):
+            compiled(q, k, v)
+    traced = fa_backend.stats()["traced"]
+    assert traced == {"torch (skipped cute:not_installed,triton:dtype)": 1}
+    msgs = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert msgs == ["torch.compile: SDPA call routed to torch; skipped cute:not_installed,triton:dtype"]
+
+
+def test_routed_op_counts_every_compiled_call():
+    q, k, v = _qkv()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    with fa_backend.enabled():
+        for _ in range(3):
+            compiled(q, k, v)
+    assert fa_backend.stats()["runs"] == {"triton": 3}
+
+
+def test_compiled_multihead_attention_is_reported(caplog):
+    mha = torch.nn.MultiheadAttention(32, 2, batch_first=True).to(DEVICE, DT).eval()
+    x = torch.randn(2, 8, 32, dtype=DT, device=DEVICE)
+    caplog.set_level(logging.INFO, logger="fa_backend")
+    with fa_backend.enabled(), torch.no_grad():
+        out = torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], fullgraph=True, backend="eager")(x)
+        ref = mha(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    assert any("multi_head_attention_forward:not routed under torch.compile" in r.getMessage() for r in caplog.records)
