@@ -1,14 +1,19 @@
 """fa_backend: fused FlashAttention kernels for PyTorch, and routing of unchanged SDPA calls to them.
 
-Importing the package registers the custom ops under torch.ops.fa_backend and changes nothing else:
-routing starts with `fa_backend.enable()` or inside `with fa_backend.enabled():`.
+Importing the package registers the custom ops under torch.ops.fa_backend and lists "fa_backend" in
+torch.nn.attention's flash-attention provider registry (where torch has one); it activates nothing.
+Routing starts with `fa_backend.enable()` or inside `with fa_backend.enabled():`; the provider path with
+`fa_backend.integrations.provider.activate()` or `torch.nn.attention.activate_flash_attention_impl("fa_backend")`.
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.fa_backend.*)
 from .api import attention
 from .dispatch import (BackendUnsupportedError, Explanation, Reason, ReasonCode, explain, reset_stats,
                        sdpa_backends, stats)
+from .integrations import provider as _provider
 from .integrations.sdpa import disable, enable, enabled
+
+_provider.register()  # lists "fa_backend" in torch.nn.attention's registry; activates nothing
 
 __version__ = "0.1.0"
 

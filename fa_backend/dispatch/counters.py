@@ -35,8 +35,11 @@ def record_traced(backend: str, skipped: str) -> None:
 
 
 def stats() -> dict:
-    """{"runs": {backend: n}, "fallbacks": {"backend:reason": n}, "traced": {...}, "routing": {...}}."""
+    """{"runs": {backend: n}, "fallbacks": {"backend:reason": n}, "traced": {...}, "routing": {...},
+    "provider": {...}} (provider: PyTorch's flash ops overridden by fa_backend.integrations.provider)."""
     from .state import ROUTING, allowed_backends, routing_active
+
+    from ..integrations import provider
 
     return {
         "runs": dict(_RUNS),
@@ -44,10 +47,14 @@ def stats() -> dict:
         "traced": dict(_TRACED),
         "routing": {"enabled": ROUTING["enabled"], "active_in_this_thread": routing_active(),
                     "allowed_backends": allowed_backends()},
+        "provider": {"active": provider.is_active(), **provider.stats()},
     }
 
 
 def reset_stats() -> None:
+    from ..integrations import provider
+
+    provider.reset_stats()
     _RUNS.clear()
     _FALLBACKS.clear()
     _TRACED.clear()

@@ -135,17 +135,19 @@ def _attn_fwd(
 
 
 def flash_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, bottom_right: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on (b, h, s, d) tensors of any strides; returns (out, lse).
 
     out is (b, hq, sq, dv) in the input dtype, lse the fp32 natural-log sum-exp (b, hq, sq).
-    Inputs must already be validated (dtype, head dims, GQA ratio, devices).
+    Both are allocated here unless given (out: any strides; lse: contiguous), e.g. to match another
+    op's output contract. Inputs must already be validated (dtype, head dims, GQA ratio, devices).
     """
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    out = new_attention_output(q, dv)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    out = new_attention_output(q, dv) if out is None else out
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
     _launch.poison(out, lse)
     if out.numel() == 0:
         return out, lse
