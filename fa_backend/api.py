@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch.call import validate
+from .dispatch.call import CAUSAL_ALIGNMENTS
 from .ops import triton_flash_fwd
 
 
@@ -37,6 +37,8 @@ def attention(
         BackendUnsupportedError: (a NotImplementedError, hence a RuntimeError) valid input the
             kernels do not support, e.g. fp32, listing every reason.
     """
-    validate(q, k, v, causal_alignment)
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
+    # The op checks the tensors (ValueError / BackendUnsupportedError), once per shape.
     out, _ = triton_flash_fwd(q, k, v, scale, bool(is_causal), bool(is_causal) and causal_alignment == "bottom_right")
     return out

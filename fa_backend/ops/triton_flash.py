@@ -17,13 +17,29 @@ from ..kernels._layout import new_attention_output
 from ._library import NAMESPACE
 
 
-def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
-    """ValueError for malformed input; BackendUnsupportedError listing every reason otherwise."""
+# Metadata of inputs that already passed the checks (eager calls repeat the same shapes).
+_CHECKED: set = set()
+
+
+def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                        cache: bool = True) -> None:
+    """ValueError for malformed input; BackendUnsupportedError listing every reason otherwise.
+
+    cache=False for fake tensors, whose symbolic sizes are not hashable.
+    """
+    key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
+           v.shape) if cache else None
+    if key is not None and key in _CHECKED:
+        return
     validate(q, k, v)
     call = AttentionCall.from_tensors(q, k, v, is_causal=is_causal, enable_gqa=True)
     reasons = TritonBackend.why_not(call)
     if reasons:
         raise BackendUnsupportedError(call.describe(), {TritonBackend.NAME: reasons})
+    if key is not None:
+        if len(_CHECKED) >= 4096:
+            _CHECKED.clear()
+        _CHECKED.add(key)
 
 
 def _resolve_scale(q: torch.Tensor, scale: float | None) -> float:
@@ -45,7 +61,7 @@ def triton_flash_fwd(
 
 @triton_flash_fwd.register_fake
 def _(q, k, v, scale=None, is_causal=False, bottom_right=False):
-    check_triton_inputs(q, k, v, is_causal)
+    check_triton_inputs(q, k, v, is_causal, cache=False)
     out = new_attention_output(q, v.shape[-1])
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return out, lse

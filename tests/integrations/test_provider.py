@@ -62,6 +62,10 @@ def fresh():
 @pytest.fixture
 def meta_key(monkeypatch, fresh):
     """Install on the Meta dispatch key (works on CPU-only builds; PyTorch's meta kernels become the fallback)."""
+    if torch.cuda.is_available():
+        # CUDA builds (torch 2.11 seen) register Python meta kernels for these ops, which a second Python
+        # override may not replace; test_provider_gpu.py exercises the real CUDA override there.
+        pytest.skip("Meta-key simulation is for CPU-only PyTorch builds")
     monkeypatch.setattr(provider, "_DISPATCH_KEY", "Meta")
     yield
 

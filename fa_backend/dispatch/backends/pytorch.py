@@ -22,10 +22,15 @@ class TorchBackend(Backend):
 
     @classmethod
     def why_not(cls, call: AttentionCall) -> list[Reason]:
+        reasons = []
         if call.device_type not in cls.DEVICES:
-            return [Reason(ReasonCode.DEVICE, f"device={call.device_type} (PyTorch has fused SDPA kernels for: "
-                                              f"{', '.join(sorted(cls.DEVICES))})")]
-        return []
+            reasons.append(Reason(ReasonCode.DEVICE, f"device={call.device_type} (PyTorch has fused SDPA kernels for: "
+                                                     f"{', '.join(sorted(cls.DEVICES))})"))
+        if call.ranks == (4, 4, 4) and not (call.shapes_consistent and call.same_dtype and call.same_device):
+            # Seen on torch 2.11: the second malformed call into the fused CUDA path crashed the process.
+            reasons.append(Reason(ReasonCode.LAYOUT, "query, key and value do not fit together: PyTorch's math "
+                                                     "backend reports the error"))
+        return reasons
 
     @classmethod
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
