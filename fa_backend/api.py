@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch.call import CAUSAL_ALIGNMENTS
-from .ops import triton_flash_fwd
+from .ops import triton_flash_attention
 
 
 def attention(
@@ -40,5 +40,5 @@ def attention(
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
     # The op checks the tensors (ValueError / BackendUnsupportedError), once per shape.
-    out, _ = triton_flash_fwd(q, k, v, scale, bool(is_causal), bool(is_causal) and causal_alignment == "bottom_right")
+    out, _ = triton_flash_attention(q, k, v, scale, bool(is_causal), bool(is_causal) and causal_alignment == "bottom_right")
     return out

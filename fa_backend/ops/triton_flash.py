@@ -98,3 +98,47 @@ def _backward(ctx, dout, dlse):
 
 
 triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerTritonFlash(torch.autograd.Function):
+    """The op's eager twin: same checks, kernels, counters and gradients (bitwise), without the
+    torch.library dispatch and custom-op autograd layers, which cost tens of microseconds of Python
+    per call (measured: a tiny routed call's host time is what bounds small attention calls)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, is_causal, bottom_right):
+        from ..kernels.triton import flash_fwd
+
+        check_triton_inputs(q, k, v, is_causal)
+        counters.record_run("triton")
+        out, lse = flash_fwd(q, k, v, _resolve_scale(q, scale), is_causal, bottom_right)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.is_causal, ctx.bottom_right = scale, is_causal, bottom_right
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from ..kernels.triton import flash_bwd
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, _resolve_scale(q, ctx.scale), ctx.is_causal,
+                               ctx.bottom_right, dlse)
+        return dq, dk, dv, None, None, None
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def triton_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    scale: float | None = None, is_causal: bool = False, bottom_right: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of our Triton kernels, differentiable.
+
+    Under torch.compile and for tensor subclasses (fake, functional, ...) this is the custom op
+    fa_backend::triton_flash_fwd; for plain tensors in eager mode its autograd.Function twin.
+    """
+    if torch.compiler.is_compiling() or not (type(q) in _PLAIN_TENSORS and type(k) in _PLAIN_TENSORS
+                                              and type(v) in _PLAIN_TENSORS):
+        return triton_flash_fwd(q, k, v, scale, is_causal, bottom_right)
+    return _EagerTritonFlash.apply(q, k, v, scale, is_causal, bottom_right)

@@ -95,5 +95,7 @@ class TritonBackend(Backend):
 
     @classmethod
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        from ...ops import triton_flash_attention
+
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
-        return torch.ops.fa_backend.triton_flash_fwd(q, k, v, scale, bool(is_causal), bottom_right)[0]
+        return triton_flash_attention(q, k, v, scale, bool(is_causal), bottom_right)[0]
