@@ -15,17 +15,7 @@ from fa_backend.dispatch import BackendUnsupportedError, ReasonCode
 from tests.conftest import DEVICE
 
 DT = torch.float16
-
-
-@pytest.fixture(autouse=True)
-def clean_state():
-    fa_backend.disable()
-    fa_backend.reset_stats()
-    _logging.reset_once()
-    torch._dynamo.reset()
-    yield
-    fa_backend.disable()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("clean_state")
 
 
 def _qkv(b=1, hq=2, hkv=2, s=24, d=16, dtype=DT):
@@ -123,6 +113,8 @@ def test_env_switch(monkeypatch):
     with pytest.raises(ValueError, match="FA_BACKEND_LOG"):
         _logging.configure_from_env()
     _logging.LOGGER.setLevel(logging.NOTSET)
+    for handler in [h for h in _logging.LOGGER.handlers if getattr(h, "_fa_backend", False)]:
+        _logging.LOGGER.removeHandler(handler)
 
 
 def test_reset_stats():

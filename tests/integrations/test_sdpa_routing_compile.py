@@ -9,21 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import fa_backend
-from fa_backend import _logging
 from tests.conftest import DEVICE
 
 DT = torch.float16
-
-
-@pytest.fixture(autouse=True)
-def clean_state():
-    fa_backend.disable()
-    fa_backend.reset_stats()
-    _logging.reset_once()
-    torch._dynamo.reset()
-    yield
-    fa_backend.disable()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("clean_state")
 
 
 class Recorder:
