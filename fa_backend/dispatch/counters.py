@@ -18,10 +18,6 @@ def record_run(backend: str) -> None:
     _RUNS[backend] += 1
 
 
-def record_fallback(backend: str, code: str) -> None:
-    _FALLBACKS[f"{backend}:{code}"] += 1
-
-
 def record_call(backend: str | None, fallback_keys: tuple[str, ...]) -> None:
     """One routed call: its backend's run (None: counted elsewhere) and its "backend:reason" keys."""
     if backend is not None:
