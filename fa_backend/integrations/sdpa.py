@@ -9,14 +9,13 @@ and in every thread started afterwards; threads that already existed keep runnin
 
 `nn.MultiheadAttention` / `nn.TransformerEncoderLayer`: with any TorchFunctionMode active PyTorch
 skips their fused C++ fast path and runs `F.multi_head_attention_forward`, whose inner SDPA call a
-mode cannot see. The router therefore handles `multi_head_attention_forward` (need_weights=False)
-itself and routes its inner SDPA call (eager only; see `_route_mha`).
+mode cannot see. The router therefore hands `multi_head_attention_forward` to `mha.route_mha`,
+which computes the common form itself with the attention routed (eager and compiled).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import sys
 import threading
@@ -32,6 +31,7 @@ from ..dispatch.backends import BACKENDS
 from ..dispatch.call import AttentionCall, precompute_capabilities
 from ..dispatch.select import Decision, select
 from ..dispatch.state import ROUTER_TYPES, ROUTING, allowed_backends, routing_active
+from . import mha as _mha
 
 _SDPA = F.scaled_dot_product_attention
 _ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention
@@ -139,49 +139,6 @@ def route_sdpa(sdpa, args, kwargs) -> torch.Tensor:
     return BACKENDS[decision.backend].run(call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-# --- nn.MultiheadAttention / nn.TransformerEncoderLayer --------------------------------------
-
-_MHA_SIGNATURE = inspect.signature(_MHA)
-_MHA_LOCK = threading.Lock()
-_MHA_DEPTH = {"n": 0}
-_MHA_THREAD = threading.local()
-
-
-def _inner_sdpa(*args, **kwargs):
-    """Stands in for F's module-global `scaled_dot_product_attention` while a routed MHA runs."""
-    if getattr(_MHA_THREAD, "routing", False):
-        return route_sdpa(_SDPA, args, kwargs)
-    return _SDPA(*args, **kwargs)
-
-
-def _route_mha(args, kwargs):
-    """Run F.multi_head_attention_forward with its inner SDPA call routed.
-
-    F.multi_head_attention_forward calls SDPA through torch.nn.functional's module global, so that
-    global is pointed at `_inner_sdpa` while this thread's call runs (other threads fall through to
-    the original function). Under torch.compile the forward runs as PyTorch wrote it and is logged.
-    """
-    bound = _MHA_SIGNATURE.bind(*args, **kwargs)
-    if bound.arguments.get("need_weights", True) or torch.compiler.is_compiling():
-        if torch.compiler.is_compiling():
-            _note_trace("torch", "multi_head_attention_forward:not routed under torch.compile")
-        return _MHA(*args, **kwargs)
-    module = sys.modules["torch.nn.functional"]
-    with _MHA_LOCK:
-        if _MHA_DEPTH["n"] == 0:
-            module.scaled_dot_product_attention = _inner_sdpa
-        _MHA_DEPTH["n"] += 1
-    _MHA_THREAD.routing = True
-    try:
-        return _MHA(*args, **kwargs)
-    finally:
-        _MHA_THREAD.routing = False
-        with _MHA_LOCK:
-            _MHA_DEPTH["n"] -= 1
-            if _MHA_DEPTH["n"] == 0:
-                module.scaled_dot_product_attention = _SDPA
-
-
 # --- the mode -----------------------------------------------------------------------------------
 
 class SDPARouter(TorchFunctionMode):
@@ -201,7 +158,7 @@ class SDPARouter(TorchFunctionMode):
             if self.active():
                 return route_sdpa(func, args, kwargs)
         elif func is _MHA and self.active():
-            return _route_mha(args, kwargs)
+            return _mha.route_mha(args, kwargs, route_sdpa, _note_trace)
         return func(*args, **kwargs)
 
 

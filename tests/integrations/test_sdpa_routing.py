@@ -198,41 +198,6 @@ def test_enable_reaches_threads_started_later_only():
     assert results["after_disable"] is False
 
 
-# --- nn modules --------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("training", [False, True])
-def test_multihead_attention_is_routed(training):
-    mha = torch.nn.MultiheadAttention(32, 2, batch_first=True, dropout=0.0).to(DEVICE, DT).train(training)
-    x = torch.randn(2, 24, 32, dtype=DT, device=DEVICE)
-    with torch.set_grad_enabled(training):
-        ref = mha(x, x, x, need_weights=False)[0]
-        with fa_backend.enabled():
-            out = mha(x, x, x, need_weights=False)[0]
-    assert _runs() == {"triton": 1}
-    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
-    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # module global restored
-
-
-def test_transformer_encoder_layer_is_routed():
-    layer = torch.nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
-    layer = layer.to(DEVICE, DT).eval()
-    x = torch.randn(2, 24, 32, dtype=DT, device=DEVICE)
-    with torch.no_grad():
-        ref = layer(x)
-        with fa_backend.enabled():
-            out = layer(x)
-    assert _runs() == {"triton": 1}
-    torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
-
-
-def test_need_weights_is_left_alone():
-    mha = torch.nn.MultiheadAttention(32, 2, batch_first=True).to(DEVICE, DT)
-    x = torch.randn(2, 8, 32, dtype=DT, device=DEVICE)
-    with fa_backend.enabled():
-        _, weights = mha(x, x, x, need_weights=True)
-    assert weights is not None and _runs() == {}
-
-
 # --- semantics PyTorch defines -------------------------------------------------------------------
 
 def test_tensor_subclass_mask_goes_to_pytorch():
