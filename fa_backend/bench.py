@@ -142,8 +142,9 @@ def _per_call_us(fn, n: int, sync) -> float:
 def host_overhead(device: str = "cuda", n: int = 2000) -> dict[str, float]:
     """Eager wall time per tiny call (µs): b=1, h=1, s=16, d=64, so the host is the bottleneck.
 
-    On CUDA (bf16): our op directly, the same call through routed F.scaled_dot_product_attention,
-    and PyTorch's own SDPA. On CPU (fp32, falls back to PyTorch): SDPA unrouted and routed.
+    On CUDA (bf16): our op directly, the same call through routed F.scaled_dot_product_attention
+    (default order, where a measured preference may pick PyTorch's kernel, and restricted to our
+    Triton kernel), and PyTorch's own SDPA. On CPU (fp32, falls back to PyTorch): SDPA unrouted and routed.
     """
     import fa_backend
 
@@ -159,6 +160,10 @@ def host_overhead(device: str = "cuda", n: int = 2000) -> dict[str, float]:
             lambda: fa_backend.attention(qg, qg, qg), n, sync)
     with fa_backend.enabled():
         result["F.scaled_dot_product_attention (routed)"] = _per_call_us(sdpa, n, sync)
+        if device == "cuda":
+            with fa_backend.sdpa_backends(["triton"]):
+                result["F.scaled_dot_product_attention (routed, sdpa_backends(['triton']))"] = _per_call_us(
+                    sdpa, n, sync)
     return result
 
 

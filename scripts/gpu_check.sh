@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules]
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -30,5 +30,9 @@ if [[ " $steps " == *" bench "* ]]; then
   extra=""; [[ " $steps " == *" memory "* ]] && extra="--memory --overhead"
   python3 -m fa_backend bench ${BENCH_ARGS:-} $extra --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
   sed -n '/TFLOP\/s, d=/,$p' "$OUT/bench.log"
+fi
+if [[ " $steps " == *" modules "* ]]; then
+  python3 scripts/bench_modules.py --json "$OUT/modules.json" > "$OUT/modules.log" 2>&1 || status=1
+  cat "$OUT/modules.log" | tail -n 40
 fi
 exit $status

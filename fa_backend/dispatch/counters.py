@@ -33,9 +33,8 @@ def record_traced(backend: str, skipped: str) -> None:
 def stats() -> dict:
     """{"runs": {backend: n}, "fallbacks": {"backend:reason": n}, "traced": {...}, "routing": {...},
     "provider": {...}} (provider: PyTorch's flash ops overridden by fa_backend.integrations.provider)."""
-    from .state import ROUTING, allowed_backends, routing_active
-
     from ..integrations import provider
+    from .state import ROUTING, allowed_backends, routing_active
 
     return {
         "runs": dict(_RUNS),

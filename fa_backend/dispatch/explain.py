@@ -8,6 +8,7 @@ import torch
 
 from .backends import BACKENDS, PRIORITY, pytorch_choice
 from .call import AttentionCall
+from .preference import slower_than_peer
 from .reasons import Reason, ReasonCode
 from .state import allowed_backends
 
@@ -55,6 +56,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
     reasons: dict[str, tuple[Reason, ...]] = {}
     for name in PRIORITY:
         own = tuple(BACKENDS[name].why_not(call))
+        slower = slower_than_peer(name, call) if allowed is None and not own else None
+        if slower is not None:
+            own = (slower,)
         if name not in order:
             own = (Reason(ReasonCode.DISABLED_BY_USER, "not in the sdpa_backends() restriction"),) + own
         reasons[name] = own

@@ -23,6 +23,7 @@ class ReasonCode(str, enum.Enum):
     DISABLED_BY_USER = "disabled_by_user"
     NOT_INSTALLED = "not_installed"
     COMPILE_FAILED = "compile_failed"
+    SLOWER = "slower"  # eligible, but a measured-faster backend runs instead (default order only)
 
 
 @dataclasses.dataclass(frozen=True)

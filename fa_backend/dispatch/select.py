@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from .backends import BACKENDS, PRIORITY
 from .call import AttentionCall
+from .preference import slower_than_peer
 from .reasons import BackendUnsupportedError, Reason
 
 
@@ -23,12 +24,18 @@ class Decision:
 def select(call: AttentionCall, allowed: tuple[str, ...] | None = None) -> Decision:
     """First eligible backend of `allowed` (default: all, in priority order).
 
-    Raises BackendUnsupportedError listing every reason of every allowed backend when none is
-    eligible; with the default order that cannot happen, `math` accepts everything.
+    In the default order an eligible backend that a measured rule (dispatch/preference.py) finds
+    slower than PyTorch's kernel for this call is passed over with reason `slower`; a user's order
+    is followed as given. Raises BackendUnsupportedError listing every reason of every allowed
+    backend when none is eligible; with the default order that cannot happen, `math` accepts
+    everything.
     """
     rejected: dict[str, tuple[Reason, ...]] = {}
     for name in allowed if allowed is not None else PRIORITY:
         reasons = BACKENDS[name].why_not(call)
+        if not reasons and allowed is None:
+            slower = slower_than_peer(name, call)
+            reasons = [slower] if slower is not None else reasons
         if not reasons:
             return Decision(name, rejected, allowed is not None)
         rejected[name] = tuple(reasons)

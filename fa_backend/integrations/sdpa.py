@@ -32,6 +32,7 @@ from ..dispatch.call import AttentionCall, precompute_capabilities
 from ..dispatch.select import Decision, select
 from ..dispatch.state import ROUTER_TYPES, ROUTING, allowed_backends, routing_active
 from . import mha as _mha
+from . import modules as _modules
 
 _SDPA = F.scaled_dot_product_attention
 _ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention
@@ -108,7 +109,7 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     allowed = allowed_backends()
     mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.requires_grad)
     key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
-           v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast,
+           v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, torch._C._get_cudnn_sdp_enabled(),
            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     entry = _CACHE.get(key)
     if entry is None:
@@ -194,6 +195,7 @@ def enable() -> None:
     are not reached (call `enable()` or use `enabled()` in them).
     """
     precompute_capabilities()
+    _modules.install()
     _CACHE.clear()
     ROUTING["enabled"] = True
     if _own_router_on_stack() is None:
@@ -219,6 +221,7 @@ def disable() -> None:
 def enabled() -> Iterator[None]:
     """Route SDPA calls made in this thread inside the block (nests with enable())."""
     precompute_capabilities()
+    _modules.install()
     if routing_active():
         yield
         return

@@ -225,3 +225,51 @@ def test_common_forms_make_no_layout_copies(form, monkeypatch):
         assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     else:
         assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+
+
+# --- PyTorch's fused inference fast path ------------------------------------------------------------
+
+def _ops_run(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("module", ["mha", "encoder_layer"])
+def test_fast_path_is_kept_when_pytorchs_kernel_would_run_anyway(module):
+    # float32: our Triton kernels take fp16/bf16 only, so the dispatcher picks PyTorch's kernel and
+    # the module's own fused C++ path (which the router's presence would otherwise switch off) runs.
+    if module == "mha":
+        m = nn.MultiheadAttention(32, 2, batch_first=True).to(DEVICE).eval()
+        fn, fused = (lambda x: m(x, x, x, need_weights=False)[0]), "aten::_native_multi_head_attention"
+    else:
+        m = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True).to(DEVICE).eval()
+        fn, fused = m, "aten::_transformer_encoder_layer_fwd"
+    x = torch.randn(2, 24, 32, device=DEVICE)
+    with torch.no_grad():
+        ref = fn(x)
+        with fa_backend.enabled():
+            fa_backend.reset_stats()
+            assert fused in _ops_run(lambda: fn(x))
+            out = fn(x)
+    assert torch.equal(out, ref)
+    assert _runs() == {"torch": 2}
+    assert fa_backend.stats()["fallbacks"] == {"cute:not_installed": 2, "triton:dtype": 2}
+
+
+def test_fast_path_is_not_kept_when_our_kernel_runs():
+    m = _mha(batch_first=True).eval()
+    x = _x(2, 24, 32)
+    with torch.no_grad(), fa_backend.enabled():
+        assert "aten::_native_multi_head_attention" not in _ops_run(lambda: m(x, x, x, need_weights=False))
+    assert _runs() == {"triton": 1}
+
+
+def test_fast_path_guard_is_inert_without_routing():
+    m = nn.MultiheadAttention(32, 2, batch_first=True).to(DEVICE).eval()
+    x = torch.randn(2, 24, 32, device=DEVICE)
+    with fa_backend.enabled():
+        pass  # installs the guard
+    with torch.no_grad():
+        assert "aten::_native_multi_head_attention" in _ops_run(lambda: m(x, x, x, need_weights=False))
+    assert _runs() == {}

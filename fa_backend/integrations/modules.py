@@ -1,0 +1,215 @@
+"""nn.MultiheadAttention / nn.TransformerEncoderLayer while routing is on: routed, and not slower.
+
+A TorchFunctionMode on the stack (the router is one) costs these modules twice: PyTorch turns off
+their fused C++ inference fast path (`_native_multi_head_attention`,
+`_transformer_encoder_layer_fwd`), and every tensor op of their Python path goes through the mode.
+So while routing is active their `forward` (wrapped once, the first time routing is switched on;
+the wrappers do nothing while it is off) takes one of three ways:
+
+1. PyTorch's fast path would apply (eval, no grad, no masks, ...) and the dispatcher's decision for
+   the module's attention is PyTorch's own kernel anyway (ours ineligible, or measured slower, see
+   dispatch/preference.py): the original forward runs with the router lifted off the stack, so the
+   fused op runs the same kernel with less host work. Counted and logged as routed to `torch`.
+2. nn.MultiheadAttention in the common form (integrations/mha.py): computed by `mha.mha_forward`
+   with the router lifted (no per-op mode cost); its attention goes through the dispatcher.
+   nn.TransformerEncoderLayer (exact class) in training or with grad (no fast path to lose): its
+   Python forward runs with the router lifted, and its self-attention takes way 2.
+3. Anything else, and everything under torch.compile: the original forward with the router on
+   the stack (the router handles `F.multi_head_attention_forward`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+
+from ..dispatch.call import AttentionCall, device_capability
+from ..dispatch.select import select
+from ..dispatch.state import ROUTER_TYPES, allowed_backends
+from . import mha as _mha
+
+_ORIGINAL: dict[type, object] = {}
+_DECISIONS: dict = {}
+_pop_mode = getattr(torch.overrides, "_pop_mode_temporarily", None)
+_LIFTED = threading.local()
+_NO_MODES = torch._C.DisableTorchFunction  # set while a module's forward runs with the router lifted off the stack
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def _fast_path_attention(mha: nn.MultiheadAttention, x, masks: tuple) -> AttentionCall | None:
+    """The attention call of PyTorch's fast path for this forward, or None if it would not take it."""
+    if (mha.training or torch.is_grad_enabled() or not mha.batch_first or mha.num_heads % 2
+            or not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.bias_v is not None
+            or mha.add_zero_attn or mha.in_proj_bias is None or any(m is not None for m in masks)
+            or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.is_nested or x.dtype != mha.in_proj_weight.dtype
+            or torch.is_autocast_enabled() or not torch.backends.mha.get_fastpath_enabled()):
+        return None
+    b, s, embed = x.shape
+    d = embed // mha.num_heads
+    return AttentionCall(device_type=x.device.type, capability=device_capability(x.device), dtype=x.dtype, batch=b,
+                         heads_q=mha.num_heads, heads_kv=mha.num_heads, seqlen_q=s, seqlen_k=s, head_dim=d,
+                         head_dim_v=d)
+
+
+def _torch_decision(call: AttentionCall | None):
+    """The routed record to count when the dispatcher would run PyTorch's kernel for `call`, else None."""
+    if call is None:
+        return None
+    from .sdpa import _Routed
+
+    allowed = allowed_backends()
+    key = (call, allowed, torch._C._get_cudnn_sdp_enabled())
+    entry = _DECISIONS.get(key)
+    if entry is None:
+        if len(_DECISIONS) >= 1024:
+            _DECISIONS.clear()
+        try:
+            decision = select(call, allowed)
+        except RuntimeError:  # a restriction that fits nothing: the routed path raises it
+            decision = None
+        entry = _DECISIONS[key] = _Routed(call, decision, None) if decision and decision.backend == "torch" else False
+    return entry or None
+
+
+def _routing_here() -> str | None:
+    """'lifted' inside a module already running with the router lifted, 'top' when an active
+    router is the top mode (so it can be lifted), else None (not routing, compiling, other modes)."""
+    if _pop_mode is None or torch.compiler.is_compiling():
+        return None
+    if getattr(_LIFTED, "depth", 0):
+        return "lifted"
+    stack = _get_current_function_mode_stack()
+    if stack and isinstance(stack[-1], tuple(ROUTER_TYPES)) and stack[-1].active():
+        return "top"
+    return None
+
+
+def _lifted(where: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the router off the stack (already off when `where` is 'lifted')."""
+    if where == "lifted":
+        return fn(*args, **kwargs)
+    _LIFTED.depth = getattr(_LIFTED, "depth", 0) + 1
+    try:
+        with _pop_mode():
+            return fn(*args, **kwargs)
+    finally:
+        _LIFTED.depth -= 1
+
+
+def _mha_arguments(self: nn.MultiheadAttention, args: tuple, kwargs: dict) -> dict | None:
+    """F.multi_head_attention_forward's arguments for this call if `mha.mha_forward` can run it."""
+    query, key, value = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+    if _arg(args, kwargs, 4, "need_weights", True) or not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        return None
+    if query.dim() != 3 or any(t.is_nested for t in (query, key, value)) or torch.is_autocast_enabled():
+        return None
+    if self.batch_first:  # as the module does: transposed views, keeping which inputs are the same tensor
+        if key is value and query is key:
+            query = key = value = query.transpose(1, 0)
+        elif key is value:
+            query, key = query.transpose(1, 0), key.transpose(1, 0)
+            value = key
+        else:
+            query, key, value = (t.transpose(1, 0) for t in (query, key, value))
+    a = {
+        "query": query, "key": key, "value": value, "embed_dim_to_check": self.embed_dim,
+        "num_heads": self.num_heads, "in_proj_weight": self.in_proj_weight, "in_proj_bias": self.in_proj_bias,
+        "bias_k": self.bias_k, "bias_v": self.bias_v, "add_zero_attn": self.add_zero_attn,
+        "dropout_p": self.dropout, "out_proj_weight": self.out_proj.weight, "out_proj_bias": self.out_proj.bias,
+        "training": self.training, "key_padding_mask": _arg(args, kwargs, 3, "key_padding_mask"),
+        "need_weights": False, "attn_mask": _arg(args, kwargs, 5, "attn_mask"),
+        "use_separate_proj_weight": not self._qkv_same_embed_dim, "q_proj_weight": self.q_proj_weight,
+        "k_proj_weight": self.k_proj_weight, "v_proj_weight": self.v_proj_weight, "static_k": None,
+        "static_v": None, "average_attn_weights": True, "is_causal": _arg(args, kwargs, 7, "is_causal", False),
+    }
+    if _mha.direct_form_problem(a) is not None:
+        return None
+    return a
+
+
+def _mha_forward_wrapper(original):
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        where = _routing_here()
+        if where is None or len(args) > 8:
+            return original(self, *args, **kwargs)
+        with _NO_MODES():  # the checks' own tensor queries need not go through the router
+            query, key, value = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+            routed = None
+            if query is key and key is value and not _arg(args, kwargs, 4, "need_weights", True):
+                masks = (_arg(args, kwargs, 3, "key_padding_mask"), _arg(args, kwargs, 5, "attn_mask"))
+                routed = _torch_decision(_fast_path_attention(self, query, masks))
+            a = None if routed is not None else _mha_arguments(self, args, kwargs)
+        if routed is not None:  # way 1
+            if not getattr(_LIFTED, "counted", False):
+                routed.count()
+            return _lifted(where, original, self, *args, **kwargs)
+        if a is None:  # way 3
+            return original(self, *args, **kwargs) if where == "top" else _unlifted(original, self, *args, **kwargs)
+        from .sdpa import route_sdpa
+
+        out, _ = _lifted(where, _mha.mha_forward, a, route_sdpa)  # way 2
+        return (out.transpose(1, 0) if self.batch_first else out), None
+    return forward
+
+
+def _unlifted(fn, *args, **kwargs):
+    """fn with the router back on the stack (a module lifted it; this call needs the router's handler)."""
+    from .sdpa import SDPARouter
+
+    depth, _LIFTED.depth = _LIFTED.depth, 0
+    try:
+        with SDPARouter(scoped=True):
+            return fn(*args, **kwargs)
+    finally:
+        _LIFTED.depth = depth
+
+
+def _encoder_layer_forward_wrapper(original):
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        where = _routing_here()
+        if where is None or type(self) is not nn.TransformerEncoderLayer or len(args) > 4:
+            return original(self, *args, **kwargs)
+        routed = None
+        if not self.training and getattr(self, "activation_relu_or_gelu", 0):
+            masks = (_arg(args, kwargs, 1, "src_mask"), _arg(args, kwargs, 2, "src_key_padding_mask"))
+            with _NO_MODES():
+                routed = _torch_decision(_fast_path_attention(self.self_attn, _arg(args, kwargs, 0, "src"), masks))
+            if routed is not None:  # way 1 (if PyTorch still takes its Python path, self_attn must not count again)
+                routed.count()
+                _LIFTED.counted = True
+                try:
+                    return _lifted(where, original, self, *args, **kwargs)
+                finally:
+                    _LIFTED.counted = False
+        src = _arg(args, kwargs, 0, "src")
+        with _NO_MODES():
+            no_fast_path = self.training or (torch.is_grad_enabled() and (
+                getattr(src, "requires_grad", False) or any(p.requires_grad for p in self.parameters())))
+        if no_fast_path:
+            # no fast path to lose: the layer's own ops need no routing, and its self_attn call
+            # comes back to the MHA wrapper
+            return _lifted(where, original, self, *args, **kwargs)
+        # lifting the router would let PyTorch's fused layer run its own attention choice
+        return original(self, *args, **kwargs) if where == "top" else _unlifted(original, self, *args, **kwargs)
+    return forward
+
+
+def install() -> None:
+    """Wrap the two classes' forward once (idempotent)."""
+    for cls, wrap in ((nn.MultiheadAttention, _mha_forward_wrapper),
+                      (nn.TransformerEncoderLayer, _encoder_layer_forward_wrapper)):
+        if cls not in _ORIGINAL:
+            _ORIGINAL[cls] = cls.forward
+            cls.forward = wrap(cls.forward)
+
+
+__all__ = ["install"]

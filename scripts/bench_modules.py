@@ -1,0 +1,122 @@
+"""GPU timing of nn.MultiheadAttention / nn.TransformerEncoderLayer with routing off and on.
+
+Without fa_backend these modules take PyTorch's fused C++ fast path in eval mode; with routing on
+they run through `fa_backend.integrations.mha`. Three modes per case, measured in one run:
+  off        routing disabled (PyTorch's fast path in eval, its Python path in training)
+  on         routing enabled (the dispatcher's choice: our kernel where eligible)
+  on_torch   routing enabled but restricted to PyTorch's fused SDPA: isolates the cost of the
+             routed module code from the kernel difference
+Usage: python scripts/bench_modules.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton.testing
+from torch import nn
+
+import fa_backend
+
+DT = torch.bfloat16
+TOKENS = 16384
+
+
+def _time(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _host_us(fn, n: int = 200) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+def _modes(fn, timer):
+    out = {}
+    fa_backend.disable()
+    out["off"] = timer(fn)
+    fa_backend.enable()
+    out["on"] = timer(fn)
+    with fa_backend.sdpa_backends(["torch"]):
+        out["on_torch"] = timer(fn)
+    fa_backend.disable()
+    return out
+
+
+def _cases():
+    for embed, heads in ((1024, 16), (2048, 16)):
+        for s in (128, 512, 2048, 8192):
+            yield embed, heads, s, TOKENS // s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    records = []
+    torch.manual_seed(0)
+
+    def report(name, embed, heads, s, b, times, unit):
+        rec = dict(case=name, embed=embed, heads=heads, d=embed // heads, seqlen=s, batch=b, unit=unit, **times)
+        records.append(rec)
+        print(f"{name:<22} E={embed:<5} h={heads:<3} s={s:<5} b={b:<4} off {times['off']:9.3f}  "
+              f"on {times['on']:9.3f} ({times['off'] / times['on']:.2f}x)  on_torch {times['on_torch']:9.3f} "
+              f"({times['off'] / times['on_torch']:.2f}x) {unit}", flush=True)
+
+    for embed, heads, s, b in _cases():
+        mha = nn.MultiheadAttention(embed, heads, batch_first=True, device="cuda", dtype=DT).eval()
+        x = torch.randn(b, s, embed, device="cuda", dtype=DT)
+        with torch.no_grad():
+            report("mha_eval", embed, heads, s, b, _modes(lambda: mha(x, x, x, need_weights=False), _time), "ms")
+            causal = nn.Transformer.generate_square_subsequent_mask(s, "cuda", DT)
+            report("mha_eval_causal", embed, heads, s, b,
+                   _modes(lambda: mha(x, x, x, need_weights=False, attn_mask=causal, is_causal=True), _time), "ms")
+        mha.train()
+        xg = x.clone().requires_grad_()
+
+        def train_step():
+            y = mha(xg, xg, xg, need_weights=False)[0]
+            y.backward(torch.ones_like(y))
+
+        report("mha_train_fwd_bwd", embed, heads, s, b, _modes(train_step, _time), "ms")
+        layer = nn.TransformerEncoderLayer(embed, heads, 4 * embed, dropout=0.0, batch_first=True, device="cuda",
+                                           dtype=DT).eval()
+        with torch.no_grad():
+            report("encoder_layer_eval", embed, heads, s, b, _modes(lambda: layer(x), _time), "ms")
+        layer.train()
+
+        def layer_step():
+            layer(xg).backward(torch.ones_like(xg))
+
+        report("encoder_layer_train", embed, heads, s, b, _modes(layer_step, _time), "ms")
+        del mha, layer, x, xg
+        torch.cuda.empty_cache()
+
+    # host-bound: one tiny call, wall time per call
+    mha = nn.MultiheadAttention(64, 1, batch_first=True, device="cuda", dtype=DT).eval()
+    x = torch.randn(1, 16, 64, device="cuda", dtype=DT)
+    with torch.no_grad():
+        report("mha_eval_tiny_host", 64, 1, 16, 1, _modes(lambda: mha(x, x, x, need_weights=False), _host_us), "us")
+    layer = nn.TransformerEncoderLayer(64, 1, 128, dropout=0.0, batch_first=True, device="cuda", dtype=DT).eval()
+    with torch.no_grad():
+        report("encoder_layer_tiny_host", 64, 1, 16, 1, _modes(lambda: layer(x), _host_us), "us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

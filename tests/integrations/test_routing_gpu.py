@@ -1,0 +1,97 @@
+"""Routing on a GPU: the measured preference, nn modules' fast path, routed results equal the direct op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fa_backend
+from fa_backend.dispatch import ReasonCode
+from fa_backend.dispatch.backends import pytorch_choice
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_state")]
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _qkv(b=2, h=8, s=1024, d=128, dtype=torch.bfloat16):
+    return [torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
+@pytest.mark.parametrize("d", [64, 128])
+def test_preference_premise_pytorch_picks_cudnn(d):
+    # The rule assumes PyTorch itself runs cuDNN for these calls on sm90: check it on this torch.
+    q, k, v = _qkv(d=d)
+    assert pytorch_choice(q, k, v, is_causal=True) == "cudnn_attention"
+    explanation = fa_backend.explain(q, k, v, is_causal=True)
+    assert explanation.backend == "torch"
+    assert [r.code for r in explanation.reasons["triton"]] == [ReasonCode.SLOWER]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
+def test_preferred_call_runs_pytorchs_kernel_and_forcing_runs_ours():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    with fa_backend.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert fa_backend.stats()["runs"] == {"torch": 1}
+        with fa_backend.sdpa_backends(["triton", "torch"]):
+            forced = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert fa_backend.stats()["runs"] == {"torch": 1, "triton": 1}
+    direct = fa_backend.attention(q, k, v, is_causal=True)
+    assert torch.equal(forced, direct)
+    torch.testing.assert_close(out, direct, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(forced, (q, k, v), g)
+    ref = torch.autograd.grad(direct, (q, k, v), g)
+    for a, b in zip(grads, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d", [96, 256])
+def test_outside_the_preference_our_kernel_runs_and_equals_the_op(d):
+    q, k, v = (t.requires_grad_() for t in _qkv(s=512, d=d))
+    with fa_backend.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert fa_backend.stats()["runs"] == {"triton": 1}
+    direct = fa_backend.attention(q, k, v, is_causal=True)
+    assert torch.equal(out, direct)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(direct, (q, k, v), g)):
+        assert torch.equal(a, b)
+
+
+def test_compiled_routing_matches_eager_routing():
+    q, k, v = _qkv(s=512, d=96)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with fa_backend.enabled():
+        eager = fn(q, k, v)
+        compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+    assert fa_backend.stats()["runs"] == {"triton": 2}
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
+@pytest.mark.parametrize("module", ["mha", "encoder_layer"])
+def test_module_fast_path_kept_on_gpu(module):
+    if module == "mha":
+        m = nn.MultiheadAttention(1024, 16, batch_first=True, device="cuda", dtype=torch.bfloat16).eval()
+        fn, fused = (lambda x: m(x, x, x, need_weights=False)[0]), "aten::_native_multi_head_attention"
+    else:
+        m = nn.TransformerEncoderLayer(1024, 16, 4096, dropout=0.0, batch_first=True, device="cuda",
+                                       dtype=torch.bfloat16).eval()
+        fn, fused = m, "aten::_transformer_encoder_layer_fwd"
+    x = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = fn(x)
+        with fa_backend.enabled():
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = fn(x)
+    assert fused in {e.name for e in prof.events()}
+    assert torch.equal(out, ref)
+    assert fa_backend.stats()["runs"] == {"torch": 1}
+    assert fa_backend.stats()["fallbacks"]["triton:slower"] == 1
