@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import LN2, LOG2E
+from . import _launch
 from ._launch import grid_1d, interpreting, pad_head_dim
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -130,8 +131,8 @@ def _decode_split(
         qk = tl.dot(q, tl.trans(k))
         if SOFTCAP:
             # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1); the log2 factor comes after.
-            y = qk * qk_scale
-            s = softcap * (1.0 - 2.0 / (tl.math.exp2(y * (2.0 * LOG2E)) + 1.0)) * LOG2E
+            y2 = qk * (qk_scale / softcap * (2.0 * LOG2E))  # 2 y log2(e), y = scale * q.k / softcap
+            s = (softcap * LOG2E) * (1.0 - 2.0 / (tl.math.exp2(y2) + 1.0))
         else:
             s = qk * (qk_scale * LOG2E)
         rel = cols[None, :] - (qi[:, None] + shift)  # key position minus query position
@@ -291,6 +292,7 @@ def decode_attention(
         lse_part = torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = lse
+    _launch.poison(out, lse, *((o_part, lse_part) if num_splits > 1 else ()))
     dummy = cache_seqlens
     has_right = window_right >= 0
     has_left = window_left >= 0
