@@ -84,7 +84,7 @@ def flash_attn_with_kvcache(
     """
     _check(q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4,
            f"q, k_cache, v_cache must be 4-D, got {q.dim()}, {k_cache.dim()}, {v_cache.dim()}")
-    b, sq, hq, d = q.shape
+    b, _sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     device = q.device
     if q.dtype not in _DTYPES:

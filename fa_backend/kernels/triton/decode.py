@@ -19,17 +19,14 @@ only when set; causal sets WINDOW_RIGHT = 0). Rows that see no key output 0 with
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E
 from . import _launch
+from ._common import LN2, LOG2E
 from ._launch import grid_1d, interpreting, pad_head_dim
 
-_LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS = 128
 
 

@@ -39,6 +39,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_
     if causal:
         right = 0
     local = causal or left >= 0 or right >= 0
+    dev = q.device
     outs, lses, kcs, vcs = [], [], [], []
     for i in range(b):
         sl = int(cache_seqlens[i])
@@ -55,11 +56,11 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_
             sn = k.shape[1]
             kn, vn = k[i].to(dtype), v[i].to(dtype)
             if rotary_cos is not None:
-                kn = rotary_ref(kn, rotary_cos, rotary_sin, sl + torch.arange(sn), rotary_interleaved)
+                kn = rotary_ref(kn, rotary_cos, rotary_sin, sl + torch.arange(sn, device=dev), rotary_interleaved)
             kc, vc = kc.clone(), vc.clone()
             kc[sl:sl + sn], vc[sl:sl + sn] = kn, vn
         if rotary_cos is not None:
-            qpos = sl + (torch.arange(sq) if local else torch.zeros(sq, dtype=torch.long))
+            qpos = sl + (torch.arange(sq, device=dev) if local else torch.zeros(sq, dtype=torch.long, device=dev))
             qi = rotary_ref(qi, rotary_cos, rotary_sin, qpos, rotary_interleaved)
         kcs.append(kc)
         vcs.append(vc)
@@ -69,11 +70,11 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_
         s = torch.einsum("qhd,khd->hqk", qi, keys) * scale
         if softcap > 0:
             s = torch.tanh(s / softcap) * softcap
-        rel = (torch.arange(sk)[None, :] - (torch.arange(sq)[:, None] + sk - sq))  # (sq, sk)
+        rel = torch.arange(sk, device=dev)[None, :] - (torch.arange(sq, device=dev)[:, None] + sk - sq)  # (sq, sk)
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
             s = s - slopes.to(dtype)[:, None, None] * rel.abs().to(dtype)
-        keep = torch.ones(sq, sk, dtype=torch.bool)
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=dev)
         if right >= 0:
             keep &= rel <= right
         if left >= 0:

@@ -63,7 +63,7 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, **kw):
                                  "causal", "window_size", "softcap", "rotary_interleaved", "alibi_slopes")
               if n in kw}
     ref_kw["scale"] = kw.get("softmax_scale")
-    ref, ref_lse, ref_kc, ref_vc = kvcache_ref(q, kc0, vc0, k, v, cache_seqlens=sl, dtype=torch.float64, **ref_kw)
+    ref, ref_lse, ref_kc, _ref_vc = kvcache_ref(q, kc0, vc0, k, v, cache_seqlens=sl, dtype=torch.float64, **ref_kw)
     pt, pt_lse, pt_kc, _ = kvcache_ref(q, kc0, vc0, k, v, cache_seqlens=sl, **ref_kw)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert_within_bar("out", out, pt, ref)
@@ -243,7 +243,7 @@ def test_alibi(per_batch, causal):
 
 
 def test_all_features_together_paged():
-    q, kc, vc, k, v, _ = _case(b=2, sq=2, hq=6, hkv=2, d=64, s_cache=64, s_new=2)
+    q, kc, _vc, k, v, _ = _case(b=2, sq=2, hq=6, hkv=2, d=64, s_cache=64, s_new=2)
     kp, bt = _to_paged(kc, 16)
     vp = _randn(*kp.shape)
     cos, sin = _rotary(64, 32)
