@@ -12,6 +12,7 @@ from .dispatch import (BackendUnsupportedError, Explanation, Reason, ReasonCode,
                        sdpa_backends, stats)
 from .integrations import provider as _provider
 from .integrations.sdpa import disable, enable, enabled
+from .kvcache import flash_attn_with_kvcache  # noqa: F401  (FlashAttention-2 KV-cache API)
 
 _provider.register()  # lists "fa_backend" in torch.nn.attention's registry; activates nothing
 

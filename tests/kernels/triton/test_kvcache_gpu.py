@@ -1,0 +1,117 @@
+"""flash_attn_with_kvcache at real sizes on the GPU (bf16 and fp16), and a CUDA-graph decode step.
+
+Same checks as the CPU tests (tests/kernels/triton/test_kvcache.py: float64 reference, 2x rule, cache
+contents after the append, poisoned outputs). Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa_backend
+from tests.kernels.triton.test_kvcache import _rotary, _to_paged, check_kvcache
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned")]
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _decode_case(b, L, hq, hkv, d, dtype, s_new=1, sq=1, s_cache=None):
+    s_cache = L + s_new if s_cache is None else s_cache
+    q = torch.randn(b, sq, hq, d, dtype=dtype, device="cuda")
+    kc = torch.randn(b, s_cache, hkv, d, dtype=dtype, device="cuda")
+    vc = torch.randn(b, s_cache, hkv, d, dtype=dtype, device="cuda")
+    k = torch.randn(b, s_new, hkv, d, dtype=dtype, device="cuda")
+    v = torch.randn(b, s_new, hkv, d, dtype=dtype, device="cuda")
+    # Lengths spread over [L/2, L] so that batch entries differ.
+    sl = torch.randint(L // 2, L + 1, (b,), dtype=torch.int32, device="cuda")
+    return q, kc, vc, k, v, sl
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hkv", [8, 32])
+@pytest.mark.parametrize("b,L", [(1, 32768), (8, 8192), (64, 2048), (4, 1000)])
+def test_decode_real_size(b, L, hkv, dtype):
+    q, kc, vc, k, v, sl = _decode_case(b, L, 32, hkv, 128, dtype)
+    cos, sin = _rotary(L + 8, 128, dtype)
+    check_kvcache(q, kc, vc, k, v, cache_seqlens=sl, rotary_cos=cos, rotary_sin=sin, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [64, 256])
+@pytest.mark.parametrize("hkv", [8, 32])
+def test_paged_real_size(page_size, hkv, dtype):
+    b, L = 8, 8192
+    q, kc, vc, k, v, sl = _decode_case(b, L, 32, hkv, 128, dtype, s_cache=L + page_size)
+    kp, bt = _to_paged(kc, page_size)
+    vp = torch.randn_like(kp)
+    vp[bt.flatten().long()] = vc.reshape(-1, page_size, hkv, 128)
+    out_paged, _ = check_kvcache(q, kp, vp, k, v, cache_seqlens=sl, block_table=bt)
+    out_contig, _ = check_kvcache(q, kc, vc, k, v, cache_seqlens=sl)
+    assert torch.equal(out_paged, out_contig)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 5, 0])
+def test_splits_real_size(num_splits, dtype):
+    q, kc, vc, k, v, sl = _decode_case(2, 16384, 32, 8, 128, dtype)
+    check_kvcache(q, kc, vc, k, v, cache_seqlens=sl, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_head_dims_gpu(d):
+    q, kc, vc, k, v, sl = _decode_case(4, 3000, 32, 8, d, torch.bfloat16, s_new=4, sq=4)
+    check_kvcache(q, kc, vc, k, v, cache_seqlens=sl, causal=True)
+
+
+def test_features_gpu():
+    b, L = 4, 4096
+    q, kc, _vc, k, v, sl = _decode_case(b, L, 32, 8, 128, torch.bfloat16, s_new=2, sq=2, s_cache=L + 256)
+    kp, bt = _to_paged(kc, 256)
+    cos, sin = _rotary(L + 256, 64, torch.bfloat16)
+    check_kvcache(q, kp, torch.randn_like(kp), k, v, cache_seqlens=sl, block_table=bt, rotary_cos=cos, rotary_sin=sin,
+                  rotary_interleaved=False, causal=True, window_size=(1024, -1), softcap=30.0,
+                  alibi_slopes=torch.rand(b, 32, device="cuda"),
+                  cache_leftpad=torch.randint(0, 100, (b,), dtype=torch.int32, device="cuda"))
+
+
+def test_cuda_graph_decode_step():
+    b, L, hq, hkv, d = 8, 4096, 32, 8, 128
+    dtype = torch.bfloat16
+    q, kc, vc, k, v, sl = _decode_case(b, L, hq, hkv, d, dtype, s_cache=L + 16)
+    cos, sin = _rotary(L + 16, d, dtype)
+    static = [t.clone() for t in (q, k, v, sl)]
+
+    def step():
+        return fa_backend.flash_attn_with_kvcache(static[0], kc, vc, static[1], static[2], cos, sin,
+                                                  cache_seqlens=static[3], causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile kernels outside the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for _ in range(3):
+        new = _decode_case(b, L, hq, hkv, d, dtype, s_cache=L + 16)
+        for dst, src in zip(static, (new[0], new[3], new[4], new[5])):
+            dst.copy_(src)
+        kc_eager, vc_eager = kc.clone(), vc.clone()
+        eager = fa_backend.flash_attn_with_kvcache(static[0], kc_eager, vc_eager, static[1], static[2], cos, sin,
+                                                   cache_seqlens=static[3], causal=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)
+        assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager)
+
+
+def test_opcheck_gpu():
+    q, kc, vc, k, v, sl = _decode_case(2, 500, 8, 2, 128, torch.bfloat16, s_cache=600)
+    torch.library.opcheck(torch.ops.fa_backend.triton_kv_append.default,
+                          (kc, vc, k, v, sl, None, None, None, None, True))
+    torch.library.opcheck(torch.ops.fa_backend.triton_decode_fwd.default,
+                          (q, kc, vc, sl, 1, None, None, None, None, None, True, True, None, 0.1, -1, 0, 0.0, 0))
