@@ -104,14 +104,21 @@ def main() -> None:
         del mha, layer, x, xg
         torch.cuda.empty_cache()
 
-    # host-bound: one tiny call, wall time per call
-    mha = nn.MultiheadAttention(64, 1, batch_first=True, device="cuda", dtype=DT).eval()
-    x = torch.randn(1, 16, 64, device="cuda", dtype=DT)
-    with torch.no_grad():
-        report("mha_eval_tiny_host", 64, 1, 16, 1, _modes(lambda: mha(x, x, x, need_weights=False), _host_us), "us")
-    layer = nn.TransformerEncoderLayer(64, 1, 128, dropout=0.0, batch_first=True, device="cuda", dtype=DT).eval()
-    with torch.no_grad():
-        report("encoder_layer_tiny_host", 64, 1, 16, 1, _modes(lambda: layer(x), _host_us), "us")
+    # host-bound: one tiny call, wall time per call (2 heads: PyTorch's fast path applies; 1: it does not)
+    for heads in (1, 2):
+        mha = nn.MultiheadAttention(64, heads, batch_first=True, device="cuda", dtype=DT).eval()
+        x = torch.randn(1, 16, 64, device="cuda", dtype=DT)
+        with torch.no_grad():
+            report("mha_eval_tiny_host", 64, heads, 16, 1,
+                   _modes(lambda: mha(x, x, x, need_weights=False), _host_us), "us")
+        layer = nn.TransformerEncoderLayer(64, heads, 128, dropout=0.0, batch_first=True, device="cuda",
+                                           dtype=DT).eval()
+        with torch.no_grad():
+            report("encoder_layer_tiny_host", 64, heads, 16, 1, _modes(lambda: layer(x), _host_us), "us")
+        layer.train()
+        xg = x.clone().requires_grad_()
+        report("encoder_layer_train_tiny_host", 64, heads, 16, 1,
+               _modes(lambda: layer(xg).sum().backward(), _host_us), "us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,

@@ -12,8 +12,9 @@ the wrappers do nothing while it is off) takes one of three ways:
    fused op runs the same kernel with less host work. Counted and logged as routed to `torch`.
 2. nn.MultiheadAttention in the common form (integrations/mha.py): computed by `mha.mha_forward`
    with the router lifted (no per-op mode cost); its attention goes through the dispatcher.
-   nn.TransformerEncoderLayer (exact class) in training or with grad (no fast path to lose): its
-   Python forward runs with the router lifted, and its self-attention takes way 2.
+   nn.TransformerEncoderLayer (exact class) where one of PyTorch's own reasons keeps it off the
+   fast path (training, grad, odd heads, ...): its Python forward runs with the router lifted, and
+   its self-attention takes way 1 or 2.
 3. Anything else, and everything under torch.compile: the original forward with the router on
    the stack (the router handles `F.multi_head_attention_forward`).
 """
@@ -45,10 +46,12 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
 
 def _fast_path_attention(mha: nn.MultiheadAttention, x, masks: tuple) -> AttentionCall | None:
     """The attention call of PyTorch's fast path for this forward, or None if it would not take it."""
+    params = mha._parameters  # direct lookups: nn.Module.__getattr__ costs ~1 µs per attribute
+    weight, bias = params.get("in_proj_weight"), params.get("in_proj_bias")
     if (mha.training or torch.is_grad_enabled() or not mha.batch_first or mha.num_heads % 2
             or not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.bias_v is not None
-            or mha.add_zero_attn or mha.in_proj_bias is None or any(m is not None for m in masks)
-            or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.is_nested or x.dtype != mha.in_proj_weight.dtype
+            or mha.add_zero_attn or bias is None or weight is None or masks[0] is not None or masks[1] is not None
+            or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.is_nested or x.dtype != weight.dtype
             or torch.is_autocast_enabled() or not torch.backends.mha.get_fastpath_enabled()):
         return None
     b, s, embed = x.shape
@@ -172,6 +175,17 @@ def _unlifted(fn, *args, **kwargs):
         _LIFTED.depth = depth
 
 
+def _encoder_layer_has_no_fast_path(layer: nn.TransformerEncoderLayer, src) -> bool:
+    """True when one of PyTorch's own reasons certainly keeps this layer off its fused fast path."""
+    attn = layer.self_attn
+    if (layer.training or not isinstance(src, torch.Tensor) or src.dim() != 3 or not attn.batch_first
+            or attn.in_proj_bias is None or not attn._qkv_same_embed_dim or not layer.activation_relu_or_gelu
+            or layer.norm1.eps != layer.norm2.eps or attn.num_heads % 2 == 1 or torch.is_autocast_enabled()
+            or not torch.backends.mha.get_fastpath_enabled()):
+        return True
+    return torch.is_grad_enabled() and (src.requires_grad or any(p.requires_grad for p in layer.parameters()))
+
+
 def _encoder_layer_forward_wrapper(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -190,10 +204,8 @@ def _encoder_layer_forward_wrapper(original):
                     return _lifted(where, original, self, *args, **kwargs)
                 finally:
                     _LIFTED.counted = False
-        src = _arg(args, kwargs, 0, "src")
         with _NO_MODES():
-            no_fast_path = self.training or (torch.is_grad_enabled() and (
-                getattr(src, "requires_grad", False) or any(p.requires_grad for p in self.parameters())))
+            no_fast_path = _encoder_layer_has_no_fast_path(self, _arg(args, kwargs, 0, "src"))
         if no_fast_path:
             # no fast path to lose: the layer's own ops need no routing, and its self_attn call
             # comes back to the MHA wrapper
