@@ -37,7 +37,15 @@ _ORIGINAL: dict[type, object] = {}
 _DECISIONS: dict = {}
 _pop_mode = getattr(torch.overrides, "_pop_mode_temporarily", None)
 _LIFTED = threading.local()
-_NO_MODES = torch._C.DisableTorchFunction  # set while a module's forward runs with the router lifted off the stack
+_NO_MODES = torch._C.DisableTorchFunction
+if hasattr(torch._C, "_len_torch_function_stack") and hasattr(torch._C, "_get_function_stack_at"):
+    _stack_len, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+else:  # pragma: no cover - older torch
+    def _stack_len() -> int:
+        return len(_get_current_function_mode_stack())
+
+    def _stack_at(i: int):
+        return _get_current_function_mode_stack()[i]  # set while a module's forward runs with the router lifted off the stack
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
@@ -81,6 +89,28 @@ def _torch_decision(call: AttentionCall | None):
     return entry or None
 
 
+_FAST_PATH_MEMO: dict = {}
+
+
+def _fast_path_decision(mha: nn.MultiheadAttention, x, masks: tuple):
+    """`_torch_decision(_fast_path_attention(...))`, memoised on what both read (host time matters
+    most for the small inference calls that take this path)."""
+    if not isinstance(x, torch.Tensor) or masks[0] is not None or masks[1] is not None:
+        return None
+    params = mha._parameters
+    weight = params.get("in_proj_weight")
+    key = (id(mha), mha.training, torch.is_grad_enabled(), x.shape, x.dtype, x.device, x.is_nested,
+           None if weight is None else weight.dtype, params.get("in_proj_bias") is None, mha.batch_first,
+           mha.num_heads, mha._qkv_same_embed_dim, mha.bias_k is None, mha.add_zero_attn, torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled(),
+           allowed_backends(), torch._C._get_cudnn_sdp_enabled())
+    entry = _FAST_PATH_MEMO.get(key)
+    if entry is None:
+        if len(_FAST_PATH_MEMO) >= 1024:
+            _FAST_PATH_MEMO.clear()
+        entry = _FAST_PATH_MEMO[key] = _torch_decision(_fast_path_attention(mha, x, masks)) or False
+    return entry or None
+
+
 def _routing_here() -> str | None:
     """'lifted' inside a module already running with the router lifted, 'top' when an active
     router is the top mode (so it can be lifted), else None (not routing, compiling, other modes)."""
@@ -88,9 +118,11 @@ def _routing_here() -> str | None:
         return None
     if getattr(_LIFTED, "depth", 0):
         return "lifted"
-    stack = _get_current_function_mode_stack()
-    if stack and isinstance(stack[-1], tuple(ROUTER_TYPES)) and stack[-1].active():
-        return "top"
+    depth = _stack_len()
+    if depth:
+        top = _stack_at(depth - 1)
+        if isinstance(top, tuple(ROUTER_TYPES)) and top.active():
+            return "top"
     return None
 
 
@@ -148,7 +180,7 @@ def _mha_forward_wrapper(original):
             routed = None
             if query is key and key is value and not _arg(args, kwargs, 4, "need_weights", True):
                 masks = (_arg(args, kwargs, 3, "key_padding_mask"), _arg(args, kwargs, 5, "attn_mask"))
-                routed = _torch_decision(_fast_path_attention(self, query, masks))
+                routed = _fast_path_decision(self, query, masks)
             a = None if routed is not None else _mha_arguments(self, args, kwargs)
         if routed is not None:  # way 1
             if not getattr(_LIFTED, "counted", False):
