@@ -36,7 +36,7 @@ from . import mha as _mha
 _ORIGINAL: dict[type, object] = {}
 _DECISIONS: dict = {}
 _pop_mode = getattr(torch.overrides, "_pop_mode_temporarily", None)
-_LIFTED = threading.local()
+_LIFTED = threading.local()  # set while a module's forward runs with the router lifted off the stack
 _NO_MODES = torch._C.DisableTorchFunction
 if hasattr(torch._C, "_len_torch_function_stack") and hasattr(torch._C, "_get_function_stack_at"):
     _stack_len, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
@@ -45,7 +45,7 @@ else:  # pragma: no cover - older torch
         return len(_get_current_function_mode_stack())
 
     def _stack_at(i: int):
-        return _get_current_function_mode_stack()[i]  # set while a module's forward runs with the router lifted off the stack
+        return _get_current_function_mode_stack()[i]
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
@@ -101,7 +101,8 @@ def _fast_path_decision(mha: nn.MultiheadAttention, x, masks: tuple):
     weight = params.get("in_proj_weight")
     key = (id(mha), mha.training, torch.is_grad_enabled(), x.shape, x.dtype, x.device, x.is_nested,
            None if weight is None else weight.dtype, params.get("in_proj_bias") is None, mha.batch_first,
-           mha.num_heads, mha._qkv_same_embed_dim, mha.bias_k is None, mha.add_zero_attn, torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled(),
+           mha.num_heads, mha._qkv_same_embed_dim, mha.bias_k is None, mha.add_zero_attn,
+           torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled(),
            allowed_backends(), torch._C._get_cudnn_sdp_enabled())
     entry = _FAST_PATH_MEMO.get(key)
     if entry is None:
