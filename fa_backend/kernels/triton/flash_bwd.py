@@ -99,15 +99,16 @@ def _bwd_dkdv_loop(
                 band = cols[:, None] >= rows[None, :] + left_offset
             p_t = tl.where(band, p_t, 0.0)
         do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
-        delta = tl.load(DELTA + rows, mask=rows < SEQ_Q, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do))
         if DROPOUT:
             # dV sees the dropped probabilities (rescaled once at the end); dP is masked and scaled.
             keep_t = _dropout_keep(seed, rng_offset, bh_q, rows[None, :], cols[:, None], SEQ_Q, SEQ_K, dropout_p)
             dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)
-            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv)
+        delta = tl.load(DELTA + rows, mask=rows < SEQ_Q, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do))
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
