@@ -165,6 +165,10 @@ def main() -> None:
                 check, table, candidates = plan[name]
                 for cfg in dict.fromkeys(table + (candidates if args.candidates else [])):
                     for feature, extra in variants.items():
+                        if feature and cfg in table:  # feature calls use the feature tables where they exist
+                            cfg = {"fwd": _configs._GPU_FWD_FEATURES.get(d),
+                                   "dkdv": getattr(_configs._GPU_BWD_FEATURES.get(d), "dkdv", None),
+                                   "dq": getattr(_configs._GPU_BWD_FEATURES.get(d), "dq", None)}[name] or cfg
                         try:
                             res = check(cfg, d, causal, extra=extra)
                         except Exception as e:  # a config that fails to compile is reported and pruned

@@ -381,7 +381,7 @@ def flash_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
-    cfg = bwd_config(q, d, dv_dim, feat.causal)
+    cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
     block_d, block_dv = tile_dims(d, dv_dim)
 
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)

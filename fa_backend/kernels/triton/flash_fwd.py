@@ -214,7 +214,7 @@ def flash_fwd(
         return out, lse
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
-    cfg = fwd_config(q, d, dv, feat.causal, sk)
+    cfg = fwd_config(q, d, dv, feat.causal, sk, features=bool(feat.constexprs))
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
     _attn_fwd[grid_1d(num_m_blocks * b * hq)](
