@@ -8,6 +8,7 @@ Routing starts with `fa_backend.enable()` or inside `with fa_backend.enabled():`
 
 from . import ops  # noqa: F401  (registers torch.ops.fa_backend.*)
 from .api import attention
+from .flash_attn_interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .dispatch import (BackendUnsupportedError, Explanation, Reason, ReasonCode, explain, reset_stats,
                        sdpa_backends, stats)
 from .integrations import provider as _provider
@@ -19,4 +20,5 @@ _provider.register()  # lists "fa_backend" in torch.nn.attention's registry; act
 __version__ = "0.1.0"
 
 __all__ = ["attention", "BackendUnsupportedError", "disable", "enable", "enabled", "Explanation", "explain",
+           "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "Reason", "ReasonCode", "reset_stats", "sdpa_backends", "stats", "__version__"]

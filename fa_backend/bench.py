@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the host-time report (works without a GPU: the CPU fallback path)")
     parser.add_argument("--json", help="write the records (and environment) to this file")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--features", action="store_true",
+                        help="masks and dropout instead (fa_backend.bench_features): causal given as an explicit "
+                             "mask, key padding, dropout 0.1, against the efficient and cuDNN backends "
+                             "(default dims 128, seqlens 2k-16k)")
     args = parser.parse_args(argv)
     if args.overhead_only:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -223,6 +227,19 @@ def main(argv: list[str] | None = None) -> int:
         print("bench needs a CUDA GPU (use --overhead-only on CPU)", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    if args.features:
+        from . import bench_features
+
+        dims = args.dims if args.dims != [64, 128] else [128]
+        seqlens = [s for s in args.seqlens if s >= 2048]
+        backends = [b for b in args.backends if b in ("triton", *bench_features.PEERS)]
+        feats = bench_features.run(dims=dims, seqlens=seqlens, backends=backends, dtype=dtype,
+                                   backward=not args.fwd_only)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": environment(), "features": [dataclasses.asdict(r) for r in feats]}, f,
+                          indent=1)
+        return 0
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     env = environment()
     print(json.dumps(env))

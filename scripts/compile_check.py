@@ -5,11 +5,17 @@ TMA instructions the PTX holds. Prunes configurations before any GPU time is spe
 
     python scripts/compile_check.py                 # the configs in _configs.py
     python scripts/compile_check.py --candidates    # the tuning candidates too
+    python scripts/compile_check.py --features      # also each optional feature (mask, dropout, ...)
+
+Each line ends with a hash of the PTX with the kernel name removed, so that two revisions can be
+compared for identical code (e.g. the no-feature path after adding constexpr-gated features).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import inspect
 import os
 import re
 import subprocess
@@ -35,17 +41,21 @@ def _source(fn, example: dict, dtype: str) -> ASTSource:
     multiples of 16 and pointers get the divisibility hint."""
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        value = example[name]
+        # Arguments left out take their default (feature flags) or None (unused feature tensors/scalars).
+        default = fn.params[i].default
+        value = example.get(name, None if default is inspect.Parameter.empty else default)
         if fn.params[i].is_constexpr or value is None:
             signature[name] = "constexpr"
             constexprs[name] = value
-        elif value == "ptr" or value == "ptr32":
-            signature[name] = "*fp32" if value == "ptr32" else f"*{dtype}"
+        elif value in ("ptr", "ptr32", "ptr8"):
+            signature[name] = {"ptr32": "*fp32", "ptr8": "*u8"}.get(value, f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
         elif fn.params[i].do_not_specialize:
             signature[name] = "i32"
+        elif isinstance(value, int) and value >= 2**31:
+            signature[name] = "i64"
         elif value == 1:
             signature[name] = "constexpr"
             constexprs[name] = 1
@@ -79,12 +89,27 @@ def _report(kernel, options: dict) -> str:
     wgmma = ptx.count("wgmma.mma_async")
     cp_async = ptx.count("cp.async.")
     tma = ptx.count("cp.async.bulk.tensor")
+    code = ptx.split("\t.section\t.debug")[0]  # DWARF sections and .loc/.file hold source positions
+    body = "\n".join(line for line in code.splitlines()
+                     if not line.startswith(("//", "$L__tmp")) and not line.lstrip().startswith((".loc", ".file")))
+    digest = hashlib.sha1(re.sub(r"_attn_fwd|_bwd_dkdv|_bwd_dq", "K", body).encode()).hexdigest()[:10]
     return (f"regs={regs.group(1) if regs else '?':>3} spills={spill.group(1) if spill else '?':>4} "
-            f"smem={kernel.metadata.shared:>6} wgmma={wgmma:>3} cp.async={cp_async:>3} tma={tma}")
+            f"smem={kernel.metadata.shared:>6} wgmma={wgmma:>3} cp.async={cp_async:>3} tma={tma} ptx={digest}")
 
 
-def check_fwd(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16") -> str:
-    example = dict(Q="ptr", K="ptr", V="ptr", O="ptr", LSE="ptr32", **_strides("m", "q"),
+# Example arguments of each optional feature (names as in the kernels' signatures).
+FEATURES: dict[str, dict] = {
+    "bool_mask": dict(Mask="ptr8", stride_mb=0, stride_mh=0, stride_mm=4096, stride_mn=1, MASK_KIND=1),
+    "additive_mask": dict(Mask="ptr", stride_mb=0, stride_mh=0, stride_mm=4096, stride_mn=1, MASK_KIND=2),
+    "dropout": dict(seed=2**40, rng_offset=0, dropout_p=0.1, dropout_scale=1.1, DROPOUT=True),
+    "window": dict(left_offset=-256, WINDOW_LEFT=True),
+    "softcap": dict(softcap_in=0.01, SOFTCAP=True),
+    "alibi": dict(Alibi="ptr32", stride_ab=0, stride_ah=1, alibi_offset=0, HAS_ALIBI=True),
+}
+
+
+def check_fwd(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
+    example = dict(**(extra or {}), Q="ptr", K="ptr", V="ptr", O="ptr", LSE="ptr32", **_strides("m", "q"),
                    stride_kb=2048 * 4096, stride_kh=128, stride_kn=2048, stride_kd=1,
                    stride_vb=2048 * 4096, stride_vh=128, stride_vn=2048, stride_vd=1,
                    **_strides("m", "o"), NUM_HEADS_Q=16, GROUP=1, SEQ_Q=4096, SEQ_K=4096, NUM_M_BLOCKS=32,
@@ -98,8 +123,8 @@ def _compile(fn, example: dict, cfg: _configs.TileConfig, dtype: str) -> str:
     return _report(triton.compile(_source(fn, example, dtype), target=TARGET, options=opts), opts)
 
 
-def _bwd_example(d, causal, cfg):
-    ex = dict(Q="ptr", K="ptr", V="ptr", DO="ptr", LSE="ptr32", DELTA="ptr32", DK="ptr", DV="ptr", DQ="ptr",
+def _bwd_example(d, causal, cfg, extra=None):
+    ex = dict(**(extra or {}), Q="ptr", K="ptr", V="ptr", DO="ptr", LSE="ptr32", DELTA="ptr32", DK="ptr", DV="ptr", DQ="ptr",
               NUM_HEADS_Q=16, NUM_HEADS_K=16, GROUP=1, SEQ_Q=4096, SEQ_K=4096, NUM_N_BLOCKS=32, NUM_M_BLOCKS=32,
               causal_offset=0, qk_scale=0.1, sm_scale=0.08, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d,
               CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
@@ -110,12 +135,12 @@ def _bwd_example(d, causal, cfg):
     return ex
 
 
-def check_dkdv(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16") -> str:
-    return _compile(_bwd_dkdv, _bwd_example(d, causal, cfg), cfg, dtype)
+def check_dkdv(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
+    return _compile(_bwd_dkdv, _bwd_example(d, causal, cfg, extra), cfg, dtype)
 
 
-def check_dq(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16") -> str:
-    return _compile(_bwd_dq, _bwd_example(d, causal, cfg), cfg, dtype)
+def check_dq(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
+    return _compile(_bwd_dq, _bwd_example(d, causal, cfg, extra), cfg, dtype)
 
 
 def main() -> None:
@@ -123,7 +148,12 @@ def main() -> None:
     parser.add_argument("--candidates", action="store_true", help="also check the tuning candidates")
     parser.add_argument("--dims", type=int, nargs="*", default=[64, 128, 256])
     parser.add_argument("--kernels", nargs="*", default=["fwd", "dkdv", "dq"])
+    parser.add_argument("--features", nargs="*", default=None,
+                        help=f"also compile these feature variants (no name: all of {', '.join(FEATURES)})")
     args = parser.parse_args()
+    variants = {"": {}}
+    if args.features is not None:
+        variants.update({f: FEATURES[f] for f in (args.features or FEATURES)})
     for d in args.dims:
         for causal in (False, True):
             plan = {
@@ -134,12 +164,18 @@ def main() -> None:
             for name in args.kernels:
                 check, table, candidates = plan[name]
                 for cfg in dict.fromkeys(table + (candidates if args.candidates else [])):
-                    try:
-                        res = check(cfg, d, causal)
-                    except Exception as e:  # a config that fails to compile is reported and pruned
-                        res = f"FAILED {type(e).__name__}: {str(e)[:200]}"
-                    mark = "*" if cfg in table else " "
-                    print(f"{name:4} d={d:3} causal={causal:d} {mark}{cfg}: {res}", flush=True)
+                    for feature, extra in variants.items():
+                        if feature and cfg in table:  # feature calls use the feature tables where they exist
+                            cfg = {"fwd": _configs._GPU_FWD_FEATURES.get(d),
+                                   "dkdv": getattr(_configs._GPU_BWD_FEATURES.get(d), "dkdv", None),
+                                   "dq": getattr(_configs._GPU_BWD_FEATURES.get(d), "dq", None)}[name] or cfg
+                        try:
+                            res = check(cfg, d, causal, extra=extra)
+                        except Exception as e:  # a config that fails to compile is reported and pruned
+                            res = f"FAILED {type(e).__name__}: {str(e)[:200]}"
+                        mark = "*" if cfg in table else " "
+                        tag = f" +{feature}" if feature else ""
+                        print(f"{name:4} d={d:3} causal={causal:d} {mark}{cfg}{tag}: {res}", flush=True)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,74 @@ def check_attention(attn_fn, q, k, v, *, is_causal=False, bottom_right=False, sc
         assert g.dtype == q.dtype
         assert_within_bar(name, g, gp, gr, atol)
     return out
+
+
+def attention_ref(q, k, v, *, attn_mask=None, is_causal=False, bottom_right=False, scale=None,
+                  window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_keep=None, dropout_p=0.0, dtype=None):
+    """Explicit attention with every kernel feature, in plain PyTorch ops (`dtype`, default q's).
+
+    logits = softcap(scale * q k^T) + alibi + additive mask, with softcap(x) = c * tanh(x / c)
+    (FlashAttention-2), ALiBi bias -slope * |i + sk - sq - j| (FlashAttention-2), a bool mask /
+    causal band / sliding window (FA2: i + sk - sq - left <= j <= i + sk - sq + right) removing
+    keys; rows with no key left output 0 with zero gradients (PyTorch's math backend); dropout
+    multiplies the probabilities by dropout_keep / (1 - p) (the kernel's own mask).
+    """
+    if dtype is not None:
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    scale = d ** -0.5 if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype).view(-1 if alibi_slopes.dim() == 2 else 1, hq)[:, :, None, None]
+        s = s - slopes * (i + sk - sq - j).abs().to(s.dtype)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if is_causal:
+        keep &= j <= i + (sk - sq if bottom_right else 0)
+    left, right = window
+    if left >= 0:
+        keep &= j >= i + sk - sq - left
+    if right >= 0:
+        keep &= j <= i + sk - sq + right
+    keep = keep.expand(s.shape)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = keep & attn_mask
+        else:
+            s = s + attn_mask.to(s.dtype)
+    s = s.masked_fill(~keep, float("-inf"))
+    dead = (s == float("-inf")).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    if dropout_keep is not None and dropout_p > 0:
+        p = p * dropout_keep.to(p.dtype) / (1.0 - dropout_p)
+    return p @ v
+
+
+def check_features(attn_fn, q, k, v, *, grad=True, atol=1e-5, **features):
+    """check_attention for calls with features: attn_fn(q, k, v) against attention_ref in float64
+    (the truth) and in the inputs' dtype (the 2x baseline). A float mask in `features` is a leaf
+    of neither (no mask gradient)."""
+    leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    out = attn_fn(*leaves)
+    ref_leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+    ref = attention_ref(*ref_leaves, **features)
+    pt_leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    pt = attention_ref(*pt_leaves, **features)
+    assert out.dtype == q.dtype
+    assert_within_bar("out", out, pt, ref, atol)
+    if not grad:
+        return out
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    pt_grads = torch.autograd.grad(pt, pt_leaves, dout)
+    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
+        assert g.dtype == q.dtype
+        assert_within_bar(name, g, gp, gr, atol)
+    return out

@@ -67,6 +67,9 @@ class AttentionCall:
     causal_alignment: str = "top_left"
     mask_kind: str = "none"
     mask_shape: tuple[int, ...] | None = None
+    mask_dtype: torch.dtype | None = None
+    mask_requires_grad: bool = False
+    mask_same_device: bool = True
     dropout_p: float = 0.0
     scale: float | None = None
     enable_gqa: bool = False
@@ -76,6 +79,16 @@ class AttentionCall:
     same_dtype: bool = True
     same_device: bool = True
     subclass: bool = False
+
+    @property
+    def mask_broadcastable(self) -> bool:
+        """The mask's shape broadcasts to (batch, heads_q, seqlen_q, seqlen_k) (at most 4-D)."""
+        if self.mask_shape is None:
+            return True
+        full = (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+        if len(self.mask_shape) > 4:
+            return False
+        return all(m in (1, f) for m, f in zip(reversed(self.mask_shape), reversed(full)))
 
     @property
     def gqa_group(self) -> int:
@@ -109,10 +122,12 @@ class AttentionCall:
             b = hq = hkv = sq = sk = d = dv = 0
             consistent = False
         if attn_mask is None:
-            mask_kind, mask_shape = "none", None
+            mask_kind, mask_shape, mask_dtype, mask_grad, mask_device = "none", None, None, False, True
         else:
             mask_kind = "bool" if attn_mask.dtype == torch.bool else "additive"
-            mask_shape = tuple(attn_mask.shape)
+            mask_shape, mask_dtype = tuple(attn_mask.shape), attn_mask.dtype
+            mask_grad = torch.is_grad_enabled() and attn_mask.requires_grad
+            mask_device = attn_mask.device == q.device
         if not _PLAIN_TYPES:
             _PLAIN_TYPES.append(_plain_tensor_types())
         subclass = any(type(t) not in _PLAIN_TYPES[0] for t in (q, k, v, attn_mask) if t is not None)
@@ -122,7 +137,8 @@ class AttentionCall:
             device_type=q.device.type, capability=device_capability(q.device), dtype=q.dtype,
             batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
             is_causal=bool(is_causal), causal_alignment=causal_alignment, mask_kind=mask_kind,
-            mask_shape=mask_shape, dropout_p=float(dropout_p), scale=scale, enable_gqa=bool(enable_gqa),
+            mask_shape=mask_shape, mask_dtype=mask_dtype, mask_requires_grad=mask_grad,
+            mask_same_device=mask_device, dropout_p=float(dropout_p), scale=scale, enable_gqa=bool(enable_gqa),
             requires_grad=grad, ranks=ranks, shapes_consistent=consistent,
             same_dtype=q.dtype == k.dtype == v.dtype, same_device=q.device == k.device == v.device,
             subclass=subclass,

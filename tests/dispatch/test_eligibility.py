@@ -62,8 +62,16 @@ def test_eligible_call_has_no_reason():
     ({"capability": (7, 5)}, ReasonCode.CAPABILITY),
     ({"device_type": "mps", "capability": None}, ReasonCode.DEVICE),
     ({"same_device": False}, ReasonCode.DEVICE),
-    ({"mask_kind": "bool", "mask_shape": (1024, 2048)}, ReasonCode.MASK),
-    ({"dropout_p": 0.1}, ReasonCode.DROPOUT),
+    ({"mask_kind": "additive", "mask_shape": (1024, 2048), "mask_dtype": torch.float64}, ReasonCode.MASK),
+    ({"mask_kind": "additive", "mask_shape": (1024, 2048), "mask_dtype": torch.float16}, ReasonCode.MASK),
+    ({"mask_kind": "bool", "mask_shape": (1000, 2048), "mask_dtype": torch.bool}, ReasonCode.MASK),
+    ({"mask_kind": "bool", "mask_shape": (1, 2, 8, 1024, 2048), "mask_dtype": torch.bool}, ReasonCode.MASK),
+    ({"mask_kind": "bool", "mask_shape": (2048,), "mask_dtype": torch.bool, "is_causal": True}, ReasonCode.MASK),
+    ({"mask_kind": "additive", "mask_shape": (1024, 2048), "mask_dtype": torch.bfloat16,
+      "mask_requires_grad": True}, ReasonCode.GRAD),
+    ({"mask_kind": "bool", "mask_shape": (2048,), "mask_dtype": torch.bool, "mask_same_device": False},
+     ReasonCode.DEVICE),
+    ({"dropout_p": 1.0}, ReasonCode.DROPOUT),
     ({"enable_gqa": False}, ReasonCode.GQA),
     ({"heads_q": 6, "heads_kv": 4}, ReasonCode.GQA),
     ({"ranks": (3, 3, 3)}, ReasonCode.LAYOUT),
@@ -84,8 +92,36 @@ def test_messages_name_limit_and_value():
     assert r.message == "head_dim=320 (supported: multiples of 8 up to 256)"
     (r,) = TritonBackend.why_not(dataclasses.replace(OK, enable_gqa=False))
     assert "heads_q=8 != heads_kv=2" in r.message and "enable_gqa=True" in r.message
-    (r,) = TritonBackend.why_not(dataclasses.replace(OK, dropout_p=0.25))
-    assert r.message == "dropout_p=0.25 (supported: 0.0)"
+    (r,) = TritonBackend.why_not(dataclasses.replace(OK, dropout_p=1.0))
+    assert r.message == "dropout_p=1.0 (supported: 0 <= dropout_p < 1)"
+    (r,) = TritonBackend.why_not(dataclasses.replace(OK, mask_kind="additive", mask_shape=(2048,),
+                                                     mask_dtype=torch.float64))
+    assert "attn_mask dtype=torch.float64" in r.message and "torch.float32" in r.message
+
+
+@pytest.mark.parametrize("changes", [
+    {"mask_kind": "bool", "mask_shape": (2, 1, 1, 2048), "mask_dtype": torch.bool},  # key padding
+    {"mask_kind": "bool", "mask_shape": (1024, 2048), "mask_dtype": torch.bool},
+    {"mask_kind": "additive", "mask_shape": (1, 8, 1024, 2048), "mask_dtype": torch.bfloat16},
+    {"mask_kind": "additive", "mask_shape": (2, 8, 1, 1), "mask_dtype": torch.float32},
+    {"mask_kind": "additive", "mask_shape": (2048,), "mask_dtype": torch.float32, "mask_requires_grad": False},
+    {"dropout_p": 0.1},
+    {"dropout_p": 0.1, "mask_kind": "bool", "mask_shape": (2, 1, 1, 2048), "mask_dtype": torch.bool,
+     "requires_grad": True},
+])
+def test_triton_accepts_masks_and_dropout(changes):
+    assert _codes(**changes) == []
+
+
+def test_call_describes_the_mask():
+    q, k = _meta(2, 8, 100, 64), _meta(2, 2, 300, 64)
+    mask = torch.empty(2, 1, 1, 300, dtype=torch.float32, device="meta", requires_grad=True)
+    call = AttentionCall.from_tensors(q, k, k, mask, enable_gqa=True)
+    assert (call.mask_dtype, call.mask_requires_grad, call.mask_same_device, call.mask_broadcastable) == (
+        torch.float32, True, True, True)
+    with torch.no_grad():
+        assert not AttentionCall.from_tensors(q, k, k, mask, enable_gqa=True).mask_requires_grad
+    assert ReasonCode.GRAD in [r.code for r in TritonBackend.why_not(call)]
 
 
 def test_cute_is_a_placeholder():

@@ -86,11 +86,11 @@ def test_fallback_is_correct_counted_and_logged_once(caplog):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     s = fa_backend.stats()
     assert s["runs"] == {"torch": 2}
-    assert s["fallbacks"]["triton:dtype"] == 2 and s["fallbacks"]["triton:mask"] == 2
+    assert s["fallbacks"]["triton:dtype"] == 2 and "triton:mask" not in s["fallbacks"]  # masks are supported
     records = [r for r in caplog.records if "triton skipped" in r.getMessage()]
     assert len(records) == 1, [r.getMessage() for r in caplog.records]
     msg = records[0].getMessage()
-    assert "[dtype] dtype=torch.float32" in msg and "[mask] attn_mask (bool)" in msg and msg.endswith("ran torch")
+    assert "[dtype] dtype=torch.float32" in msg and "[mask]" not in msg and msg.endswith("ran torch")
 
 
 def test_debug_record_per_routed_call(caplog):
@@ -144,9 +144,9 @@ def test_forced_backend_raises_every_reason():
     q, k, v = _qkv(dtype=torch.float32, d=12)
     with fa_backend.enabled(), fa_backend.sdpa_backends("triton"):
         with pytest.raises(BackendUnsupportedError) as info:
-            F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(24, 24, device=DEVICE, requires_grad=True))
     codes = [r.code for r in info.value.rejected["triton"]]
-    assert codes == [ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.HEAD_DIM, ReasonCode.DROPOUT]
+    assert codes == [ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.HEAD_DIM, ReasonCode.GRAD]
     assert isinstance(info.value, RuntimeError)
 
 
@@ -233,3 +233,17 @@ def test_autocast_inputs_are_routed_in_the_autocast_dtype():
         out = F.scaled_dot_product_attention(q, k, v)
     assert out.dtype == torch.float16
     assert _runs() == {"triton": 1}
+
+
+@pytest.mark.parametrize("case", ["key_padding", "dropout"])
+def test_key_padding_mask_and_dropout_are_routed_to_triton(case):
+    q, k, v = _qkv(b=2)
+    kw = ({"attn_mask": torch.rand(2, 1, 1, 24, device=DEVICE) > 0.3} if case == "key_padding"
+          else {"dropout_p": 0.1})
+    with fa_backend.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert _runs() == {"triton": 1}, fa_backend.stats()
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    if case == "key_padding":
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=kw["attn_mask"])
+        assert (out.double() - ref).abs().max() < 5e-3

@@ -112,3 +112,94 @@ def test_eager_twin_matches_the_op_bitwise(use_lse):
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert counters.stats()["runs"] == {"triton": 2}
+
+
+def _feature_args(q, kind):
+    """(attn_mask, dropout_p, rng_state, window_left, window_right, softcap, alibi_slopes) for one case."""
+    b, hq, sq = q.shape[:3]
+    sk = 24
+    none = [None, 0.0, None, -1, -1, 0.0, None]
+    if kind == "bool_mask":
+        none[0] = torch.rand(b, 1, 1, sk, device=DEVICE) > 0.3
+    elif kind == "additive_mask":
+        none[0] = torch.randn(sq, sk, device=DEVICE)
+    elif kind == "dropout":
+        none[1], none[2] = 0.25, torch.tensor([2**40 + 5, 3], dtype=torch.int64)
+    elif kind == "window_softcap_alibi":
+        none[3], none[4], none[5], none[6] = 6, 2, 3.0, torch.rand(hq, device=DEVICE)
+    return none
+
+
+FEATURE_CASES = ["bool_mask", "additive_mask", "dropout", "window_softcap_alibi"]
+
+
+@pytest.mark.parametrize("kind", FEATURE_CASES)
+def test_opcheck_fwd_features(kind):
+    q, k, v = _inputs(sq=12, sk=24, grad=True)
+    feats = _feature_args(q, kind)
+    torch.library.opcheck(triton_flash_fwd, (q, k, v, None, True, True, *feats))
+
+
+@pytest.mark.parametrize("kind", FEATURE_CASES)
+def test_opcheck_bwd_features(kind):
+    from fa_backend.ops import triton_flash_bwd_out
+
+    q, k, v = _inputs(sq=12, sk=24, d=16)
+    feats = _feature_args(q, kind)
+    out, lse = triton_flash_fwd(q, k, v, None, False, False, *feats)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(triton_flash_bwd, (dout, q, k, v, out, lse, None, None, False, False, *feats))
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    torch.library.opcheck(triton_flash_bwd_out, (dout, q, k, v, out, lse, None, *grads, None, False, False, *feats))
+
+
+@pytest.mark.parametrize("kind", FEATURE_CASES)
+def test_eager_twin_matches_the_op_bitwise_with_features(kind):
+    from fa_backend.dispatch import counters
+    from fa_backend.ops import triton_flash_attention
+
+    q, k, v = _inputs(hq=2, hkv=1, sq=12, sk=24, d=16, grad=True)
+    mask, p, rng, wl, wr, cap, slopes = _feature_args(q, kind)
+    counters.reset_stats()
+    results = []
+    for use_op in (False, True):
+        if use_op:
+            out, lse = triton_flash_fwd(q, k, v, 0.3, True, True, mask, p, rng, wl, wr, cap, slopes)
+        else:
+            out, lse = triton_flash_attention(q, k, v, 0.3, True, True, attn_mask=mask, dropout_p=p, rng_state=rng,
+                                              window_left=wl, window_right=wr, softcap=cap, alibi_slopes=slopes)
+        loss = (out.float() * torch.linspace(-1, 1, out.shape[-1], device=DEVICE)).sum() + lse.clamp_min(-1e4).sum()
+        results.append((out, lse, *torch.autograd.grad(loss, (q, k, v))))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert counters.stats()["runs"] == {"triton": 2}
+
+
+def test_fake_matches_real_metadata_with_features():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _inputs(sq=12, sk=24, d=32, dv=16, transposed=True)
+    feats = _feature_args(q, "bool_mask")
+    feats[1], feats[2] = 0.1, torch.tensor([2**40, 0], dtype=torch.int64)
+    real = triton_flash_fwd(q, k, v, None, False, False, *feats)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fmask = mode.from_tensor(feats[0])
+        fake = triton_flash_fwd(fq, fk, fv, None, False, False, fmask, *feats[1:])
+    for r, f in zip(real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+def test_compile_with_mask_and_dropout_matches_eager():
+    q, k, v = _inputs(sq=12, sk=24, grad=True)
+    mask = torch.rand(1, 1, 1, 24, device=DEVICE) > 0.3
+
+    def block(q, k, v):
+        return fa_backend.attention(q, k, v, attn_mask=mask, window_size=(8, -1)).sum(-1)
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), block(q, k, v), rtol=0, atol=0)
+    drop = torch.compile(lambda q, k, v: fa_backend.attention(q, k, v, dropout_p=0.2), fullgraph=True,
+                         backend="aot_eager")
+    out = drop(q, k, v)
+    assert torch.isfinite(out).all() and out.shape == q.shape

@@ -45,8 +45,10 @@ class TritonBackend(Backend):
     HEAD_DIM_MULTIPLE = 8
     MAX_HEAD_DIM = 256
     MIN_CAPABILITY = (8, 0)
-    SUPPORTED_MASKS = frozenset({"none"})
-    SUPPORTS_DROPOUT = False
+    SUPPORTED_MASKS = frozenset({"none", "bool", "additive"})
+    # Additive masks: the query dtype or float32 (read and added in fp32 by the kernels).
+    ADDITIVE_MASK_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    SUPPORTS_DROPOUT = True
     SUPPORTS_GQA = True
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = True
     SUPPORTS_BACKWARD = True
@@ -88,9 +90,34 @@ class TritonBackend(Backend):
             elif call.heads_q != call.heads_kv and not call.enable_gqa:
                 reasons.append(Reason(ReasonCode.GQA, f"heads_q={call.heads_q} != heads_kv={call.heads_kv} needs enable_gqa=True"))
         if call.mask_kind not in cls.SUPPORTED_MASKS:
-            reasons.append(Reason(ReasonCode.MASK, f"attn_mask ({call.mask_kind}) is not supported yet (supported: none)"))
+            reasons.append(Reason(ReasonCode.MASK, f"attn_mask ({call.mask_kind}) is not supported "
+                                                   f"(supported: {', '.join(sorted(cls.SUPPORTED_MASKS))})"))
+        elif call.mask_kind == "additive" and call.mask_dtype not in (cls.ADDITIVE_MASK_DTYPES & {call.dtype, torch.float32}):
+            reasons.append(Reason(ReasonCode.MASK, f"attn_mask dtype={call.mask_dtype} (supported: torch.bool, "
+                                                   f"the query dtype {call.dtype} or torch.float32)"))
+        if call.mask_kind != "none":
+            if call.is_causal:
+                reasons.append(Reason(ReasonCode.MASK, "attn_mask together with is_causal=True (PyTorch's backends "
+                                                       "disagree on it; left to PyTorch)"))
+            if not call.mask_broadcastable:
+                reasons.append(Reason(ReasonCode.MASK, f"attn_mask shape={list(call.mask_shape or ())} does not broadcast to "
+                                                       f"{[call.batch, call.heads_q, call.seqlen_q, call.seqlen_k]} "
+                                                       "(PyTorch reports the error)"))
+            if not call.mask_same_device:
+                reasons.append(Reason(ReasonCode.DEVICE, "attn_mask is on another device than the query"))
+            if call.mask_requires_grad:
+                reasons.append(Reason(ReasonCode.GRAD, "attn_mask requires grad (the kernels compute no mask gradient)"))
         if call.dropout_p > 0 and not cls.SUPPORTS_DROPOUT:
             reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0.0)"))
+        elif call.dropout_p > 0 and call.causal_alignment == "bottom_right":
+            # Calls described with FlashAttention's alignment come from PyTorch's flash-op override
+            # (integrations/provider), whose dropout follows aten's Philox seed/offset contract; our
+            # kernels draw their own counter-based mask, so that path keeps dropout on PyTorch.
+            reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} on PyTorch's flash op "
+                                                      "(its Philox seed/offset contract is not implemented; "
+                                                      "supported: 0.0 there)"))
+        elif not 0.0 <= call.dropout_p < 1.0:
+            reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0 <= dropout_p < 1)"))
         return reasons
 
     @classmethod
@@ -98,4 +125,5 @@ class TritonBackend(Backend):
         from ...ops import triton_flash_attention
 
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
-        return triton_flash_attention(q, k, v, scale, bool(is_causal), bottom_right)[0]
+        return triton_flash_attention(q, k, v, scale, bool(is_causal), bottom_right,
+                                      attn_mask=attn_mask, dropout_p=float(dropout_p))[0]

@@ -5,6 +5,6 @@ limits are declared by the callers (ops/api), not asserted here.
 """
 
 from .flash_bwd import flash_bwd
-from .flash_fwd import flash_fwd
+from .flash_fwd import dropout_keep_mask, flash_fwd
 
-__all__ = ["flash_fwd", "flash_bwd"]
+__all__ = ["flash_fwd", "flash_bwd", "dropout_keep_mask"]

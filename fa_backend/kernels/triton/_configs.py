@@ -63,6 +63,13 @@ _GPU_BWD_CAUSAL: dict[int, BwdConfig] = {
     128: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2)),
 }
 
+# Calls with optional features (mask, dropout, window, softcap, ALiBi) need more registers per score
+# tile; at width 128 the tiles below compile without spills on sm90 for every feature
+# (scripts/compile_check.py --features; dropout's dK/dV keeps a 12-16 byte spill). Not yet timed on
+# a GPU. Other widths use the plain tables.
+_GPU_FWD_FEATURES: dict[int, TileConfig] = {128: TileConfig(128, 64, 8, 3)}
+_GPU_BWD_FEATURES: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 128, 8, 1), TileConfig(64, 32, 4, 2))}
+
 _override: dict[str, object] = {"fwd": None, "bwd": None}
 
 
@@ -131,17 +138,23 @@ def _width(d: int, dv: int) -> int:
     return max(pad_head_dim(d), pad_head_dim(dv))
 
 
-def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int) -> TileConfig:
+def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int, features: bool = False) -> TileConfig:
     if _override["fwd"] is not None:
         return _override["fwd"]  # type: ignore[return-value]
     if interpreting() or q.device.type != "cuda":
         return _INTERPRETER_FWD
-    return fwd_table(causal, seqlen_k)[_width(d, dv)]
+    width = _width(d, dv)
+    if features and width in _GPU_FWD_FEATURES:
+        return _GPU_FWD_FEATURES[width]
+    return fwd_table(causal, seqlen_k)[width]
 
 
-def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool) -> BwdConfig:
+def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool = False) -> BwdConfig:
     if _override["bwd"] is not None:
         return _override["bwd"]  # type: ignore[return-value]
     if interpreting() or q.device.type != "cuda":
         return _INTERPRETER_BWD
-    return bwd_table(causal)[_width(d, dv)]
+    width = _width(d, dv)
+    if features and width in _GPU_BWD_FEATURES:
+        return _GPU_BWD_FEATURES[width]
+    return bwd_table(causal)[width]

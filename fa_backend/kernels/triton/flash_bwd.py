@@ -12,18 +12,16 @@ reproducible.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import _kv_bounds, _load_lse_log2, _load_rows, _tile_ptrs
+from ._common import (LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_rows, _score_mods,
+                      _tile_ptrs, _window_lo)
 from ._configs import bwd_config
+from ._features import kernel_features
 from . import _launch
 from ._launch import grid_1d, tile_dims
-
-_LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
@@ -60,15 +58,19 @@ def _bwd_dkdv_loop(
     dk, dv, k, v, Q, DO, LSE, DELTA,
     stride_qm, stride_qd, stride_dom, stride_dod,
     start, end, n0, SEQ_Q, causal_offset, qk_scale,
+    SEQ_K, Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+    seed, rng_offset, bh_q, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr = True, WINDOW_LEFT: tl.constexpr = False,
+    MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
 ):
     """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end).
 
     Scores are computed transposed (keys x queries) so dV += P^T dO and dK += dS^T Q are plain
     dots. Key rows past SEQ_K hold zeros and produce values that are never stored. Query rows
-    past SEQ_Q get LSE = +inf, hence P = 0.
+    past SEQ_Q get LSE = +inf, hence P = 0. MASKED applies the causal / window band.
     """
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -80,14 +82,36 @@ def _bwd_dkdv_loop(
         rows = start_m + offs_m
         q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
         lse = _load_lse_log2(LSE, rows, SEQ_Q)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
+            s_t, t_t = _score_mods(tl.dot(k, tl.trans(q)), rows[None, :], cols[:, None], SEQ_Q, SEQ_K, qk_scale,
+                                   softcap_in, Mask, stride_mm, stride_mn, slope2, alibi_offset,
+                                   MASK_KIND, HAS_ALIBI, SOFTCAP)
+            p_t = tl.math.exp2(s_t - lse[None, :])
+        else:
+            p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MASKED:
-            p_t = tl.where(cols[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+            if CAUSAL:
+                if WINDOW_LEFT:
+                    band = (cols[:, None] <= rows[None, :] + causal_offset) & (cols[:, None] >= rows[None, :] + left_offset)
+                else:
+                    band = cols[:, None] <= rows[None, :] + causal_offset
+            else:
+                band = cols[:, None] >= rows[None, :] + left_offset
+            p_t = tl.where(band, p_t, 0.0)
         do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        if DROPOUT:
+            # dV sees the dropped probabilities (rescaled once at the end); dP is masked and scaled.
+            keep_t = _dropout_keep(seed, rng_offset, bh_q, rows[None, :], cols[:, None], SEQ_Q, SEQ_K, dropout_p)
+            dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
         delta = tl.load(DELTA + rows, mask=rows < SEQ_Q, other=0.0)
         dp_t = tl.dot(v, tl.trans(do))
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -104,9 +128,14 @@ def _bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn,
+    Alibi, stride_ab, stride_ah, alibi_offset, softcap_in, left_offset,
+    seed, rng_offset, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_n = pid % NUM_N_BLOCKS
@@ -133,7 +162,25 @@ def _bwd_dkdv(
     else:
         m_lo = 0
         m_mid = 0
+    if WINDOW_LEFT:
+        # Row i sees key j only if j >= i + left_offset: rows up to n0 - left_offset see the
+        # whole block on that side, rows from n0 + BLOCK_N - left_offset on see none of it.
+        m_hi = tl.minimum(tl.maximum(n0 + BLOCK_N - left_offset, 0), SEQ_Q)
+        full_end = tl.minimum(tl.maximum(n0 - left_offset + 1, 0), SEQ_Q)
+        if full_end >= SEQ_Q:
+            m_end = SEQ_Q
+        else:
+            m_end = m_mid + (tl.maximum(full_end - m_mid, 0) // BLOCK_M) * BLOCK_M
+        m_diag_end = tl.minimum(m_mid, m_hi)
+    else:
+        m_hi = SEQ_Q
+        m_end = SEQ_Q
+        m_diag_end = m_mid
 
+    if MASK_KIND != 0:
+        stride_mask_b = off_b * stride_mb
+    else:
+        stride_mask_b = 0
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
         bh_q = off_b * NUM_HEADS_Q + off_h
@@ -141,17 +188,41 @@ def _bwd_dkdv(
         DO_h = DO + off_b * stride_dob + off_h * stride_doh
         LSE_h = LSE + bh_q * SEQ_Q
         DELTA_h = DELTA + bh_q * SEQ_Q
+        if MASK_KIND != 0:
+            Mask_h = Mask + stride_mask_b + off_h * stride_mh
+        else:
+            Mask_h = Mask
+        if HAS_ALIBI:
+            slope2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah).to(tl.float32) * LOG2E
+        else:
+            slope2 = 0.0
         if CAUSAL:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                m_lo, m_mid, n0, SEQ_Q, causal_offset, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True)
+                m_lo, m_diag_end, n0, SEQ_Q, causal_offset, qk_scale,
+                SEQ_K, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                seed, rng_offset, bh_q, dropout_p, dropout_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
         dk, dv = _bwd_dkdv_loop(
             dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-            m_mid, SEQ_Q, n0, SEQ_Q, causal_offset, qk_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False)
+            m_mid, m_end, n0, SEQ_Q, causal_offset, qk_scale,
+            SEQ_K, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh_q, dropout_p, dropout_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
+            MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
+        if WINDOW_LEFT:
+            dk, dv = _bwd_dkdv_loop(
+                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+                tl.maximum(m_end, m_mid), m_hi, n0, SEQ_Q, causal_offset, qk_scale,
+                SEQ_K, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                seed, rng_offset, bh_q, dropout_p, dropout_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
 
     dk *= sm_scale
+    if DROPOUT:
+        dv *= dropout_scale
     col_ok = cols[:, None] < SEQ_K
     dk_ptrs = _tile_ptrs(DK + off_b * stride_dkb + off_hk * stride_dkh, n0, stride_dkn, stride_dkd, BLOCK_N, BLOCK_D)
     dv_ptrs = _tile_ptrs(DV + off_b * stride_dvb + off_hk * stride_dvh, n0, stride_dvn, stride_dvd, BLOCK_N, BLOCK_DV)
@@ -164,9 +235,13 @@ def _bwd_dq_loop(
     dq, q, do, lse, delta, K, V,
     stride_kn, stride_kd, stride_vn, stride_vd,
     start, end, rows, SEQ_K, causal_offset, qk_scale,
+    SEQ_Q, Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+    seed, rng_offset, bh, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
     """Accumulate dQ of one query block over keys [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -178,14 +253,23 @@ def _bwd_dq_loop(
         cols = start_n + offs_n
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        if MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
+            s, t = _score_mods(tl.dot(q, tl.trans(k)), rows[:, None], cols[None, :], SEQ_Q, SEQ_K, qk_scale,
+                               softcap_in, Mask, stride_mm, stride_mn, slope2, alibi_offset,
+                               MASK_KIND, HAS_ALIBI, SOFTCAP)
+            p = tl.math.exp2(s - lse[:, None])
+        else:
+            p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
-            keep = cols[None, :] < SEQ_K
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None] + causal_offset)
+            keep = _band_keep(rows[:, None], cols[None, :], SEQ_K, causal_offset, left_offset, CAUSAL, WINDOW_LEFT)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            keep_d = _dropout_keep(seed, rng_offset, bh, rows[:, None], cols[None, :], SEQ_Q, SEQ_K, dropout_p)
+            dp = tl.where(keep_d, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -201,9 +285,14 @@ def _bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale, sm_scale,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn,
+    Alibi, stride_ab, stride_ah, alibi_offset, softcap_in, left_offset,
+    seed, rng_offset, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_m = pid % NUM_M_BLOCKS
@@ -225,15 +314,42 @@ def _bwd_dq(
     delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
     K_bh = K + off_b * stride_kb + off_hk * stride_kh
     V_bh = V + off_b * stride_vb + off_hk * stride_vh
+    if MASK_KIND != 0:
+        Mask_bh = Mask + off_b * stride_mb + off_h * stride_mh
+    else:
+        Mask_bh = Mask
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah).to(tl.float32) * LOG2E
+    else:
+        slope2 = 0.0
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    if WINDOW_LEFT:
+        lo, full_lo = _window_lo(m0, SEQ_K, left_offset, BLOCK_M, BLOCK_N)
+        dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                          lo, tl.minimum(full_lo, hi), rows, SEQ_K, causal_offset, qk_scale,
+                          SEQ_Q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                          seed, rng_offset, bh, dropout_p, dropout_scale,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+        mid_lo = full_lo
+        tail_lo = tl.maximum(full_lo, n_full)
+    else:
+        mid_lo = 0
+        tail_lo = n_full
     dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                      0, n_full, rows, SEQ_K, causal_offset, qk_scale,
-                      HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL)
+                      mid_lo, n_full, rows, SEQ_K, causal_offset, qk_scale,
+                      SEQ_Q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                      seed, rng_offset, bh, dropout_p, dropout_scale,
+                      HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
+                      MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                      n_full, hi, rows, SEQ_K, causal_offset, qk_scale,
-                      HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL)
+                      tail_lo, hi, rows, SEQ_K, causal_offset, qk_scale,
+                      SEQ_Q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                      seed, rng_offset, bh, dropout_p, dropout_scale,
+                      HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
+                      MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
@@ -242,25 +358,31 @@ def _bwd_dq(
 def flash_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
-    dlse: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None, *,
+    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of flash_fwd; each has its input's shape, dtype and (dense) strides.
 
-    dlse, the gradient flowing into the LSE output (fp32, (b, hq, sq)), is optional.
+    dlse, the gradient flowing into the LSE output (fp32, (b, hq, sq)), is optional. The feature
+    arguments must be those of the forward (the dropout mask is regenerated from rng). dq, dk, dv
+    may be given (any strides, e.g. views of one packed gradient buffer); they are written in place.
+    No mask gradient is computed.
     """
     b, hq, sq, d = q.shape
     hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
     _launch.poison(dq, dk, dv)
     if sq == 0 or sk == 0 or b == 0 or hq == 0:
         # No query or no key: every gradient is zero (empty tensors stay empty).
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfg = bwd_config(q, d, dv_dim, causal)
+    feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
+                           alibi_slopes)
+    cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
     block_d, block_dv = tile_dims(d, dv_dim)
-    causal_offset = sk - sq if bottom_right else 0
-    qk_scale = scale * _LOG2E
 
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     pre_block = 64 if q.device.type == "cuda" else 16
@@ -276,19 +398,19 @@ def flash_bwd(
     _bwd_dkdv[grid_1d(n_blocks * b * hkv)](
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        hq, hkv, hq // hkv, sq, sk, n_blocks, causal_offset, qk_scale, scale,
+        hq, hkv, hq // hkv, sq, sk, n_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
-        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
+        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
     )
 
     m_blocks = triton.cdiv(sq, cfg.dq.block_m)
     _bwd_dq[grid_1d(m_blocks * b * hq)](
         q, k, v, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        hq, hq // hkv, sq, sk, m_blocks, causal_offset, qk_scale, scale,
+        hq, hq // hkv, sq, sk, m_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
-        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
+        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
     )
     return dq, dk, dv

@@ -10,44 +10,53 @@ of the key sequence, which are masked.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from .._layout import new_attention_output
-from ._common import LN2, _kv_bounds, _load_rows, _tile_ptrs
+from ._common import LN2, LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_rows, _score_mods, _tile_ptrs, _window_lo
 from ._configs import fwd_config
+from ._features import kernel_features
 from . import _launch
 from ._launch import grid_1d, tile_dims
-
-_LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q, K, V,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    start, end, offs_m, SEQ_K, causal_offset, qk_scale,
+    start, end, offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
+    Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+    seed, rng_offset, bh, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
     v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
+    MODS: tl.constexpr = MASK_KIND != 0 or HAS_ALIBI or SOFTCAP
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
-        if MASKED:
-            keep = cols[None, :] < SEQ_K
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(keep, qk * qk_scale, float("-inf"))
+        if MASKED or MODS:
+            if MODS:
+                s, _ = _score_mods(qk, offs_m[:, None], cols[None, :], SEQ_Q, SEQ_K, qk_scale, softcap_in,
+                                   Mask, stride_mm, stride_mn, slope2, alibi_offset, MASK_KIND, HAS_ALIBI, SOFTCAP)
+                if MASKED:
+                    keep = _band_keep(offs_m[:, None], cols[None, :], SEQ_K, causal_offset, left_offset,
+                                      CAUSAL, WINDOW_LEFT)
+                    s = tl.where(keep, s, float("-inf"))
+            else:
+                keep = _band_keep(offs_m[:, None], cols[None, :], SEQ_K, causal_offset, left_offset,
+                                  CAUSAL, WINDOW_LEFT)
+                s = tl.where(keep, qk * qk_scale, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             # A row with no visible key so far keeps m = -inf; shift by 0 instead to avoid inf - inf.
             m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -64,6 +73,10 @@ def _fwd_kv_loop(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
+        if DROPOUT:
+            # The normaliser l keeps every probability; dropped ones leave only the P @ V sum.
+            keep_d = _dropout_keep(seed, rng_offset, bh, offs_m[:, None], cols[None, :], SEQ_Q, SEQ_K, dropout_p)
+            p = tl.where(keep_d, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
         k_ptrs += BLOCK_N * stride_kn
@@ -72,7 +85,7 @@ def _fwd_kv_loop(
 
 
 # Sequence-length arguments are not specialised (divisibility / == 1): a new length would
-# otherwise compile a new kernel variant.
+# otherwise compile a new kernel variant. Feature arguments are None (constexpr) when unused.
 @triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
 def _attn_fwd(
     Q, K, V, O, LSE,
@@ -81,9 +94,14 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn,
+    Alibi, stride_ab, stride_ah, alibi_offset, softcap_in, left_offset,
+    seed, rng_offset, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
+    MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
     # concurrently running programs share that head's K/V in L2.
@@ -104,25 +122,56 @@ def _attn_fwd(
     q = _load_rows(q_ptrs, offs_m, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
     K_bh = K + off_b * stride_kb + off_hk * stride_kh
     V_bh = V + off_b * stride_vb + off_hk * stride_vh
+    if MASK_KIND != 0:
+        Mask_bh = Mask + off_b * stride_mb + off_h * stride_mh
+    else:
+        Mask_bh = Mask
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah).to(tl.float32) * LOG2E
+    else:
+        slope2 = 0.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    if WINDOW_LEFT:
+        # Keys before lo are left of every row's window; from full_lo on, left of no row's.
+        lo, full_lo = _window_lo(m0, SEQ_K, left_offset, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            lo, tl.minimum(full_lo, hi), offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
+            Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+        mid_lo = full_lo
+        tail_lo = tl.maximum(full_lo, n_full)
+    else:
+        mid_lo = 0
+        tail_lo = n_full
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-        0, n_full, offs_m, SEQ_K, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG)
+        mid_lo, n_full, offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
+        Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+        seed, rng_offset, bh, dropout_p,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
+        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-        n_full, hi, offs_m, SEQ_K, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG)
+        tail_lo, hi, offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
+        Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+        seed, rng_offset, bh, dropout_p,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
+        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
 
     # Rows that saw no key (l = 0) output 0 with LSE = -inf, as PyTorch's math backend does.
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    if DROPOUT:
+        inv_l = inv_l * dropout_scale
     out = acc * inv_l[:, None]
 
     row_ok = offs_m < SEQ_Q
@@ -136,13 +185,21 @@ def _attn_fwd(
 
 def flash_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
-    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
+    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on (b, h, s, d) tensors of any strides; returns (out, lse).
 
     out is (b, hq, sq, dv) in the input dtype, lse the fp32 natural-log sum-exp (b, hq, sq).
     Both are allocated here unless given (out: any strides; lse: contiguous), e.g. to match another
     op's output contract. Inputs must already be validated (dtype, head dims, GQA ratio, devices).
+
+    Optional features (see _features.kernel_features): attn_mask (bool, True = attend, or additive;
+    any shape broadcastable to (b, hq, sq, sk), read with stride 0 on broadcast dims), dropout_p with
+    rng = (seed, offset), window = (left, right) (FlashAttention-2 semantics), softcap (> 0: scores
+    become softcap * tanh(scale * qk / softcap)), alibi_slopes (fp32 (hq,) or (b, hq)). The LSE is
+    that of the scores before dropout.
     """
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -155,16 +212,45 @@ def flash_fwd(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = fwd_config(q, d, dv, causal, sk)
+    feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
+                           alibi_slopes)
+    cfg = fwd_config(q, d, dv, feat.causal, sk, features=bool(feat.constexprs))
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
-    causal_offset = sk - sq if bottom_right else 0
     block_d, block_dv = tile_dims(d, dv)
     _attn_fwd[grid_1d(num_m_blocks * b * hq)](
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        hq, hq // hkv, sq, sk, num_m_blocks, causal_offset, scale * _LOG2E,
+        hq, hq // hkv, sq, sk, num_m_blocks, feat.causal_offset, feat.qk_scale, *feat.args,
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal, SCALE_NEG=scale < 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
     )
     return out, lse
+
+
+@triton.jit
+def _dropout_mask_kernel(KEEP, seed, rng_offset, dropout_p, NUM_HEADS_Q, SEQ_Q, SEQ_K,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _dropout_keep(seed, rng_offset, bh, rows[:, None], cols[None, :], SEQ_Q, SEQ_K, dropout_p)
+    ptrs = KEEP + (bh.to(tl.int64) * SEQ_Q + rows[:, None]) * SEQ_K + cols[None, :]
+    tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < SEQ_Q) & (cols[None, :] < SEQ_K))
+
+
+def dropout_keep_mask(b: int, hq: int, sq: int, sk: int, dropout_p: float, rng: tuple[int, int],
+                      device: torch.device | str) -> torch.Tensor:
+    """Test/debug helper: the (b, hq, sq, sk) bool keep-mask the kernels draw for this RNG state.
+
+    It runs the same counter-based draw (_common._dropout_keep) as the forward and backward, so a
+    reference can apply exactly the kernels' mask.
+    """
+    keep = torch.zeros((b, hq, sq, sk), dtype=torch.int8, device=device)
+    if keep.numel() == 0:
+        return keep.bool()
+    grid = (triton.cdiv(sq, 16), triton.cdiv(sk, 16), b * hq)
+    _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), float(dropout_p), hq, sq, sk, BLOCK_M=16, BLOCK_N=16)
+    return keep.bool()

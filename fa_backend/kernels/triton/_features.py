@@ -1,0 +1,88 @@
+"""Host side of the optional kernel features: attn_mask, dropout, sliding window, softcap, ALiBi.
+
+`kernel_features(...)` turns the user-level arguments into the extra positional arguments and
+constexpr flags shared by the forward and both backward kernels. An unused feature passes None
+(a constexpr) for its arguments, so a launch without features specialises exactly as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFeatures:
+    causal: bool  # the kernels' CAUSAL: any right bound (causal and/or a finite right window)
+    causal_offset: int  # key j visible to query i only if j <= i + causal_offset (when causal)
+    qk_scale: float  # multiplier of q.k into the log2 domain (softcap * log2(e) with softcap)
+    args: tuple  # the kernels' feature arguments, in order (see _attn_fwd: Mask ... dropout_scale)
+    constexprs: dict  # MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT (only the ones set)
+
+
+def expand_mask(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> torch.Tensor:
+    """The mask as a (b, hq, sq, sk) view: broadcast dims get stride 0, nothing is copied.
+
+    Bool masks are reinterpreted as uint8 (same bytes) for the kernels.
+    """
+    m = attn_mask
+    if m.dim() < 4:
+        m = m.view((1,) * (4 - m.dim()) + tuple(m.shape))
+    m = m.expand(b, hq, sq, sk)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    return m
+
+
+def kernel_features(
+    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
+    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+) -> KernelFeatures:
+    """Kernel arguments for one call. Window semantics are FlashAttention-2's: query i sees key j
+    iff i + sk - sq - left <= j <= i + sk - sq + right, a negative side meaning unbounded; with
+    causal, the causal bound (of the requested alignment) applies as well."""
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    left, right = window
+    shift = sk - sq  # FlashAttention's bottom-right alignment of windows and ALiBi
+    causal_offset = (shift if bottom_right else 0) if causal else 0
+    if right >= 0:
+        causal_offset = min(causal_offset, shift + right) if causal else shift + right
+        causal = True
+    window_left = left >= 0
+    constexprs: dict = {}
+    if attn_mask is not None:
+        mask = expand_mask(attn_mask, b, hq, sq, sk)
+        mask_args = (mask, *mask.stride())
+        constexprs["MASK_KIND"] = 1 if attn_mask.dtype == torch.bool else 2
+    else:
+        mask_args = (None,) * 5
+    if alibi_slopes is not None:
+        slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.view(1, -1)
+        alibi_args = (slopes, slopes.stride(0) if slopes.shape[0] > 1 else 0, slopes.stride(1), shift)
+        constexprs["HAS_ALIBI"] = True
+    else:
+        alibi_args = (None,) * 4
+    if softcap > 0:
+        qk_scale, softcap_in = softcap * _LOG2E, scale / softcap
+        constexprs["SOFTCAP"] = True
+    else:
+        qk_scale, softcap_in = scale * _LOG2E, None
+    left_offset = None
+    if window_left:
+        left_offset = shift - left
+        constexprs["WINDOW_LEFT"] = True
+    if dropout_p > 0:
+        if rng is None:
+            raise ValueError("dropout_p > 0 needs the RNG state (seed, offset)")
+        drop_args = (int(rng[0]), int(rng[1]), float(dropout_p), 1.0 / (1.0 - dropout_p))
+        constexprs["DROPOUT"] = True
+    else:
+        drop_args = (None,) * 4
+    args = (*mask_args, *alibi_args, softcap_in, left_offset, *drop_args)
+    return KernelFeatures(causal, causal_offset, qk_scale, args, constexprs)
