@@ -135,6 +135,12 @@ def why_not(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, drop
     call = AttentionCall.from_tensors(query, key, value, dropout_p=dropout_p, enable_gqa=True,
                                       causal_alignment="bottom_right")
     reasons = list(TritonBackend.why_not(call))
+    if dropout_p > 0:
+        # aten's flash op carries dropout through its Philox seed/offset (rng_state) contract, which
+        # the backward and PyTorch's own tests rely on; our kernels draw their own mask, so dropout
+        # stays with PyTorch's kernel on this path.
+        reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={dropout_p} on PyTorch's flash op (its Philox "
+                                                  "seed/offset contract is not implemented; supported: 0.0 there)"))
     if return_debug_mask:
         reasons.append(Reason(ReasonCode.DROPOUT, "return_debug_mask=True (the dropout debug mask comes from "
                                                   "PyTorch's FlashAttention-2 only)"))

@@ -109,13 +109,6 @@ class TritonBackend(Backend):
                 reasons.append(Reason(ReasonCode.GRAD, "attn_mask requires grad (the kernels compute no mask gradient)"))
         if call.dropout_p > 0 and not cls.SUPPORTS_DROPOUT:
             reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0.0)"))
-        elif call.dropout_p > 0 and call.causal_alignment == "bottom_right":
-            # Calls described with FlashAttention's alignment come from PyTorch's flash-op override
-            # (integrations/provider), whose dropout follows aten's Philox seed/offset contract; our
-            # kernels draw their own counter-based mask, so that path keeps dropout on PyTorch.
-            reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} on PyTorch's flash op "
-                                                      "(its Philox seed/offset contract is not implemented; "
-                                                      "supported: 0.0 there)"))
         elif not 0.0 <= call.dropout_p < 1.0:
             reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0 <= dropout_p < 1)"))
         return reasons
