@@ -57,3 +57,12 @@ def _fresh_seed():
     seed = int(os.environ.get("FA_BACKEND_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
     print(f"seed={seed} (replay with FA_BACKEND_TEST_SEED={seed})")
     torch.manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Give cached GPU memory back after each test: several shards share one GPU, and each process's
+    caching allocator would otherwise keep its own peak."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
