@@ -7,7 +7,9 @@ enabling fa_backend never makes such a call slower. Rules are data: each names t
 backend passed over, the one that runs, and the evidence. An explicit `sdpa_backends([...])` order
 is the user's and is followed as given.
 
-Rules read metadata only, so eager and compiled calls decide the same way.
+Rules read metadata only. In eager mode the router also asks PyTorch which kernel it would pick
+for the actual tensors (once per shape): if that is not the kernel the evidence is about (e.g. cuDNN
+refuses this mask layout), our kernel runs after all. Compiled code cannot ask, and follows the rule.
 """
 
 from __future__ import annotations
@@ -36,11 +38,15 @@ class FasterPeer:
     dtypes: frozenset[torch.dtype]
     head_dims: frozenset[int]
     evidence: str
+    masks: bool = False  # also calls with an attn_mask (bool or additive)
+    dropout: bool = False  # also calls with dropout_p > 0
+    choice: str = "cudnn_attention"  # PyTorch's own pick (pytorch_choice) that the evidence is about
 
     def applies(self, call: AttentionCall) -> bool:
         return (call.device_type == "cuda" and call.capability in self.capabilities and call.dtype in self.dtypes
                 and call.head_dim == call.head_dim_v and call.head_dim in self.head_dims
-                and call.mask_kind == "none" and call.dropout_p == 0.0 and call.heads_q == call.heads_kv
+                and (call.mask_kind == "none" or self.masks) and (call.dropout_p == 0.0 or self.dropout)
+                and call.heads_q == call.heads_kv
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
                 and call.shapes_consistent and not call.subclass and _cudnn_sdp_enabled())
 
@@ -56,15 +62,27 @@ PREFERENCES: tuple[FasterPeer, ...] = (
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
                evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward"),
+    # docs/benchmarks.md, masks and dropout (d=128, seqlen 2k-16k): cuDNN 2.1-2.9x our Triton
+    # forward and 1.8-4.3x backward with a causal mask, a key-padding mask or dropout 0.1.
+    FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
+               dropout=True, evidence="H200, torch 2.11, d=128: cuDNN 2.1-2.9x our Triton forward and 1.8-4.3x "
+                                      "backward with masks or dropout"),
 )
+
+
+def peer_for(backend: str, call: AttentionCall) -> FasterPeer | None:
+    """The rule that passes over an eligible `backend` for this call, or None."""
+    for rule in PREFERENCES:
+        if rule.backend == backend and rule.applies(call):
+            return rule
+    return None
 
 
 def slower_than_peer(backend: str, call: AttentionCall) -> Reason | None:
     """The reason to pass over an eligible `backend` for this call, or None."""
-    for rule in PREFERENCES:
-        if rule.backend == backend and rule.applies(call):
-            return rule.reason()
-    return None
+    rule = peer_for(backend, call)
+    return None if rule is None else rule.reason()
 
 
-__all__ = ["PREFERENCES", "FasterPeer", "slower_than_peer"]
+__all__ = ["PREFERENCES", "FasterPeer", "peer_for", "slower_than_peer"]

@@ -21,7 +21,7 @@ class Decision:
     restricted: bool = False
 
 
-def select(call: AttentionCall, allowed: tuple[str, ...] | None = None) -> Decision:
+def select(call: AttentionCall, allowed: tuple[str, ...] | None = None, preferences: bool = True) -> Decision:
     """First eligible backend of `allowed` (default: all, in priority order).
 
     In the default order an eligible backend that a measured rule (dispatch/preference.py) finds
@@ -33,7 +33,7 @@ def select(call: AttentionCall, allowed: tuple[str, ...] | None = None) -> Decis
     rejected: dict[str, tuple[Reason, ...]] = {}
     for name in allowed if allowed is not None else PRIORITY:
         reasons = BACKENDS[name].why_not(call)
-        if not reasons and allowed is None:
+        if not reasons and allowed is None and preferences:
             slower = slower_than_peer(name, call)
             reasons = [slower] if slower is not None else reasons
         if not reasons:

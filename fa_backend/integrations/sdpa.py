@@ -27,8 +27,10 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .. import _logging
 from ..dispatch import counters as _stats
-from ..dispatch.backends import BACKENDS
+from ..dispatch.backends import BACKENDS, pytorch_choice
 from ..dispatch.call import AttentionCall, precompute_capabilities
+from ..dispatch.preference import peer_for
+from ..dispatch.reasons import ReasonCode
 from ..dispatch.select import Decision, select
 from ..dispatch.state import ROUTER_TYPES, ROUTING, allowed_backends, routing_active
 from . import mha as _mha
@@ -103,6 +105,18 @@ def _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
     return AttentionCall.from_tensors(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+def _preferred_kernel_refuses(decision: Decision, call: AttentionCall, q, k, v, attn_mask, dropout_p, is_causal,
+                              scale, enable_gqa) -> bool:
+    """True when a measured preference passed over one of our kernels for PyTorch's, but PyTorch
+    would not run the kernel that preference is about for these tensors (eager only)."""
+    for name, reasons in decision.rejected.items():
+        if any(r.code is ReasonCode.SLOWER for r in reasons):
+            rule = peer_for(name, call)
+            return rule is not None and pytorch_choice(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                                       enable_gqa) != rule.choice
+    return False
+
+
 def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Routed:
     device = q.device.type
     cast = torch.get_autocast_dtype(device) if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) else None
@@ -114,7 +128,11 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     entry = _CACHE.get(key)
     if entry is None:
         call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
-        entry = _Routed(call, select(call, allowed), cast)  # select raises when a restriction fits nothing
+        decision = select(call, allowed)  # raises when a restriction fits nothing
+        if allowed is None and _preferred_kernel_refuses(decision, call, q, k, v, attn_mask, dropout_p, is_causal,
+                                                         scale, enable_gqa):
+            decision = select(call, allowed, preferences=False)
+        entry = _Routed(call, decision, cast)
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
         _CACHE[key] = entry

@@ -33,8 +33,9 @@ def test_users_order_is_followed_as_given():
     {"head_dim": 256, "head_dim_v": 256},
     {"heads_kv": 2, "enable_gqa": True},
     {"seqlen_k": 4096},  # causal with sq != sk: top-left, not measured
-    {"mask_kind": "bool", "mask_shape": (2048, 2048)},
-], ids=["sm80", "d96", "d256", "gqa", "causal_sq_ne_sk", "mask"])
+    {"mask_kind": "bool", "mask_shape": (2048, 2048), "is_causal": False, "head_dim": 64, "head_dim_v": 64},
+    {"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64},
+], ids=["sm80", "d96", "d256", "gqa", "causal_sq_ne_sk", "mask_d64", "dropout_d64"])
 def test_outside_the_measured_class_ours_runs(changes):
     call = dataclasses.replace(PLAIN, **changes)
     assert slower_than_peer("triton", call) is None
@@ -49,3 +50,26 @@ def test_cudnn_switched_off_means_no_preference():
         assert select(PLAIN).backend == "triton"
     finally:
         torch.backends.cuda.enable_cudnn_sdp(previous)
+
+
+@pytest.mark.parametrize("changes", [
+    {"mask_kind": "bool", "mask_shape": (2, 1, 1, 2048), "is_causal": False},
+    {"mask_kind": "additive", "mask_shape": (2048, 2048), "mask_dtype": torch.bfloat16, "is_causal": False},
+    {"dropout_p": 0.1},
+], ids=["key_padding", "additive", "dropout"])
+def test_masks_and_dropout_at_d128_prefer_cudnn(changes):
+    decision = select(dataclasses.replace(PLAIN, **changes))
+    assert decision.backend == "torch"
+    assert [r.code for r in decision.rejected["triton"]] == [ReasonCode.SLOWER]
+
+
+@pytest.mark.parametrize("pytorch_picks,ours_after_all", [("cudnn_attention", False), ("efficient_attention", True)])
+def test_eager_router_checks_pytorchs_actual_pick(monkeypatch, pytorch_picks, ours_after_all):
+    # The evidence is about cuDNN: if PyTorch would run another kernel for these tensors (cuDNN refuses
+    # them), the preference does not hold and our kernel runs.
+    from fa_backend.integrations import sdpa
+
+    monkeypatch.setattr(sdpa, "pytorch_choice", lambda *a, **k: pytorch_picks)
+    q = torch.empty(2, 8, 2048, 128)
+    call = dataclasses.replace(PLAIN, mask_kind="bool", mask_shape=(2, 1, 1, 2048), is_causal=False)
+    assert sdpa._preferred_kernel_refuses(select(call), call, q, q, q, None, 0.0, False, None, False) is ours_after_all

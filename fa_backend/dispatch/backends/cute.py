@@ -8,7 +8,6 @@ from ..call import AttentionCall
 from ..reasons import Reason, ReasonCode
 from .base import Backend
 
-
 _DSL_INSTALLED = importlib.util.find_spec("cutlass") is not None  # probed once, at import
 _MESSAGE = "fa_backend's CuTe DSL kernels are not built yet; " + (
     "nvidia-cutlass-dsl is installed" if _DSL_INSTALLED else

@@ -12,7 +12,6 @@ from ..call import AttentionCall
 from ..reasons import Reason, ReasonCode
 from .base import Backend
 
-
 # Probed once at import: traced code (torch.compile) must only read a constant.
 TRITON_MISSING: str | None = (None if importlib.util.find_spec("triton") is not None
                               else "the `triton` package is not installed (pip install triton)")
