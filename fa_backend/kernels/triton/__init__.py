@@ -7,4 +7,4 @@ limits are declared by the callers (ops/api), not asserted here.
 from .flash_bwd import flash_bwd
 from .flash_fwd import flash_fwd
 
-__all__ = ["flash_fwd", "flash_bwd"]
+__all__ = ["flash_bwd", "flash_fwd"]

@@ -372,16 +372,17 @@ def decode_attention(
     qb, qm, qh, _ = q.stride()
     kb, kn, kh, _ = k_cache.stride()
     vb, vn, vh, _ = v_cache.stride()
-    _decode_split[grid](
+    _launch.launch(_decode_split, grid, (
         q, k_cache, v_cache, out, lse, ws,
         seqlens_t, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
         qb, qm, qh, kb, kn, kh, vb, vn, vh, 0 if block_table is None else block_table.stride(0),
         sq, seqlen_new, seq_base, scale, softcap, max(window_left, 0), max(window_right, 0),
+    ), dict(
         SOFTCAP=softcap > 0.0, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         ALIBI_PER_BATCH=alibi_slopes is not None and alibi_slopes.dim() == 2,
         ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1], ROTARY_INTERLEAVED=rotary_interleaved,
         ROTARY_POS_STEP=rotary_pos_step, **consts,
-    )
+    ))
     if merge is not None:
-        _merge_splits[merge[0]](ws, out, lse, b * sq * hq, sq, **merge[1])
+        _launch.launch(_merge_splits, merge[0], (ws, out, lse, b * sq * hq, sq), merge[1])
     return out, lse

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch
 from ._common import _kv_bounds, _load_lse_log2, _load_rows, _tile_ptrs
 from ._configs import bwd_config
-from . import _launch
 from ._launch import grid_1d, tile_dims
 
 _LOG2E = 1.0 / math.log(2.0)

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from .._layout import new_attention_output
+from . import _launch
 from ._common import LN2, _kv_bounds, _load_rows, _tile_ptrs
 from ._configs import fwd_config
-from . import _launch
 from ._launch import grid_1d, tile_dims
 
 _LOG2E = 1.0 / math.log(2.0)

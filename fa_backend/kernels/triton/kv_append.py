@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch
 from ._launch import grid_1d, pad_head_dim
 
 
@@ -116,11 +117,10 @@ def append_kv(
     vb, vs, vh, _ = v.stride()
     kcb, kcs, kch, _ = k_cache.stride()
     vcb, vcs, vch, _ = v_cache.stride()
-    _append_kv[grid_1d(b * -(-s // block_s) * h)](
+    _launch.launch(_append_kv, grid_1d(b * -(-s // block_s) * h), (
         k, v, k_cache, v_cache, seq_t, batch_idx, block_table, cos, sin,
         kb, ks, kh, vb, vs, vh, kcb, kcs, kch, vcb, vcs, vch, 0 if block_table is None else block_table.stride(0),
         s, seq_base,
-        NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=pad_head_dim(d), BLOCK_S=block_s,
-        ROTARY_DIM=0 if cos is None else 2 * cos.shape[1], INTERLEAVED=interleaved,
-        PAGE_SIZE=0 if block_table is None else k_cache.shape[1], num_warps=4,
-    )
+    ), {"NUM_HEADS": h, "HEAD_DIM": d, "BLOCK_D": pad_head_dim(d), "BLOCK_S": block_s,
+        "ROTARY_DIM": 0 if cos is None else 2 * cos.shape[1], "INTERLEAVED": interleaved,
+        "PAGE_SIZE": 0 if block_table is None else k_cache.shape[1], "num_warps": 4})
