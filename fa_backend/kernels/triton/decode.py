@@ -8,7 +8,10 @@ the block (cache length, causal / sliding window) are cut into NUM_SPLITS contig
 whole BLOCK_N tiles, one per program, computed from the runtime lengths so that every split of a
 short sequence still gets work. With one split the program writes the final output and LSE;
 otherwise it writes an fp32 partial output (normalised by its own sum) and its log2 LSE, and
-`_merge_splits` combines them with weights exp2(lse_s - max).
+`_merge_splits` combines them with weights exp2(lse_s - max). Queries are rotated (rotary) while they
+are loaded, so a decode step is one launch, plus the merge when the keys are split, plus one append
+launch when new keys are given (kv_append.py). A paged cache is read in tiles that never cross a page
+when BLOCK_N divides the page size (one block-table load per tile, issued a tile ahead).
 
 Key j of batch b (0 <= j < seqlen_k[b]) is cache row leftpad[b] + j, seqlen_k = cache_seqlens[b]
 + seqlen_new - leftpad[b]. Scores: softcap * tanh(scale * q.k / softcap) (when softcap > 0) minus
