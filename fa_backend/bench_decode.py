@@ -6,7 +6,12 @@ flushed between runs), in TB/s, next to a plain read of the same bytes measured 
 (torch.sum over K and V) and the equivalent SDPA call (q (b, hq, 1, d), k/v (b, hkv, L, d) views of
 the cache, enable_gqa=True; heads repeated for a backend that refuses GQA, when memory allows).
 
-    python -m fa_backend.bench_decode [--json F] [--batch 1 8] [--seqlens 1024 65536] [--hkv 8]
+Two timing modes. eager (default): each call is timed as issued from Python, so a small call whose host
+work outlasts its GPU work measures the host. --graph: each call (ours, every SDPA backend, the plain
+read) is captured once in a CUDA graph and the graph's replay is timed (same do_bench, L2 flushed
+before each replay, whose host cost hides behind the flush): GPU time without host overhead.
+
+    python -m fa_backend.bench_decode [--graph] [--json F] [--batch 1 8] [--seqlens 1024 65536] [--hkv 8]
 """
 
 from __future__ import annotations
@@ -24,10 +29,28 @@ SEQLENS = [1024, 4096, 16384, 65536, 131072]
 MAX_BYTES = 40e9  # skip points whose cache (or SDPA's repeated copy) would exceed this
 
 
+MODE = {"graph": False}  # set by main(): time CUDA-graph replays instead of eager calls
+
+
 def _bench(fn) -> float:
-    """Median milliseconds."""
+    """Median milliseconds of fn (eager) or of the replay of a CUDA graph holding one call of fn (--graph).
+    fn must already have run once (kernels compiled, support checked)."""
     import triton
 
+    if MODE["graph"]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        try:
+            return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+        finally:
+            del graph
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -79,7 +102,9 @@ def run_point(b: int, L: int, hkv: int, layouts: list[str], with_sdpa: bool) -> 
     kc = torch.randn(b, L, hkv, D, dtype=dtype, device="cuda")
     vc = torch.randn(b, L, hkv, D, dtype=dtype, device="cuda")
     sl = torch.full((b,), L, dtype=torch.int32, device="cuda")
-    read_ms = _bench(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)))
+    read = lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32))
+    read()
+    read_ms = _bench(read)
     sdpa = {}
     if with_sdpa:
         sdpa = _sdpa_times(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), MAX_BYTES - kv_bytes)
@@ -102,8 +127,9 @@ def run_point(b: int, L: int, hkv: int, layouts: list[str], with_sdpa: bool) -> 
 
         block_n = decode.decode_config(D)[0]
         splits = decode.num_splits_heuristic(b, hkv, 1, L, block_n, decode._sm_count(q.device))
-        row = {"hkv": hkv, "batch": b, "seqlen": L, "layout": layout, "splits": splits, "kv_gb": kv_bytes / 1e9,
-               "ours_us": ms * 1e3, "ours_tbs": kv_bytes / ms / 1e9, "read_tbs": kv_bytes / read_ms / 1e9}
+        row = {"mode": "graph" if MODE["graph"] else "eager", "hkv": hkv, "batch": b, "seqlen": L, "layout": layout,
+               "splits": splits, "kv_gb": kv_bytes / 1e9, "ours_us": ms * 1e3, "ours_tbs": kv_bytes / ms / 1e9,
+               "read_tbs": kv_bytes / read_ms / 1e9}
         row["pct_of_read"] = 100 * row["ours_tbs"] / row["read_tbs"]
         for name, val in sdpa.items():
             if isinstance(val, float):
@@ -134,11 +160,16 @@ def main(argv=None) -> int:
     parser.add_argument("--hkv", type=int, nargs="*", default=[8, 32])
     parser.add_argument("--layouts", nargs="*", default=["contiguous", "paged64", "paged256"])
     parser.add_argument("--no-sdpa", action="store_true", help="skip PyTorch's SDPA backends")
+    parser.add_argument("--graph", action="store_true",
+                        help="time CUDA-graph replays (GPU time, no host overhead) instead of eager calls")
     args = parser.parse_args(argv)
+    MODE["graph"] = args.graph
+    mode = "graph" if args.graph else "eager"
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 1
-    print(f"# {torch.cuda.get_device_name()}  bf16 hq={HQ} d={D}  one query token; TB/s = K+V bytes / median time")
+    print(f"# {torch.cuda.get_device_name()}  bf16 hq={HQ} d={D}  one query token; TB/s = K+V bytes / median time; "
+          f"mode={mode} ({'CUDA-graph replays: GPU time' if args.graph else 'eager calls: host overhead included'})")
     print(f"{'hkv':>3} {'b':>3} {'L':>7} {'layout':>10} {'spl':>3} {'ours_us':>9} {'TB/s':>6} {'read':>6} "
           f"{'%read':>6} {'cudnn':>6} {'flash':>6} {'effic':>6}")
     rows = []
@@ -159,7 +190,7 @@ def main(argv=None) -> int:
                 rows.extend(new)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1,
+            json.dump({"device": torch.cuda.get_device_name(), "mode": mode, "rows": rows}, f, indent=1,
                       default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
     return 0
 

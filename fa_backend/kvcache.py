@@ -82,6 +82,65 @@ def flash_attn_with_kvcache(
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), plus the LSE when return_softmax_lse. No backward.
     """
+    eager = not torch.compiler.is_compiling() and type(q) in _PLAIN_TENSORS and type(k_cache) in _PLAIN_TENSORS \
+        and type(v_cache) in _PLAIN_TENSORS
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, alibi_slopes, causal, window_size, softcap, num_splits)
+    if eager:
+        # Checks run once per combination of metadata (eager decode repeats the same shapes every step).
+        key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v), _meta(rotary_cos), _meta(rotary_sin),
+               "int" if cache_seqlens is None or isinstance(cache_seqlens, int) else _meta(cache_seqlens),
+               _meta(cache_batch_idx), _meta(cache_leftpad), _meta(block_table), _meta(alibi_slopes), causal,
+               tuple(window_size), softcap, num_splits)
+        if key not in _CHECKED:
+            _validate(*args)
+            if len(_CHECKED) >= 4096:
+                _CHECKED.clear()
+            _CHECKED.add(key)
+    else:
+        _validate(*args)
+
+    d = q.shape[3]
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        cache_seqlens = int(cache_seqlens or 0)
+        if not eager:  # the custom ops take a tensor
+            cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    window_left, window_right = int(window_size[0]), int(window_size[1])
+    if causal:
+        window_right = 0
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    rotary_per_row = causal or window_left >= 0 or window_right >= 0
+    seqlen_new = 0 if k is None else k.shape[1]
+    if eager:
+        if k is not None:
+            _ops.kv_append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+                                rotary_sin, bool(rotary_interleaved))
+        out, lse = _ops.decode_fwd_impl(
+            q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+            rotary_sin, bool(rotary_interleaved), rotary_per_row, alibi_slopes, scale, window_left, window_right,
+            float(softcap), int(num_splits), need_lse=return_softmax_lse)
+        return (out, lse) if return_softmax_lse else out
+    if k is not None:
+        torch.ops.fa_backend.triton_kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                              rotary_cos, rotary_sin, bool(rotary_interleaved))
+    out, lse = torch.ops.fa_backend.triton_decode_fwd(
+        q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+        rotary_sin, bool(rotary_interleaved), rotary_per_row, alibi_slopes, scale, window_left, window_right,
+        float(softcap), int(num_splits))
+    return (out, lse) if return_softmax_lse else out
+
+
+def _meta(t: torch.Tensor | None):
+    return None if t is None else (type(t), t.shape, t.dtype, t.device, t.stride())
+
+
+# Metadata keys of calls that passed _validate.
+_CHECKED: set = set()
+
+
+def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+              block_table, alibi_slopes, causal, window_size, softcap, num_splits) -> None:
+    """ValueError for malformed input, BackendUnsupportedError for what the kernels do not support."""
     _check(q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4,
            f"q, k_cache, v_cache must be 4-D, got {q.dim()}, {k_cache.dim()}, {v_cache.dim()}")
     b, _sq, hq, d = q.shape
@@ -104,6 +163,9 @@ def flash_attn_with_kvcache(
            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
     _check(k_cache.shape[3] == d, f"cache head_dim {k_cache.shape[3]} != q head_dim {d}")
     _check(hkv > 0 and hq % hkv == 0, f"heads_q {hq} must be a multiple of heads_kv {hkv}")
+    _check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
+           f"k_cache and v_cache must have a contiguous last dimension, got strides {k_cache.stride()} and "
+           f"{v_cache.stride()}")
 
     if block_table is not None:
         _check(block_table.dtype == torch.int32, f"block_table must be int32, got {block_table.dtype}")
@@ -117,20 +179,16 @@ def flash_attn_with_kvcache(
     _int32_vector("cache_batch_idx", cache_batch_idx, b, device)
     _int32_vector("cache_leftpad", cache_leftpad, b, device)
 
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((b,), int(cache_seqlens or 0), dtype=torch.int32, device=device)
-    else:
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
         _int32_vector("cache_seqlens", cache_seqlens, b, device)
 
     _check((k is None) == (v is None), "k and v must be given together")
-    seqlen_new = 0
     if k is not None:
         _check(k.dim() == 4 and k.shape[0] == b and k.shape[2:] == k_cache.shape[2:],
                f"k must be ({b}, seqlen_new, {hkv}, {d}), got {tuple(k.shape)}")
         _check(tuple(v.shape) == tuple(k.shape), f"v {tuple(v.shape)} must match k {tuple(k.shape)}")
         for name, t in (("k", k), ("v", v)):
             _check(t.dtype == q.dtype and t.device == device, f"{name} must be {q.dtype} on {device}")
-        seqlen_new = k.shape[1]
 
     if rotary_cos is not None or rotary_sin is not None:
         _check(rotary_cos is not None and rotary_sin is not None, "rotary_cos and rotary_sin must be given together")
@@ -140,33 +198,15 @@ def flash_attn_with_kvcache(
                "(seqlen_ro, rotary_dim / 2)")
         _check(0 < 2 * rotary_cos.shape[1] <= d, f"rotary_dim {2 * rotary_cos.shape[1]} must be in (0, {d}]")
         _check(rotary_cos.device == device and rotary_sin.device == device, "rotary_cos/sin must be on q's device")
-        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
 
     if alibi_slopes is not None:
         _check(alibi_slopes.dtype == torch.float32, f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
         _check(tuple(alibi_slopes.shape) in ((hq,), (b, hq)),
                f"alibi_slopes must be ({hq},) or ({b}, {hq}), got {tuple(alibi_slopes.shape)}")
         _check(alibi_slopes.device == device, f"alibi_slopes is on {alibi_slopes.device}, q on {device}")
-        if alibi_slopes.stride(-1) != 1:
-            alibi_slopes = alibi_slopes.contiguous()
 
-    window_left, window_right = (int(w) for w in window_size)
-    _check(window_left >= -1 and window_right >= -1, f"window_size entries must be >= -1, got {window_size}")
-    if causal:
-        window_right = 0
+    _check(len(window_size) == 2 and int(window_size[0]) >= -1 and int(window_size[1]) >= -1,
+           f"window_size entries must be >= -1, got {window_size}")
     _check(softcap >= 0.0, f"softcap must be >= 0, got {softcap}")
     _check(num_splits >= 0, f"num_splits must be >= 0, got {num_splits}")
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    rotary_per_row = causal or window_left >= 0 or window_right >= 0
 
-    eager = not torch.compiler.is_compiling() and all(
-        type(t) in _PLAIN_TENSORS for t in (q, k_cache, v_cache) if t is not None)
-    append = _ops.kv_append_impl if eager else torch.ops.fa_backend.triton_kv_append
-    attend = _ops.decode_fwd_impl if eager else torch.ops.fa_backend.triton_decode_fwd
-    if k is not None:
-        append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-               bool(rotary_interleaved))
-    out, lse = attend(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table,
-                      rotary_cos, rotary_sin, bool(rotary_interleaved), rotary_per_row, alibi_slopes, scale,
-                      window_left, window_right, float(softcap), int(num_splits))
-    return (out, lse) if return_softmax_lse else out

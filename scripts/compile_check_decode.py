@@ -18,7 +18,7 @@ from compile_check import TARGET, _report
 from compile_check import _source as _base_source
 
 from fa_backend.kernels.triton import decode
-from fa_backend.kernels.triton.kv_append import _rotary_copy
+from fa_backend.kernels.triton.kv_append import _append_kv
 
 
 def _source(fn, example: dict, dtype: str):
@@ -30,43 +30,44 @@ def _source(fn, example: dict, dtype: str):
     return src
 
 
-def _strides(prefix: str, hq: int, d: int) -> dict:
-    # (b, s, h, d) contiguous with s = 4096
-    return {f"stride_{prefix}b": 4096 * hq * d, f"stride_{prefix}{'m' if prefix in 'qo' else 'n'}": hq * d,
-            f"stride_{prefix}h": d, f"stride_{prefix}d": 1}
-
-
 def check_decode(d: int, group: int, paged: bool, splits: int, features: bool) -> str:
     block_n, warps, stages = decode.decode_config(d)  # the GPU table (TRITON_INTERPRET unset here)
-    hkv = 8
-    ex = dict(Q="ptr", K="ptr", V="ptr", O="ptr", LSE="ptr32", O_PART="ptr32", LSE_PART="ptr32",
-              CACHE_SEQLENS="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", BLOCK_TABLE="*i32", ALIBI="ptr32",
-              **_strides("q", hkv * group, d), **_strides("k", hkv, d), **_strides("v", hkv, d),
-              **_strides("o", hkv * group, d), stride_bt=512, stride_alibi_b=0,
-              BATCH=8, NUM_HEADS_Q=hkv * group, NUM_HEADS_K=hkv, SEQ_Q=1, SEQ_NEW=1, NUM_M_BLOCKS=1,
-              qk_scale=0.1, softcap=30.0, WINDOW_LEFT=0, WINDOW_RIGHT=0,
-              GROUP=group, HEAD_DIM=d, BLOCK_M=decode.block_m_for(group, 1), BLOCK_N=block_n, BLOCK_D=d,
-              NUM_SPLITS=splits, HAS_BATCH_IDX=False, HAS_LEFTPAD=features, PAGE_SIZE=64 if paged else 0,
-              HAS_ALIBI=features, SOFTCAP=features, HAS_LEFT=features, HAS_RIGHT=features)
+    page_tiles = False
+    if paged:
+        block_n, page_tiles = decode.page_block_n(block_n, 64)
+    hkv, hq = 8, 8 * group
+    idx = "*i32"
+    ex = {"Q": "ptr", "K": "ptr", "V": "ptr", "O": "ptr", "LSE": "ptr32" if features else None,
+          "WS": "ptr32" if splits > 1 else None, "CACHE_SEQLENS": idx, "BATCH_IDX": None,
+          "LEFTPAD": idx if features else None, "BLOCK_TABLE": idx if paged else None,
+          "ALIBI": "ptr32" if features else None, "COS": "ptr" if features else None,
+          "SIN": "ptr" if features else None,
+          "stride_qb": hq * d, "stride_qm": hq * d, "stride_qh": d, "stride_kb": 4096 * hkv * d,
+          "stride_kn": hkv * d, "stride_kh": d, "stride_vb": 4096 * hkv * d, "stride_vn": hkv * d, "stride_vh": d,
+          "stride_bt": 512, "SEQ_Q": 1, "SEQ_NEW": 1, "SEQ_BASE": 0, "qk_scale": 0.1, "softcap": 30.0,
+          "WINDOW_LEFT": 0, "WINDOW_RIGHT": 0, "GROUP": group, "NUM_HEADS_K": hkv, "HEAD_DIM": d,
+          "BLOCK_M": decode.block_m_for(group, 1), "BLOCK_N": block_n, "BLOCK_D": d, "NUM_SPLITS": splits,
+          "PAGE_SIZE": 64 if paged else 0, "PAGE_TILES": page_tiles and not features, "SOFTCAP": features,
+          "HAS_LEFT": features, "HAS_RIGHT": features, "ALIBI_PER_BATCH": False,
+          "ROTARY_DIM": d if features else 0, "ROTARY_INTERLEAVED": True, "ROTARY_POS_STEP": 0}
     src = _source(decode._decode_split, ex, "bf16")
     opts = {"num_warps": warps, "num_stages": stages}
     return _report(triton.compile(src, target=TARGET, options=opts), opts)
 
 
 def check_append(d: int) -> str:
-    ex = {"X": "ptr", "Y": "ptr", "SEQ_OFF": "*i32", "BATCH_IDX": "*i32", "BLOCK_TABLE": "*i32", "COS": "ptr",
-          "SIN": "ptr", "stride_xb": 8 * d, "stride_xs": 8 * d, "stride_xh": d, "stride_xd": 1,
-          "stride_yb": 4096 * 8 * d, "stride_ys": 8 * d, "stride_yh": d, "stride_yd": 1, "stride_bt": 512,
-          "stride_cos": d // 2, "stride_sin": d // 2, "NUM_HEADS": 8, "SEQ": 1, "NUM_S_BLOCKS": 1, "HEAD_DIM": d,
-          "BLOCK_D": d, "BLOCK_S": 16, "ROTARY_DIM": d, "INTERLEAVED": True, "POS_STEP": 1, "DST_AT_SEQLEN": True,
-          "HAS_BATCH_IDX": False, "PAGE_SIZE": 0}
+    ex = {"K": "ptr", "V": "ptr", "K_CACHE": "ptr", "V_CACHE": "ptr", "SEQ_OFF": "*i32", "BATCH_IDX": None,
+          "BLOCK_TABLE": None, "COS": "ptr", "SIN": "ptr", "stride_kb": 8 * d, "stride_ks": 8 * d, "stride_kh": d,
+          "stride_vb": 8 * d, "stride_vs": 8 * d, "stride_vh": d, "stride_kcb": 4096 * 8 * d, "stride_kcs": 8 * d,
+          "stride_kch": d, "stride_vcb": 4096 * 8 * d, "stride_vcs": 8 * d, "stride_vch": d, "stride_bt": 512,
+          "SEQ": 1, "SEQ_BASE": 0, "NUM_HEADS": 8, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 16, "ROTARY_DIM": d,
+          "INTERLEAVED": True, "PAGE_SIZE": 0}
     opts = {"num_warps": 4, "num_stages": 1}
-    return _report(triton.compile(_source(_rotary_copy, ex, "bf16"), target=TARGET, options=opts), opts)
+    return _report(triton.compile(_source(_append_kv, ex, "bf16"), target=TARGET, options=opts), opts)
 
 
 def check_merge(d: int, splits: int) -> str:
-    ex = {"O_PART": "ptr32", "LSE_PART": "ptr32", "O": "ptr", "LSE": "ptr32", "stride_ob": 32 * d,
-          "stride_om": 32 * d, "stride_oh": d, "stride_od": 1, "N_ROWS": 256, "NUM_HEADS_Q": 32, "SEQ_Q": 1,
+    ex = {"WS": "ptr32", "O": "ptr", "LSE": "ptr32", "N_ROWS": 256, "SEQ_Q": 1, "NUM_HEADS_Q": 32,
           "NUM_SPLITS": splits, "SPLITS_P2": triton.next_power_of_2(splits), "HEAD_DIM": d, "BLOCK_D": d,
           "BLOCK_R": 16}
     opts = {"num_warps": 4, "num_stages": 1}

@@ -3,8 +3,8 @@
 fa_backend::triton_kv_append  writes new keys (rotated) and values into the caches in place
                                (declared as mutating k_cache and v_cache: torch.compile and CUDA
                                graphs see the writes);
-fa_backend::triton_decode_fwd  split-KV attention of q (rotated here when asked) over the caches;
-                               returns (out, lse).
+fa_backend::triton_decode_fwd  split-KV attention of q (rotated in the kernel when asked) over the
+                               caches; returns (out, lse).
 Schemas and fakes only; kernels are imported lazily. Inputs are validated by
 fa_backend.kvcache.flash_attn_with_kvcache.
 """
@@ -19,13 +19,19 @@ from ._library import NAMESPACE
 BACKEND_NAME = "triton_decode"
 
 
+def _last_dim_contiguous(t):
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def kv_append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
                    rotary_interleaved):
-    from ..kernels.triton.kv_append import rotary_copy
+    """One launch (keys and values). cache_seqlens may also be an int (eager calls)."""
+    from ..kernels.triton.kv_append import append_kv
 
-    rotary_copy(k, k_cache, cache_seqlens, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
-                batch_idx=cache_batch_idx, block_table=block_table)
-    rotary_copy(v, v_cache, cache_seqlens, batch_idx=cache_batch_idx, block_table=block_table)
+    if rotary_cos is not None and not (rotary_cos.is_contiguous() and rotary_sin.is_contiguous()):
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    append_kv(_last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, cache_seqlens, cos=rotary_cos,
+              sin=rotary_sin, interleaved=rotary_interleaved, batch_idx=cache_batch_idx, block_table=block_table)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::triton_kv_append", mutates_args=("k_cache", "v_cache"))
@@ -47,20 +53,22 @@ def _(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotar
 
 def decode_fwd_impl(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table,
                     rotary_cos, rotary_sin, rotary_interleaved, rotary_per_row, alibi_slopes, scale, window_left,
-                    window_right, softcap, num_splits):
+                    window_right, softcap, num_splits, need_lse=True):
+    """The decode kernel (queries rotated inside it) and, for split keys, the merge: at most two launches.
+    cache_seqlens may also be an int (eager calls); need_lse=False (eager) skips the LSE."""
     from ..kernels.triton.decode import decode_attention
-    from ..kernels.triton.kv_append import rotary_copy
 
-    if rotary_cos is not None:
-        q_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        rotary_copy(q, q_rot, cache_seqlens, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
-                    pos_step=1 if rotary_per_row else 0, dst_at_seqlen=False)
-        q = q_rot
+    if rotary_cos is not None and not (rotary_cos.is_contiguous() and rotary_sin.is_contiguous()):
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    if alibi_slopes is not None and not alibi_slopes.is_contiguous():
+        alibi_slopes = alibi_slopes.contiguous()
     counters.record_run(BACKEND_NAME)
     return decode_attention(
-        q, k_cache, v_cache, cache_seqlens, seqlen_new, scale=scale, cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad, block_table=block_table, alibi_slopes=alibi_slopes, window_left=window_left,
-        window_right=window_right, softcap=softcap, num_splits=num_splits)
+        _last_dim_contiguous(q), k_cache, v_cache, cache_seqlens, seqlen_new, scale=scale,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        alibi_slopes=alibi_slopes, window_left=window_left, window_right=window_right, softcap=softcap,
+        num_splits=num_splits, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        rotary_pos_step=1 if rotary_per_row else 0, need_lse=need_lse)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::triton_decode_fwd", mutates_args=())

@@ -8,7 +8,10 @@ the block (cache length, causal / sliding window) are cut into NUM_SPLITS contig
 whole BLOCK_N tiles, one per program, computed from the runtime lengths so that every split of a
 short sequence still gets work. With one split the program writes the final output and LSE;
 otherwise it writes an fp32 partial output (normalised by its own sum) and its log2 LSE, and
-`_merge_splits` combines them with weights exp2(lse_s - max).
+`_merge_splits` combines them with weights exp2(lse_s - max). Queries are rotated (rotary) while they
+are loaded, so a decode step is one launch, plus the merge when the keys are split, plus one append
+launch when new keys are given (kv_append.py). A paged cache is read in tiles that never cross a page
+when BLOCK_N divides the page size (one block-table load per tile, issued a tile ahead).
 
 Key j of batch b (0 <= j < seqlen_k[b]) is cache row leftpad[b] + j, seqlen_k = cache_seqlens[b]
 + seqlen_new - leftpad[b]. Scores: softcap * tanh(scale * q.k / softcap) (when softcap > 0) minus
@@ -26,45 +29,34 @@ import triton.language as tl
 from . import _launch
 from ._common import LN2, LOG2E
 from ._launch import grid_1d, interpreting, pad_head_dim
+from .kv_append import _rotate
 
 MAX_SPLITS = 128
 
 
-@triton.jit
-def _load_kv_tile(base, rows_phys, page_base, offs_d, HEAD_DIM: tl.constexpr, stride_n, stride_d, valid,
-                  PAGE_SIZE: tl.constexpr, BLOCK_TABLE, stride_page):
-    """(BLOCK_N, BLOCK_D) tile of cache rows `rows_phys` (zero where not valid / past HEAD_DIM)."""
-    if PAGE_SIZE > 0:
-        page = tl.load(page_base + rows_phys // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        row_ptr = base + page * stride_page + (rows_phys % PAGE_SIZE).to(tl.int64) * stride_n
-    else:
-        row_ptr = base + rows_phys.to(tl.int64) * stride_n
-    return tl.load(row_ptr[:, None] + offs_d[None, :] * stride_d,
-                   mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-
-
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_NEW", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT"])
+@triton.jit(do_not_specialize=["SEQ_NEW", "SEQ_BASE", "WINDOW_LEFT", "WINDOW_RIGHT"])
 def _decode_split(
-    Q, K, V, O, LSE, O_PART, LSE_PART,
-    CACHE_SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_bt, stride_alibi_b,
-    BATCH, NUM_HEADS_Q, NUM_HEADS_K, SEQ_Q, SEQ_NEW, NUM_M_BLOCKS,
-    qk_scale, softcap, WINDOW_LEFT, WINDOW_RIGHT,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    Q, K, V, O, LSE, WS,
+    CACHE_SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    SEQ_Q, SEQ_NEW, SEQ_BASE, qk_scale, softcap, WINDOW_LEFT, WINDOW_RIGHT,
+    GROUP: tl.constexpr, NUM_HEADS_K: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGE_TILES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    ALIBI_PER_BATCH: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    ROTARY_POS_STEP: tl.constexpr,
 ):
+    # Optional inputs are None (compile-time) when absent: CACHE_SEQLENS (then every length is SEQ_BASE),
+    # BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS/SIN, LSE (not wanted). O is contiguous (b, sq, hq, d);
+    # the last dim of q and of the caches is contiguous (stride 1).
+    NUM_HEADS_Q: tl.constexpr = GROUP * NUM_HEADS_K
     # Splits innermost: the programs reading one KV head's cache run side by side.
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     rest = pid // NUM_SPLITS
-    pid_m = rest % NUM_M_BLOCKS
-    rest = rest // NUM_M_BLOCKS
+    num_m_blocks = tl.cdiv(GROUP * SEQ_Q, BLOCK_M)
+    pid_m = rest % num_m_blocks
+    rest = rest // num_m_blocks
     off_hk = rest % NUM_HEADS_K
     off_b = rest // NUM_HEADS_K
 
@@ -78,9 +70,12 @@ def _decode_split(
     d_ok = offs_d < HEAD_DIM
 
     leftpad = 0
-    if HAS_LEFTPAD:
+    if LEFTPAD is not None:
         leftpad = tl.load(LEFTPAD + off_b)
-    seqlen_k = tl.load(CACHE_SEQLENS + off_b) + SEQ_NEW - leftpad
+    cache_len = SEQ_BASE
+    if CACHE_SEQLENS is not None:
+        cache_len += tl.load(CACHE_SEQLENS + off_b)
+    seqlen_k = cache_len + SEQ_NEW - leftpad
     shift = seqlen_k - SEQ_Q  # query i sits at key position i + shift (bottom-right alignment)
 
     # Key range [lo, hi) of the rows of this block.
@@ -98,9 +93,11 @@ def _decode_split(
     start = (n_lo + split * per_split) * BLOCK_N
     end = tl.minimum(start + per_split * BLOCK_N, n_hi * BLOCK_N)
 
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + qh[:, None].to(tl.int64) * stride_qh
-              + qi[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = Q + off_b.to(tl.int64) * stride_qb + qh.to(tl.int64) * stride_qh + qi.to(tl.int64) * stride_qm
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROTARY_DIM > 0:  # rotated at cache_len + i * POS_STEP, rounded to q's dtype as a separate pass would
+        q = _rotate(q, q_rows, row_ok, offs_d, cache_len + qi * ROTARY_POS_STEP, COS, SIN, ROTARY_DIM,
+                    ROTARY_INTERLEAVED)
 
     if PAGE_SIZE > 0:
         k_base = K + off_hk * stride_kh
@@ -108,23 +105,51 @@ def _decode_split(
         page_base = BLOCK_TABLE + off_b.to(tl.int64) * stride_bt
     else:
         cb = off_b.to(tl.int64)
-        if HAS_BATCH_IDX:
+        if BATCH_IDX is not None:
             cb = tl.load(BATCH_IDX + off_b).to(tl.int64)
         k_base = K + cb * stride_kb + off_hk * stride_kh
         v_base = V + cb * stride_vb + off_hk * stride_vh
-        page_base = BLOCK_TABLE
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + off_b * stride_alibi_b + qh, mask=row_ok, other=0.0) * LOG2E
+    if ALIBI is not None:
+        alibi_row = ALIBI
+        if ALIBI_PER_BATCH:
+            alibi_row = ALIBI + off_b * NUM_HEADS_Q
+        slope = tl.load(alibi_row + qh, mask=row_ok, other=0.0) * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    kv_mask_d = d_ok[None, :]
+    # Page indices are loaded one tile ahead: with the index load in the same iteration as the K/V loads
+    # that depend on it, Triton 3.6 does not multi-buffer K/V (sm90 compile: ~39 KB smem instead of 70).
+    if PAGE_SIZE > 0:
+        if PAGE_TILES:
+            page_next = tl.load(page_base + start // PAGE_SIZE, mask=start < end, other=0)
+        else:
+            page_next = tl.load(page_base + (leftpad + start + offs_n) // PAGE_SIZE,
+                                mask=start + offs_n < seqlen_k, other=0)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
         col_ok = cols < seqlen_k
-        k = _load_kv_tile(k_base, leftpad + cols, page_base, offs_d, HEAD_DIM, stride_kn, stride_kd, col_ok,
-                          PAGE_SIZE, BLOCK_TABLE, stride_kb)
+        # Row offsets of the tile in K and V (one page lookup per tile when a tile never crosses a page).
+        if PAGE_SIZE > 0:
+            # Tiles: n0 is a multiple of BLOCK_N, which divides PAGE_SIZE, and n0 < seqlen_k; one page.
+            page = page_next.to(tl.int64)
+            nxt = n0 + BLOCK_N
+            if PAGE_TILES:
+                page_next = tl.load(page_base + nxt // PAGE_SIZE, mask=nxt < end, other=0)
+                in_page = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)
+            else:
+                page_next = tl.load(page_base + (leftpad + nxt + offs_n) // PAGE_SIZE,
+                                    mask=(nxt < end) & (nxt + offs_n < seqlen_k), other=0)
+                in_page = ((leftpad + cols) % PAGE_SIZE).to(tl.int64)
+            k_off = page * stride_kb + in_page * stride_kn
+            v_off = page * stride_vb + in_page * stride_vn
+        else:
+            rows_phys = (leftpad + cols).to(tl.int64)
+            k_off = rows_phys * stride_kn
+            v_off = rows_phys * stride_vn
+        k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=col_ok[:, None] & kv_mask_d, other=0.0)
         qk = tl.dot(q, tl.trans(k))
         if SOFTCAP:
             # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1); the log2 factor comes after.
@@ -133,7 +158,7 @@ def _decode_split(
         else:
             s = qk * (qk_scale * LOG2E)
         rel = cols[None, :] - (qi[:, None] + shift)  # key position minus query position
-        if HAS_ALIBI:
+        if ALIBI is not None:
             s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
         keep = col_ok[None, :]
         if HAS_RIGHT:
@@ -146,8 +171,7 @@ def _decode_split(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_base, leftpad + cols, page_base, offs_d, HEAD_DIM, stride_vn, stride_vd, col_ok,
-                          PAGE_SIZE, BLOCK_TABLE, stride_vb)
+        v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=col_ok[:, None] & kv_mask_d, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_ij
 
@@ -155,58 +179,58 @@ def _decode_split(
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     out = acc * inv_l[:, None]
-    # Row id in (b, hq, sq) order, the layout of LSE and of the partial buffers.
-    row_id = (off_b * NUM_HEADS_Q + qh).to(tl.int64) * SEQ_Q + qi
+    # Output row in (b, sq, hq) order: the rows of O and of the split workspace.
+    o_row = (off_b * SEQ_Q + qi).to(tl.int64) * NUM_HEADS_Q + qh
     if NUM_SPLITS == 1:
-        tl.store(LSE + row_id, lse2 * LN2, mask=row_ok)
-        o_ptrs = (O + off_b.to(tl.int64) * stride_ob + qh[:, None].to(tl.int64) * stride_oh
-                  + qi[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od)
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if LSE is not None:
+            tl.store(LSE + (off_b * NUM_HEADS_Q + qh).to(tl.int64) * SEQ_Q + qi, lse2 * LN2, mask=row_ok)
+        tl.store(O + o_row[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
     else:
-        n_rows = BATCH * NUM_HEADS_Q * SEQ_Q
-        part = split.to(tl.int64) * n_rows + row_id
-        tl.store(LSE_PART + part, lse2, mask=row_ok)
-        tl.store(O_PART + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
+        # Workspace row: NUM_SPLITS partial outputs (fp32, BLOCK_D each), then the splits' log2 LSEs.
+        WS_ROW: tl.constexpr = NUM_SPLITS * BLOCK_D + (NUM_SPLITS + 15) // 16 * 16
+        ws = WS + o_row * WS_ROW
+        tl.store(ws + NUM_SPLITS * BLOCK_D + split, lse2, mask=row_ok)
+        tl.store(ws[:, None] + split * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["N_ROWS", "SEQ_Q"])
+@triton.jit
 def _merge_splits(
-    O_PART, LSE_PART, O, LSE,
-    stride_ob, stride_om, stride_oh, stride_od,
-    N_ROWS, NUM_HEADS_Q, SEQ_Q,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    WS, O, LSE, N_ROWS, SEQ_Q,
+    NUM_HEADS_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    """Rows r (b, sq, hq order) of O: the splits' outputs weighted by exp2(lse_s - max); LSE may be None."""
+    WS_ROW: tl.constexpr = NUM_SPLITS * BLOCK_D + (NUM_SPLITS + 15) // 16 * 16
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N_ROWS
+    ws = WS + rows.to(tl.int64) * WS_ROW
     splits = tl.arange(0, SPLITS_P2)
-    ok = (splits[:, None] < NUM_SPLITS) & row_ok[None, :]
-    lse = tl.load(LSE_PART + splits[:, None].to(tl.int64) * N_ROWS + rows[None, :], mask=ok,
-                  other=float("-inf"))  # (SPLITS_P2, BLOCK_R), log2 units
-    m = tl.max(lse, 0)
+    ok = row_ok[:, None] & (splits[None, :] < NUM_SPLITS)
+    lse = tl.load(ws[:, None] + NUM_SPLITS * BLOCK_D + splits[None, :], mask=ok,
+                  other=float("-inf"))  # (BLOCK_R, SPLITS_P2), log2 units
+    m = tl.max(lse, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m_safe[None, :])  # 0 for empty splits
-    total = tl.sum(w, 0)
+    w = tl.math.exp2(lse - m_safe[:, None])  # 0 for empty splits
+    total = tl.sum(w, 1)
     empty = total == 0.0
     scale = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for s in range(NUM_SPLITS):
-        w_s = tl.math.exp2(tl.load(LSE_PART + s * N_ROWS + rows, mask=row_ok, other=float("-inf")) - m_safe)
-        o_s = tl.load(O_PART + (s * N_ROWS + rows.to(tl.int64))[:, None] * BLOCK_D + offs_d[None, :],
-                      mask=row_ok[:, None] & (w_s[:, None] > 0.0), other=0.0)
+        w_s = tl.math.exp2(tl.load(ws + NUM_SPLITS * BLOCK_D + s, mask=row_ok, other=float("-inf")) - m_safe)
+        o_s = tl.load(ws[:, None] + s * BLOCK_D + offs_d[None, :], mask=row_ok[:, None] & (w_s[:, None] > 0.0),
+                      other=0.0)
         acc += w_s[:, None] * o_s
     out = acc * scale[:, None]
-    lse_out = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, total))) * LN2)
-    tl.store(LSE + rows, lse_out, mask=row_ok)
-    qi = rows % SEQ_Q
-    bh = rows // SEQ_Q
-    off_h = bh % NUM_HEADS_Q
-    off_b = bh // NUM_HEADS_Q
-    o_ptrs = (O + off_b.to(tl.int64)[:, None] * stride_ob + off_h[:, None] * stride_oh
-              + qi[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    if LSE is not None:
+        lse_out = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, total))) * LN2)
+        off_h = rows % NUM_HEADS_Q
+        t = rows // NUM_HEADS_Q
+        tl.store(LSE + ((t // SEQ_Q) * NUM_HEADS_Q + off_h).to(tl.int64) * SEQ_Q + t % SEQ_Q, lse_out, mask=row_ok)
+    tl.store(O + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -235,88 +259,133 @@ def decode_config(d: int) -> tuple[int, int, int]:
 
 def block_m_for(group: int, sq: int) -> int:
     """Rows of one tile: the packed GQA group x queries, at least 16 (tl.dot), at most 64."""
-    return min(64, max(16, triton.next_power_of_2(group * sq)))
+    return min(64, max(16, _next_pow2(group * sq)))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()  # triton.next_power_of_2 without its per-call JIT dispatch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def num_splits_heuristic(batch: int, heads_k: int, num_m_blocks: int, max_seqlen_k: int, block_n: int,
                          sm_count: int) -> int:
     """Splits from shapes only (no device values: CUDA-graph safe). One split when the (batch, KV head,
     query block) programs already fill the GPU or the cache is a few tiles; else enough splits for about
-    two programs per SM, at least 4 tiles per split, at most MAX_SPLITS."""
+    two programs per SM, at least 2 tiles per split (a short cache is latency-bound: more, shorter
+    programs), at most MAX_SPLITS."""
     tiles = batch * heads_k * num_m_blocks
-    n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    n_blocks = _cdiv(max(max_seqlen_k, 1), block_n)
     if n_blocks <= 4 or tiles >= 0.8 * sm_count:
         return 1
-    splits = min(triton.cdiv(2 * sm_count, tiles), max(1, n_blocks // 4), MAX_SPLITS)
+    splits = min(_cdiv(2 * sm_count, tiles), max(1, n_blocks // 2), MAX_SPLITS)
     return max(1, splits)
 
 
+def page_block_n(block_n: int, page_size: int) -> tuple[int, bool]:
+    """(BLOCK_N, one page lookup per tile) for a paged cache: tiles that never cross a page when the page
+    size allows one (BLOCK_N divides the page, at least 16 rows for tl.dot), else a per-row lookup."""
+    if page_size % block_n == 0:
+        return block_n, True
+    if page_size >= 16 and page_size & (page_size - 1) == 0:  # 16 or 32 with 64-row tiles: smaller tiles
+        return page_size, True
+    return block_n, False
+
+
+def ws_row_floats(num_splits: int, block_d: int) -> int:
+    """fp32 elements per output row of the split workspace: the partial outputs, then the LSEs (the row
+    padded to 16 floats). Must match WS_ROW in the kernels."""
+    return num_splits * block_d + (num_splits + 15) // 16 * 16
+
+
+# Launch plans per shape key: grids, constexprs and the workspace size (the heuristics run once).
+_PLANS: dict = {}
+
+
+def _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits, device):
+    group = hq // hkv
+    block_d = pad_head_dim(d)
+    block_n, num_warps, num_stages = decode_config(block_d)
+    page_tiles = False
+    if page_size:
+        block_n, page_tiles = page_block_n(block_n, page_size)
+        page_tiles = page_tiles and not has_leftpad  # a left pad shifts rows off the page grid
+    block_m = block_m_for(group, sq)
+    num_m_blocks = _cdiv(group * sq, block_m)
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(b, hkv, num_m_blocks, max_seqlen_k, block_n, _sm_count(device))
+    num_splits = min(num_splits, MAX_SPLITS)
+    n_rows = b * sq * hq
+    consts = {"GROUP": group, "NUM_HEADS_K": hkv, "HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "BLOCK_D": block_d, "NUM_SPLITS": num_splits, "PAGE_SIZE": page_size, "PAGE_TILES": page_tiles,
+              "num_warps": num_warps, "num_stages": num_stages}
+    merge = None
+    if num_splits > 1:
+        block_r = 16
+        merge = (grid_1d(_cdiv(n_rows, block_r)),
+                 {"NUM_HEADS_Q": hq, "NUM_SPLITS": num_splits, "SPLITS_P2": _next_pow2(num_splits), "HEAD_DIM": d,
+                  "BLOCK_D": block_d, "BLOCK_R": block_r, "num_warps": 4})
+    plan = (grid_1d(b * hkv * num_m_blocks * num_splits), consts, merge,
+            n_rows * ws_row_floats(num_splits, block_d) if num_splits > 1 else 0)
+    if len(_PLANS) >= 4096:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
     seqlen_new: int, *, scale: float, cache_batch_idx: torch.Tensor | None = None,
     cache_leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None, window_left: int = -1, window_right: int = -1,
-    softcap: float = 0.0, num_splits: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    softcap: float = 0.0, num_splits: int = 0, rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True, rotary_pos_step: int = 1,
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q (b, sq, hq, d) over a cache (already holding the new rows); returns
-    out (b, sq, hq, d) in q's dtype and the fp32 natural-log lse (b, hq, sq).
+    out (b, sq, hq, d) in q's dtype and the fp32 natural-log lse (b, hq, sq) (None unless need_lse).
 
-    cache_seqlens (b,) int32 counts the cache rows *before* the seqlen_new appended ones. Windows use
-    -1 for "unbounded"; causal is window_right = 0. num_splits 0 picks the heuristic. Inputs are
-    validated by the caller.
+    cache_seqlens, (b,) int32 or one int for every sequence, counts the cache rows *before* the
+    seqlen_new appended ones. Windows use -1 for "unbounded"; causal is window_right = 0. num_splits 0
+    picks the heuristic. rotary_cos/sin (contiguous (seqlen_ro, rotary_dim / 2)) rotate q in the kernel
+    at position cache_seqlens[b] + i * rotary_pos_step. One launch, plus the merge when the keys are
+    split; no other device work (CUDA-graph safe). Inputs are validated by the caller: the last dim of
+    q and of the caches must be contiguous, alibi_slopes contiguous.
     """
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
-    group = hq // hkv
-    out = q.new_empty((b, sq, hq, d))
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    page_size = 0 if block_table is None else k_cache.shape[1]
+    max_seqlen_k = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
+    key = (b, sq, hq, hkv, d, max_seqlen_k, page_size, cache_leftpad is not None, num_splits, q.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, cache_leftpad is not None, num_splits,
+                     q.device)
+    grid, consts, merge, ws_numel = plan
+    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if need_lse else None
+    if b * sq * hq == 0 or d == 0:
         return out, lse
-    block_n, num_warps, num_stages = decode_config(pad_head_dim(d))
-    block_m = block_m_for(group, sq)
-    num_m_blocks = triton.cdiv(group * sq, block_m)
-    if block_table is not None:
-        max_seqlen_k = block_table.shape[1] * k_cache.shape[1]
-    else:
-        max_seqlen_k = k_cache.shape[1]
-    if num_splits <= 0:
-        num_splits = num_splits_heuristic(b, hkv, num_m_blocks, max_seqlen_k, block_n, _sm_count(q.device))
-    num_splits = min(num_splits, MAX_SPLITS)
-    block_d = pad_head_dim(d)
-    n_rows = b * hq * sq
-    if num_splits > 1:
-        o_part = torch.empty((num_splits, n_rows, block_d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse_part = lse
-    _launch.poison(out, lse, *((o_part, lse_part) if num_splits > 1 else ()))
-    dummy = cache_seqlens
-    has_right = window_right >= 0
-    has_left = window_left >= 0
-    _decode_split[grid_1d(b * hkv * num_m_blocks * num_splits)](
-        q, k_cache, v_cache, out, lse, o_part, lse_part,
-        cache_seqlens,
-        dummy if cache_batch_idx is None else cache_batch_idx,
-        dummy if cache_leftpad is None else cache_leftpad,
-        dummy if block_table is None else block_table,
-        lse if alibi_slopes is None else alibi_slopes,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        0 if block_table is None else block_table.stride(0),
-        0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0),
-        b, hq, hkv, sq, seqlen_new, num_m_blocks,
-        scale, float(softcap), max(window_left, 0), max(window_right, 0),
-        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        PAGE_SIZE=0 if block_table is None else k_cache.shape[1],
-        HAS_ALIBI=alibi_slopes is not None, SOFTCAP=softcap > 0.0, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if num_splits > 1:
-        block_r = 16
-        _merge_splits[grid_1d(triton.cdiv(n_rows, block_r))](
-            o_part, lse_part, out, lse, *out.stride(),
-            n_rows, hq, sq,
-            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_R=block_r, num_warps=4,
-        )
+    ws = torch.empty(ws_numel, dtype=torch.float32, device=q.device) if merge is not None else None
+    if _launch.POISON_OUTPUTS:
+        _launch.poison(*(t for t in (out, lse, ws) if t is not None))
+    seqlens_t, seq_base = (None, int(cache_seqlens)) if isinstance(cache_seqlens, int) else (cache_seqlens, 0)
+    qb, qm, qh, _ = q.stride()
+    kb, kn, kh, _ = k_cache.stride()
+    vb, vn, vh, _ = v_cache.stride()
+    _launch.launch(_decode_split, grid, (
+        q, k_cache, v_cache, out, lse, ws,
+        seqlens_t, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
+        qb, qm, qh, kb, kn, kh, vb, vn, vh, 0 if block_table is None else block_table.stride(0),
+        sq, seqlen_new, seq_base, scale, softcap, max(window_left, 0), max(window_right, 0),
+    ), dict(
+        SOFTCAP=softcap > 0.0, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
+        ALIBI_PER_BATCH=alibi_slopes is not None and alibi_slopes.dim() == 2,
+        ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1], ROTARY_INTERLEAVED=rotary_interleaved,
+        ROTARY_POS_STEP=rotary_pos_step, **consts,
+    ))
+    if merge is not None:
+        _launch.launch(_merge_splits, merge[0], (ws, out, lse, b * sq * hq, sq), merge[1])
     return out, lse

@@ -1,14 +1,12 @@
-"""Rows copied into a KV cache (in place) with an optional fused rotary embedding.
+"""New keys and values written into a KV cache (in place), keys rotated on the way (fused rotary).
 
-One kernel serves three uses of FlashAttention's KV-cache step:
-  * new keys: rotated at positions cache_seqlens[b] + i and written at cache row cache_seqlens[b] + i;
-  * new values: the same rows, no rotation;
-  * the queries: rotated at positions cache_seqlens[b] + i (or cache_seqlens[b] for every row) into a
-    fresh (b, s, h, d) tensor.
-The destination is a contiguous-by-batch cache (optionally indexed through cache_batch_idx) or a
-paged cache (num_pages, page_size, h, d) addressed through block_table. Rotary is computed in fp32
-and rounded once; both GPT-J (interleaved pairs) and GPT-NeoX (half-split) styles are supported,
-with a rotary dim that may be smaller than the head dim (the remaining columns are copied).
+One launch appends both: new key i of batch b is rotated at position cache_seqlens[b] + i and written
+at cache row cache_seqlens[b] + i, new value i is copied to the same row. The destination is a
+contiguous-by-batch cache (optionally indexed through cache_batch_idx) or a paged cache (num_pages,
+page_size, h, d) addressed through block_table. Rotary is computed in fp32 and rounded once; both
+GPT-J (interleaved pairs) and GPT-NeoX (half-split) styles are supported, with a rotary dim that may be
+smaller than the head dim (the remaining columns are copied). `_rotate` is shared with the decode
+kernel, which rotates the queries the same way while loading them.
 """
 
 from __future__ import annotations
@@ -17,105 +15,112 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch
 from ._launch import grid_1d, pad_head_dim
 
 
-@triton.jit(do_not_specialize=["SEQ", "NUM_S_BLOCKS"])
-def _rotary_copy(
-    X, Y, SEQ_OFF, BATCH_IDX, BLOCK_TABLE, COS, SIN,
-    stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_yb, stride_ys, stride_yh, stride_yd,
-    stride_bt, stride_cos, stride_sin,
-    NUM_HEADS, SEQ, NUM_S_BLOCKS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, POS_STEP: tl.constexpr,
-    DST_AT_SEQLEN: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGE_SIZE: tl.constexpr,
+@triton.jit
+def _rotate(x, rows, row_ok, offs_d, pos, COS, SIN, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """x (R, BLOCK_D), loaded from row pointers `rows` (unit column stride), rotated at positions pos (R,)
+    over its first ROTARY_DIM columns in fp32 and returned in x's dtype. cos/sin: contiguous
+    (seqlen_ro, ROTARY_DIM / 2)."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    if INTERLEAVED:  # pairs (2t, 2t + 1)
+        partner = offs_d ^ 1
+        t = offs_d // 2
+        sign = tl.where((offs_d % 2) == 0, -1.0, 1.0)
+    else:  # pairs (t, t + rotary_dim / 2)
+        first = offs_d < HALF
+        partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+        t = tl.where(first, offs_d, offs_d - HALF)
+        sign = tl.where(first, -1.0, 1.0)
+    in_rot = offs_d < ROTARY_DIM
+    rot_mask = row_ok[:, None] & in_rot[None, :]
+    x2 = tl.load(rows[:, None] + partner[None, :], mask=rot_mask, other=0.0).to(tl.float32)
+    cs = pos.to(tl.int64)[:, None] * HALF + t[None, :]
+    cos = tl.load(COS + cs, mask=rot_mask, other=1.0)
+    sin = tl.load(SIN + cs, mask=rot_mask, other=0.0)
+    xf = x.to(tl.float32)
+    rotated = xf * cos.to(tl.float32) + sign[None, :] * x2 * sin.to(tl.float32)
+    return tl.where(in_rot[None, :], rotated, xf).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["SEQ", "SEQ_BASE"])
+def _append_kv(
+    K, V, K_CACHE, V_CACHE, SEQ_OFF, BATCH_IDX, BLOCK_TABLE, COS, SIN,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
+    SEQ, SEQ_BASE,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    # Program = (batch, head, block of BLOCK_S rows); heads innermost so one batch's rows are adjacent.
+    # Program = (batch, block of BLOCK_S rows, head); heads innermost so one batch's rows are adjacent.
+    # SEQ_OFF (b,) int32 or None (then every offset is SEQ_BASE); BATCH_IDX, BLOCK_TABLE, COS/SIN may be
+    # None. The last dim of every tensor is contiguous.
     pid = tl.program_id(0)
     off_h = pid % NUM_HEADS
     rest = pid // NUM_HEADS
-    sb = rest % NUM_S_BLOCKS
-    off_b = rest // NUM_S_BLOCKS
+    num_s_blocks = tl.cdiv(SEQ, BLOCK_S)
+    sb = rest % num_s_blocks
+    off_b = rest // num_s_blocks
     offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_s < SEQ
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    seq_off = SEQ_BASE
+    if SEQ_OFF is not None:
+        seq_off += tl.load(SEQ_OFF + off_b)
+    dst_row = seq_off + offs_s
 
-    x_rows = X + off_b.to(tl.int64) * stride_xb + off_h * stride_xh + offs_s[:, None].to(tl.int64) * stride_xs
-    x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=io_mask, other=0.0)
-    seq_off = tl.load(SEQ_OFF + off_b)
-
+    k_rows = K + off_b.to(tl.int64) * stride_kb + off_h * stride_kh + offs_s.to(tl.int64) * stride_ks
+    k = tl.load(k_rows[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
     if ROTARY_DIM > 0:
-        HALF: tl.constexpr = ROTARY_DIM // 2
-        if INTERLEAVED:  # pairs (2t, 2t + 1)
-            partner = offs_d ^ 1
-            t = offs_d // 2
-            sign = tl.where((offs_d % 2) == 0, -1.0, 1.0)
-        else:  # pairs (t, t + rotary_dim / 2)
-            first = offs_d < HALF
-            partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-            t = tl.where(first, offs_d, offs_d - HALF)
-            sign = tl.where(first, -1.0, 1.0)
-        in_rot = offs_d < ROTARY_DIM
-        rot_mask = row_ok[:, None] & in_rot[None, :]
-        x2 = tl.load(x_rows + partner[None, :] * stride_xd, mask=rot_mask, other=0.0).to(tl.float32)
-        pos = seq_off + offs_s * POS_STEP
-        cos = tl.load(COS + pos[:, None].to(tl.int64) * stride_cos + t[None, :], mask=rot_mask, other=1.0)
-        sin = tl.load(SIN + pos[:, None].to(tl.int64) * stride_sin + t[None, :], mask=rot_mask, other=0.0)
-        xf = x.to(tl.float32)
-        rotated = xf * cos.to(tl.float32) + sign[None, :] * x2 * sin.to(tl.float32)
-        x = tl.where(in_rot[None, :], rotated, xf).to(Y.dtype.element_ty)
-    else:
-        x = x.to(Y.dtype.element_ty)
+        k = _rotate(k, k_rows, row_ok, offs_d, dst_row, COS, SIN, ROTARY_DIM, INTERLEAVED)
+    v_rows = V + off_b.to(tl.int64) * stride_vb + off_h * stride_vh + offs_s.to(tl.int64) * stride_vs
+    v = tl.load(v_rows[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
 
-    if DST_AT_SEQLEN:
-        dst_row = seq_off + offs_s
-    else:
-        dst_row = offs_s
-    if PAGE_SIZE > 0:  # paged cache: Y is (num_pages, page_size, h, d)
+    if PAGE_SIZE > 0:  # paged cache: (num_pages, page_size, h, d)
         page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt + dst_row // PAGE_SIZE, mask=row_ok, other=0)
-        y_rows = Y + page.to(tl.int64)[:, None] * stride_yb + (dst_row % PAGE_SIZE)[:, None].to(tl.int64) * stride_ys
+        page = page.to(tl.int64)
+        in_page = (dst_row % PAGE_SIZE).to(tl.int64)
+        kc_rows = K_CACHE + page * stride_kcb + in_page * stride_kcs
+        vc_rows = V_CACHE + page * stride_vcb + in_page * stride_vcs
     else:
-        if HAS_BATCH_IDX:
+        dst_b = off_b.to(tl.int64)
+        if BATCH_IDX is not None:
             dst_b = tl.load(BATCH_IDX + off_b).to(tl.int64)
-        else:
-            dst_b = off_b.to(tl.int64)
-        y_rows = Y + dst_b * stride_yb + dst_row[:, None].to(tl.int64) * stride_ys
-    tl.store(y_rows + off_h * stride_yh + offs_d[None, :] * stride_yd, x, mask=io_mask)
+        kc_rows = K_CACHE + dst_b * stride_kcb + dst_row.to(tl.int64) * stride_kcs
+        vc_rows = V_CACHE + dst_b * stride_vcb + dst_row.to(tl.int64) * stride_vcs
+    tl.store(kc_rows[:, None] + off_h * stride_kch + offs_d[None, :], k.to(K_CACHE.dtype.element_ty), mask=io_mask)
+    tl.store(vc_rows[:, None] + off_h * stride_vch + offs_d[None, :], v.to(V_CACHE.dtype.element_ty), mask=io_mask)
 
 
-def rotary_copy(
-    x: torch.Tensor, y: torch.Tensor, seq_off: torch.Tensor, *,
-    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, interleaved: bool = True,
-    pos_step: int = 1, dst_at_seqlen: bool = True, batch_idx: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
+def append_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_off: torch.Tensor | int,
+    *, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, interleaved: bool = True,
+    batch_idx: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
 ) -> None:
-    """y[dst(b, i)] = rotary(x[b, i], position seq_off[b] + i * pos_step) for x (b, s, h, d).
+    """k_cache[dst(b, i)] = rotary(k[b, i], position seq_off[b] + i), v_cache[dst(b, i)] = v[b, i] for
+    k, v (b, s, h, d); one launch.
 
-    dst(b, i) is row seq_off[b] + i (dst_at_seqlen) or i of y's batch batch_idx[b] (or b), or of the
-    page block_table[b, row // page_size] when block_table is given (y: (pages, page_size, h, d)).
-    cos/sin: (seqlen_ro, rotary_dim / 2); None copies without rotation. Inputs are validated by callers.
+    dst(b, i) is row seq_off[b] + i of cache batch batch_idx[b] (or b), or of the page
+    block_table[b, row // page_size] when block_table is given (caches (pages, page_size, h, d)).
+    seq_off: (b,) int32 or one int for every batch entry. cos/sin: contiguous (seqlen_ro, rotary_dim / 2);
+    None copies without rotation. Inputs are validated by callers (unit last-dim strides).
     """
-    b, s, h, d = x.shape
-    if x.numel() == 0:
+    b, s, h, d = k.shape
+    if k.numel() == 0:
         return
     block_s = 16
-    num_s_blocks = triton.cdiv(s, block_s)
-    rotary_dim = 0 if cos is None else 2 * cos.shape[1]
-    dummy = seq_off
-    page_size = 0 if block_table is None else y.shape[1]
-    _rotary_copy[grid_1d(b * num_s_blocks * h)](
-        x, y, seq_off,
-        dummy if batch_idx is None else batch_idx,
-        dummy if block_table is None else block_table,
-        x if cos is None else cos, x if sin is None else sin,
-        *x.stride(), *y.stride(),
-        0 if block_table is None else block_table.stride(0),
-        0 if cos is None else cos.stride(0), 0 if sin is None else sin.stride(0),
-        h, s, num_s_blocks,
-        HEAD_DIM=d, BLOCK_D=pad_head_dim(d), BLOCK_S=block_s,
-        ROTARY_DIM=rotary_dim, INTERLEAVED=interleaved, POS_STEP=pos_step,
-        DST_AT_SEQLEN=dst_at_seqlen, HAS_BATCH_IDX=batch_idx is not None, PAGE_SIZE=page_size,
-        num_warps=4,
-    )
+    seq_t, seq_base = (None, int(seq_off)) if isinstance(seq_off, int) else (seq_off, 0)
+    kb, ks, kh, _ = k.stride()
+    vb, vs, vh, _ = v.stride()
+    kcb, kcs, kch, _ = k_cache.stride()
+    vcb, vcs, vch, _ = v_cache.stride()
+    _launch.launch(_append_kv, grid_1d(b * -(-s // block_s) * h), (
+        k, v, k_cache, v_cache, seq_t, batch_idx, block_table, cos, sin,
+        kb, ks, kh, vb, vs, vh, kcb, kcs, kch, vcb, vcs, vch, 0 if block_table is None else block_table.stride(0),
+        s, seq_base,
+    ), {"NUM_HEADS": h, "HEAD_DIM": d, "BLOCK_D": pad_head_dim(d), "BLOCK_S": block_s,
+        "ROTARY_DIM": 0 if cos is None else 2 * cos.shape[1], "INTERLEAVED": interleaved,
+        "PAGE_SIZE": 0 if block_table is None else k_cache.shape[1], "num_warps": 4})

@@ -255,14 +255,15 @@ def test_all_features_together_paged():
 
 def test_rotary_reference_self_check():
     # The test's rotary reference: a rotation preserves pair norms and position 0 (cos 1, sin 0) is identity.
-    x = torch.randn(3, 2, 8, dtype=torch.float64)
+    x = torch.randn(3, 2, 8, dtype=torch.float64, device=DEVICE)
     cos, sin = _rotary(4, 8, dtype=torch.float64)
     for inter in (True, False):
-        y = rotary_ref(x, cos, sin, torch.tensor([0, 1, 2]), inter)
+        y = rotary_ref(x, cos, sin, torch.tensor([0, 1, 2], device=DEVICE), inter)
         pairs = (lambda t: t.reshape(3, 2, 4, 2)) if inter else (lambda t: torch.stack((t[..., :4], t[..., 4:]), -1))
         torch.testing.assert_close(pairs(y).norm(dim=-1), pairs(x).norm(dim=-1))
-        eye = rotary_ref(x, torch.ones(1, 4, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.float64),
-                         torch.zeros(3, dtype=torch.long), inter)
+        eye = rotary_ref(x, torch.ones(1, 4, dtype=torch.float64, device=DEVICE),
+                         torch.zeros(1, 4, dtype=torch.float64, device=DEVICE),
+                         torch.zeros(3, dtype=torch.long, device=DEVICE), inter)
         assert torch.equal(eye, x)
 
 
@@ -271,6 +272,18 @@ def test_heuristic_from_shapes():
     assert decode.num_splits_heuristic(1, 8, 1, 131072, 64, 132) >= 16
     assert decode.num_splits_heuristic(1, 8, 1, 256, 64, 132) == 1  # 4 tiles: not worth a merge
     assert decode.num_splits_heuristic(1, 1, 1, 10**7, 64, 132) <= decode.MAX_SPLITS
+    # Batch 1, short caches: splits of at least 2 tiles each, about 2 programs per SM at most.
+    assert decode.num_splits_heuristic(1, 8, 1, 1024, 64, 132) == 8
+    assert decode.num_splits_heuristic(1, 8, 1, 4096, 64, 132) == 32
+    assert decode.num_splits_heuristic(1, 32, 1, 32768, 64, 132) == 9
+
+
+def test_page_block_n():
+    assert decode.page_block_n(64, 64) == (64, True)
+    assert decode.page_block_n(64, 256) == (64, True)
+    assert decode.page_block_n(64, 32) == (32, True)  # smaller tiles that never cross a page
+    assert decode.page_block_n(16, 8) == (16, False)  # pages below a tile: one lookup per row
+    assert decode.page_block_n(64, 48) == (64, False)
 
 
 def test_counts_runs():
@@ -333,3 +346,127 @@ def test_compiled_decode_step_matches_eager():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, kc2, vc2, k, v, sl)
     assert torch.equal(eager, compiled)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+class _CountingKernel:
+    """Stands in for a jitted kernel: counts `kernel[grid](...)` launches, runs the real one unless run=False."""
+
+    def __init__(self, kernel, name, log, run=True):
+        self.kernel, self.name, self.log, self.run = kernel, name, log, run
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(self.name)
+            if self.run:
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _count_launches(monkeypatch, run=True):
+    from fa_backend.kernels.triton import kv_append
+
+    log = []
+    monkeypatch.setattr(decode, "_decode_split", _CountingKernel(decode._decode_split, "decode", log, run))
+    monkeypatch.setattr(decode, "_merge_splits", _CountingKernel(decode._merge_splits, "merge", log, run))
+    monkeypatch.setattr(kv_append, "_append_kv", _CountingKernel(kv_append._append_kv, "append", log, run))
+    return log
+
+
+@pytest.mark.parametrize("int_seqlens", [False, True])
+def test_launches_per_call(monkeypatch, int_seqlens):
+    # Pure decode: one launch, plus the merge only when the keys are split; an append (keys rotated, values
+    # copied) is one more launch; the queries are rotated inside the decode kernel (no launch of their own).
+    log = _count_launches(monkeypatch)
+    q, kc, vc, k, v, _ = _case(b=2, sq=1, hq=4, hkv=2, d=32, s_cache=48, s_new=1)
+    sl = 30 if int_seqlens else _seqlens(30, 17)
+    cos, sin = _rotary(48, 32)
+    expected = {
+        (False, 1): ["decode"], (False, 3): ["decode", "merge"],
+        (True, 1): ["append", "decode"], (True, 3): ["append", "decode", "merge"],
+    }
+    for (append, splits), launches in expected.items():
+        log.clear()
+        kw = {"rotary_cos": cos, "rotary_sin": sin, "causal": True} if append else {}
+        check_kvcache(q, kc.clone(), vc.clone(), *((k, v) if append else ()), cache_seqlens=sl, num_splits=splits,
+                      **kw)
+        assert log == launches, (append, splits)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_no_other_device_work_per_call(monkeypatch, paged):
+    # Besides the Triton launches, a call only allocates (out, lse, split workspace): no fill, copy or
+    # host-to-device tensor (an int cache_seqlens included), so a CUDA graph captures exactly the launches.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fa_backend.kernels.triton import _launch
+
+    monkeypatch.setattr(_launch, "POISON_OUTPUTS", False)
+    log = _count_launches(monkeypatch, run=False)
+    q, kc, vc, k, v, _ = _case(b=2, sq=1, hq=4, hkv=2, d=32, s_cache=64, s_new=1)
+    bt = None
+    if paged:
+        kc, bt = _to_paged(kc, 16)
+        vc = _randn(*kc.shape)
+    cos, sin = _rotary(64, 32)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    for sl in (_seqlens(30, 17), 30):
+        for kv in ((), (k, v)):
+            rot = {"rotary_cos": cos, "rotary_sin": sin} if kv else {}
+            fa_backend.flash_attn_with_kvcache(q, kc, vc, *kv, cache_seqlens=sl, block_table=bt, num_splits=3, **rot)
+            with Ops() as mode:
+                log.clear()
+                fa_backend.flash_attn_with_kvcache(q, kc, vc, *kv, cache_seqlens=sl, block_table=bt, num_splits=3,
+                                                   return_softmax_lse=True, **rot)
+            assert set(mode.ops) <= {"empty"}, mode.ops
+            assert log == (["append"] if kv else []) + ["decode", "merge"]
+
+
+def test_checks_cached_per_metadata_still_reject():
+    # A call that passed the checks does not let a different (malformed) call through.
+    q, kc, vc, k, v, sl = _case(b=2, s_cache=20)
+    fa_backend.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=sl)
+    with pytest.raises(ValueError, match="int32"):
+        fa_backend.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=sl.long())
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        wide = _randn(2, 20, 2, 64)
+        fa_backend.flash_attn_with_kvcache(q, wide[..., ::2], vc, cache_seqlens=sl)
+
+
+def test_int_seqlens_append_rotary_and_strided_inputs():
+    # int cache_seqlens (scalar kernel argument) with an append and rotary; q, k, v with a non-unit last stride.
+    q, kc, vc, k, v, _ = _case(b=2, sq=2, hq=4, hkv=2, d=32, s_cache=40, s_new=2)
+    cos, sin = _rotary(48, 32)
+    out_int, _ = check_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=21, rotary_cos=cos, rotary_sin=sin,
+                               causal=True, num_splits=2)
+    out_t, _ = check_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=_seqlens(21, 21), rotary_cos=cos,
+                             rotary_sin=sin, causal=True, num_splits=2)
+    assert torch.equal(out_int, out_t)
+    strided = [torch.stack((t, t), -1)[..., 0] for t in (q, k, v)]
+    assert all(t.stride(-1) == 2 for t in strided)
+    out_s, _ = check_kvcache(strided[0], kc.clone(), vc.clone(), strided[1], strided[2], cache_seqlens=21,
+                             rotary_cos=cos, rotary_sin=sin, causal=True, num_splits=2)
+    assert torch.equal(out_s, out_int)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_tiles_with_splits_and_leftpad(page_size):
+    # Paged K/V with one page lookup per tile (no left pad) and per row (left pad), split mid-sequence.
+    q, kc, vc, k, v, _ = _case(b=2, sq=1, hq=4, hkv=2, d=32, s_cache=128, s_new=1)
+    kp, bt = _to_paged(kc, page_size)
+    vp = _randn(*kp.shape)
+    vp[bt.flatten().long()] = vc.reshape(-1, page_size, *vc.shape[2:])
+    sl = _seqlens(100, 57)
+    for kw in ({}, {"cache_leftpad": _seqlens(7, 0)}):
+        out_p, _ = check_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=sl, block_table=bt, num_splits=3,
+                                 **kw)
+        out_c, _ = check_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=sl, num_splits=3, **kw)
+        assert torch.equal(out_p, out_c)

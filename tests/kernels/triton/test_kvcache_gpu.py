@@ -115,3 +115,101 @@ def test_opcheck_gpu():
                           (kc, vc, k, v, sl, None, None, None, None, True))
     torch.library.opcheck(torch.ops.fa_backend.triton_decode_fwd.default,
                           (q, kc, vc, sl, 1, None, None, None, None, None, True, True, None, 0.1, -1, 0, 0.0, 0))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("int_seqlens", [False, True])
+def test_cuda_graph_pure_decode(paged, int_seqlens):
+    # Pure decode over the cache (no append), split keys + merge, captured and replayed: equal to eager.
+    b, L, hq, hkv, d = 1, 4096, 32, 8, 128
+    q, kc, vc, _, _, sl = _decode_case(b, L, hq, hkv, d, torch.bfloat16, s_new=0)
+    bt = None
+    if paged:
+        kc, bt = _to_paged(kc, 64)
+        vc = torch.randn_like(kc)
+    seqlens = int(sl[0]) if int_seqlens else sl
+    static_q = q.clone()
+
+    def step():
+        return fa_backend.flash_attn_with_kvcache(static_q, kc, vc, cache_seqlens=seqlens, block_table=bt,
+                                                  return_softmax_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = step()
+    for _ in range(2):
+        static_q.copy_(torch.randn_like(q))
+        out, lse = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, out) and torch.equal(static_lse, lse)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_bench_decode_smoke(graph, tmp_path):
+    import json
+
+    from fa_backend import bench_decode
+
+    out = tmp_path / "decode.json"
+    args = ["--batch", "1", "--seqlens", "1024", "--hkv", "8", "--layouts", "contiguous", "paged64", "--json",
+            str(out)] + (["--graph"] if graph else [])
+    assert bench_decode.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["mode"] == ("graph" if graph else "eager")
+    assert len(res["rows"]) == 2 and all(r["ours_us"] > 0 for r in res["rows"])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fast_launch_matches_jit_path(monkeypatch, paged):
+    # FA_BACKEND_FAST_LAUNCH=1: launches after the first skip the JIT's per-call work; results must be bitwise
+    # those of the JIT path, for append + rotary + splits, pure decode, int seqlens, and under a CUDA graph.
+    from fa_backend.kernels.triton import _launch
+
+    b, L, hq, hkv, d = 2, 4096, 32, 8, 128
+    q, kc, vc, k, v, sl = _decode_case(b, L, hq, hkv, d, torch.bfloat16, s_cache=L + 64)
+    cos, sin = _rotary(L + 64, d, torch.bfloat16)
+    bt = None
+    if paged:
+        kc, bt = _to_paged(kc, 64)
+        vc = torch.randn_like(kc)
+    calls = [{"k": k, "v": v, "rotary_cos": cos, "rotary_sin": sin, "causal": True, "cache_seqlens": sl},
+             {"cache_seqlens": sl}, {"cache_seqlens": L - 3, "num_splits": 1}, {"cache_seqlens": sl, "num_splits": 7}]
+
+    def run_all():
+        kc_, vc_ = kc.clone(), vc.clone()
+        outs = [fa_backend.flash_attn_with_kvcache(q, kc_, vc_, block_table=bt, return_softmax_lse=True, **kw)
+                for kw in calls]
+        return outs, kc_, vc_
+
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+    ref, ref_k, ref_v = run_all()
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    for _ in range(3):  # first: JIT path + cache fill; then the cached launches
+        outs, k2, v2 = run_all()
+        assert torch.equal(k2, ref_k) and torch.equal(v2, ref_v)
+        for (o, lse), (o_ref, lse_ref) in zip(outs, ref):
+            assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    assert _launch._FAST, "nothing was cached"
+    static_q = q.clone()
+
+    def step():  # the variant of calls[1], already compiled and cached (the capture must not compile)
+        return fa_backend.flash_attn_with_kvcache(static_q, kc, vc, cache_seqlens=sl, block_table=bt,
+                                                  return_softmax_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, _ = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, ref[1][0])
