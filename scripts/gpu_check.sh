@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead]
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -30,6 +30,21 @@ if [[ " $steps " == *" bench "* ]]; then
   extra=""; [[ " $steps " == *" memory "* ]] && extra="--memory --overhead"
   python3 -m fa_backend bench ${BENCH_ARGS:-} $extra --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
   sed -n '/TFLOP\/s, d=/,$p' "$OUT/bench.log"
+fi
+if [[ " $steps " == *" features "* ]]; then
+  python3 -m fa_backend bench --features --json "$OUT/features.json" > "$OUT/features.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/features.log" | tail -n 40
+fi
+if [[ " $steps " == *" decode "* ]]; then
+  for mode in eager graph; do
+    flag=""; [[ $mode == graph ]] && flag="--graph"
+    python3 -m fa_backend.bench_decode $flag --json "$OUT/decode_$mode.json" ${DECODE_ARGS:-} \
+      > "$OUT/decode_$mode.log" 2>&1 || status=1
+    grep -v -i -E "warn|return F" "$OUT/decode_$mode.log" | awk 'NR<=2 || $2==1' | head -n 40
+  done
+fi
+if [[ " $steps " == *" overhead "* ]]; then
+  python3 -m fa_backend bench --overhead-only 2>&1 | tail -n 8
 fi
 if [[ " $steps " == *" modules "* ]]; then
   python3 scripts/bench_modules.py --json "$OUT/modules.json" > "$OUT/modules.log" 2>&1 || status=1
