@@ -57,6 +57,10 @@ def direct_form_problem(a: dict) -> str | None:
     if a["static_k"] is not None or a["static_v"] is not None:
         return "static_k/static_v"
     query, key, value = a["query"], a["key"], a["value"]
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        return "non-tensor input"  # PyTorch's own function reports it
+    if query.is_nested or key.is_nested or value.is_nested:
+        return "nested tensor input"
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         return "unbatched input"
     tgt_len, bsz, embed_dim = query.shape
@@ -65,6 +69,9 @@ def direct_form_problem(a: dict) -> str | None:
         return "shape mismatch"  # PyTorch's own function raises its error
     if not a["use_separate_proj_weight"] and (a["in_proj_weight"] is None or key.shape[-1] != embed_dim
                                               or value.shape[-1] != embed_dim):
+        return "shape mismatch"
+    if a["use_separate_proj_weight"] and any(a[w] is None for w in ("q_proj_weight", "k_proj_weight",
+                                                                       "v_proj_weight")):
         return "shape mismatch"
     if key.shape[1] != bsz:
         return "shape mismatch"
