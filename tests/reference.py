@@ -216,10 +216,14 @@ def _lse_ref(q, k, *, is_causal=False, scale=None, window=(-1, -1), softcap=0.0,
 
 def check_varlen(attn_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, grad=True, atol=1e-5, **features):
     """check_features for packed batches: attn_fn(q, k, v) -> (out, lse) against varlen_attention_ref in
-    float64 (the truth) and in the inputs' dtype (the 2x baseline), output, LSE and gradients."""
+    float64 (the truth; float32 without TF32 when the score matrices are large, as check_attention) and
+    in the inputs' dtype (the 2x baseline), output, LSE and gradients."""
     leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
     out, lse = attn_fn(*leaves)
-    ref_leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+    lq, lk = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
+    big = q.shape[1] * sum(a * b for a, b in zip(lq, lk)) > 2**27  # as check_attention: fp32 (IEEE) when large
+    ref_dtype = torch.float32 if big else torch.float64
+    ref_leaves = [t.detach().to(ref_dtype).requires_grad_(grad) for t in (q, k, v)]
     ref, lse_ref = varlen_attention_ref(*ref_leaves, cu_seqlens_q, cu_seqlens_k, **features)
     pt_leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
     pt, _ = varlen_attention_ref(*pt_leaves, cu_seqlens_q, cu_seqlens_k, **features)
@@ -233,7 +237,7 @@ def check_varlen(attn_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, grad=True, ato
         return out, lse
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, dout)
-    ref_grads = _grads_or_zeros(ref, ref_leaves, dout.double())
+    ref_grads = _grads_or_zeros(ref, ref_leaves, dout.to(ref_dtype))
     pt_grads = _grads_or_zeros(pt, pt_leaves, dout)
     for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
         assert g.dtype == q.dtype
