@@ -8,7 +8,9 @@ Routing starts with `fa_backend.enable()` or inside `with fa_backend.enabled():`
 
 from . import ops  # noqa: F401  (registers torch.ops.fa_backend.*)
 from .api import attention
-from .flash_attn_interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                   flash_attn_varlen_qkvpacked_func)
 from .dispatch import (BackendUnsupportedError, Explanation, Reason, ReasonCode, explain, reset_stats,
                        sdpa_backends, stats)
 from .integrations import provider as _provider
@@ -21,4 +23,5 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "BackendUnsupportedError", "disable", "enable", "enabled", "Explanation", "explain",
            "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
            "Reason", "ReasonCode", "reset_stats", "sdpa_backends", "stats", "__version__"]

@@ -5,7 +5,8 @@ TMA instructions the PTX holds. Prunes configurations before any GPU time is spe
 
     python scripts/compile_check.py                 # the configs in _configs.py
     python scripts/compile_check.py --candidates    # the tuning candidates too
-    python scripts/compile_check.py --features      # also each optional feature (mask, dropout, ...)
+    python scripts/compile_check.py --features      # also each optional feature (mask, dropout, ..., varlen)
+    python scripts/compile_check.py --features varlen varlen_window_dropout   # only the packed-sequence kernels
 
 Each line ends with a hash of the PTX with the kernel name removed, so that two revisions can be
 compared for identical code (e.g. the no-feature path after adding constexpr-gated features).
@@ -47,8 +48,8 @@ def _source(fn, example: dict, dtype: str) -> ASTSource:
         if fn.params[i].is_constexpr or value is None:
             signature[name] = "constexpr"
             constexprs[name] = value
-        elif value in ("ptr", "ptr32", "ptr8"):
-            signature[name] = {"ptr32": "*fp32", "ptr8": "*u8"}.get(value, f"*{dtype}")
+        elif value in ("ptr", "ptr32", "ptr8", "ptri32"):
+            signature[name] = {"ptr32": "*fp32", "ptr8": "*u8", "ptri32": "*i32"}.get(value, f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
@@ -105,16 +106,24 @@ FEATURES: dict[str, dict] = {
     "window": dict(left_offset=-256, WINDOW_LEFT=True),
     "softcap": dict(softcap_in=0.01, SOFTCAP=True),
     "alibi": dict(Alibi="ptr32", stride_ab=0, stride_ah=1, alibi_offset=0, HAS_ALIBI=True),
+    # Packed sequences (flash_attn_varlen_func): batch strides 0, cu_seqlens, LSE row stride.
+    "varlen": dict(CuSeqQ="ptri32", CuSeqK="ptri32", TOTAL_Q=65536, VARLEN=True, stride_qb=0, stride_kb=0,
+                   stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0, stride_dvb=0, stride_dqb=0),
+    "varlen_window_dropout": dict(CuSeqQ="ptri32", CuSeqK="ptri32", TOTAL_Q=65536, VARLEN=True, stride_qb=0,
+                                  stride_kb=0, stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0, stride_dvb=0,
+                                  stride_dqb=0, left_offset=-256, WINDOW_LEFT=True, seed=2**40, rng_offset=0,
+                                  dropout_p=0.1, dropout_scale=1.1, DROPOUT=True),
 }
 
 
 def check_fwd(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
-    example = dict(**(extra or {}), Q="ptr", K="ptr", V="ptr", O="ptr", LSE="ptr32", **_strides("m", "q"),
+    example = dict(Q="ptr", K="ptr", V="ptr", O="ptr", LSE="ptr32", **_strides("m", "q"),
                    stride_kb=2048 * 4096, stride_kh=128, stride_kn=2048, stride_kd=1,
                    stride_vb=2048 * 4096, stride_vh=128, stride_vn=2048, stride_vd=1,
                    **_strides("m", "o"), NUM_HEADS_Q=16, GROUP=1, SEQ_Q=4096, SEQ_K=4096, NUM_M_BLOCKS=32,
                    causal_offset=0, qk_scale=0.1, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=cfg.block_m,
                    BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, CAUSAL=causal, SCALE_NEG=False)
+    example.update(extra or {})
     return _compile(_attn_fwd, example, cfg, dtype)
 
 
@@ -124,7 +133,7 @@ def _compile(fn, example: dict, cfg: _configs.TileConfig, dtype: str) -> str:
 
 
 def _bwd_example(d, causal, cfg, extra=None):
-    ex = dict(**(extra or {}), Q="ptr", K="ptr", V="ptr", DO="ptr", LSE="ptr32", DELTA="ptr32", DK="ptr", DV="ptr", DQ="ptr",
+    ex = dict(Q="ptr", K="ptr", V="ptr", DO="ptr", LSE="ptr32", DELTA="ptr32", DK="ptr", DV="ptr", DQ="ptr",
               NUM_HEADS_Q=16, NUM_HEADS_K=16, GROUP=1, SEQ_Q=4096, SEQ_K=4096, NUM_N_BLOCKS=32, NUM_M_BLOCKS=32,
               causal_offset=0, qk_scale=0.1, sm_scale=0.08, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d,
               CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
@@ -132,6 +141,7 @@ def _bwd_example(d, causal, cfg, extra=None):
         ex.update(_strides("m", n))
     for n in ("k", "v", "dk", "dv"):
         ex.update(_strides("n", n))
+    ex.update(extra or {})
     return ex
 
 
@@ -164,18 +174,22 @@ def main() -> None:
             for name in args.kernels:
                 check, table, candidates = plan[name]
                 for cfg in dict.fromkeys(table + (candidates if args.candidates else [])):
+                    run_cfg = cfg
                     for feature, extra in variants.items():
-                        if feature and cfg in table:  # feature calls use the feature tables where they exist
-                            cfg = {"fwd": _configs._GPU_FWD_FEATURES.get(d),
-                                   "dkdv": getattr(_configs._GPU_BWD_FEATURES.get(d), "dkdv", None),
-                                   "dq": getattr(_configs._GPU_BWD_FEATURES.get(d), "dq", None)}[name] or cfg
+                        if feature and feature != "varlen" and cfg in table:
+                            # feature calls use the feature tables where they exist (plain varlen: the plain ones)
+                            run_cfg = {"fwd": _configs._GPU_FWD_FEATURES.get(d),
+                                       "dkdv": getattr(_configs._GPU_BWD_FEATURES.get(d), "dkdv", None),
+                                       "dq": getattr(_configs._GPU_BWD_FEATURES.get(d), "dq", None)}[name] or cfg
+                        else:
+                            run_cfg = cfg
                         try:
-                            res = check(cfg, d, causal, extra=extra)
+                            res = check(run_cfg, d, causal, extra=extra)
                         except Exception as e:  # a config that fails to compile is reported and pruned
                             res = f"FAILED {type(e).__name__}: {str(e)[:200]}"
-                        mark = "*" if cfg in table else " "
+                        mark = "*" if run_cfg in table else " "
                         tag = f" +{feature}" if feature else ""
-                        print(f"{name:4} d={d:3} causal={causal:d} {mark}{cfg}{tag}: {res}", flush=True)
+                        print(f"{name:4} d={d:3} causal={causal:d} {mark}{run_cfg}{tag}: {res}", flush=True)
 
 
 if __name__ == "__main__":

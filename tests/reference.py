@@ -163,3 +163,88 @@ def check_features(attn_fn, q, k, v, *, grad=True, atol=1e-5, **features):
         assert g.dtype == q.dtype
         assert_within_bar(name, g, gp, gr, atol)
     return out
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, dtype=None,
+                         **features):
+    """attention_ref per sequence of a packed (FlashAttention-2 varlen) batch, concatenated.
+
+    q (total_q, hq, d), k / v (total_k, hkv, d); sequence i is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1]
+    over keys cu_seqlens_k[i]:cu_seqlens_k[i + 1], each computed by the dense reference (bottom-right
+    alignment, as FA2's varlen). alibi_slopes (b, hq) is sliced per sequence; dropout_keep is the
+    list of per-sequence (hq, sq_i, sk_i) keep-masks. Returns out (total_q, hq, dv) and the fp32
+    LSE (hq, total_q) of the scores (-inf for rows without keys).
+    """
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if dtype is not None:
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        qi, ki, vi = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in
+                      ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
+        slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        keep = None if dropout_keep is None else dropout_keep[i].unsqueeze(0)
+        out = attention_ref(qi, ki, vi, alibi_slopes=slopes, dropout_keep=keep, bottom_right=True, **{
+            name: val for name, val in features.items() if name != "bottom_right"})
+        outs.append(out[0].transpose(0, 1))
+        lses.append(_lse_ref(qi, ki, alibi_slopes=slopes, **features)[0])
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def _lse_ref(q, k, *, is_causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, **_):
+    """Natural-log sum-exp of the scores of attention_ref (bottom-right), float64, detached."""
+    q, k = q.detach().double(), k.detach().double()
+    hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
+    sk = k.shape[2]
+    k = k.repeat_interleave(hq // k.shape[1], 1)
+    s = (q @ k.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.double().view(1, hq, 1, 1) * (i + sk - sq - j).abs().double()
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if is_causal:
+        keep &= j <= i + sk - sq
+    if window[0] >= 0:
+        keep &= j >= i + sk - sq - window[0]
+    if window[1] >= 0:
+        keep &= j <= i + sk - sq + window[1]
+    return torch.logsumexp(s.masked_fill(~keep, float("-inf")), -1)
+
+
+def check_varlen(attn_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, grad=True, atol=1e-5, **features):
+    """check_features for packed batches: attn_fn(q, k, v) -> (out, lse) against varlen_attention_ref in
+    float64 (the truth; float32 without TF32 when the score matrices are large, as check_attention) and
+    in the inputs' dtype (the 2x baseline), output, LSE and gradients."""
+    leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    out, lse = attn_fn(*leaves)
+    lq, lk = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
+    big = q.shape[1] * sum(a * b for a, b in zip(lq, lk)) > 2**27  # as check_attention: fp32 (IEEE) when large
+    ref_dtype = torch.float32 if big else torch.float64
+    ref_leaves = [t.detach().to(ref_dtype).requires_grad_(grad) for t in (q, k, v)]
+    ref, lse_ref = varlen_attention_ref(*ref_leaves, cu_seqlens_q, cu_seqlens_k, **features)
+    pt_leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    pt, _ = varlen_attention_ref(*pt_leaves, cu_seqlens_q, cu_seqlens_k, **features)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_within_bar("out", out, pt, ref, atol)
+    assert lse.shape == lse_ref.shape, (tuple(lse.shape), tuple(lse_ref.shape))
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite) and (lse[~finite] == float("-inf")).all(), "lse: -inf rows differ"
+    assert max_err(lse[finite], lse_ref[finite]) < 1e-3, f"lse: max error {max_err(lse[finite], lse_ref[finite]):.3e}"
+    if not grad:
+        return out, lse
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_grads = _grads_or_zeros(ref, ref_leaves, dout.to(ref_dtype))
+    pt_grads = _grads_or_zeros(pt, pt_leaves, dout)
+    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
+        assert g.dtype == q.dtype
+        assert_within_bar(name, g, gp, gr, atol)
+    return out, lse
+
+
+def _grads_or_zeros(out, leaves, dout):
+    grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]

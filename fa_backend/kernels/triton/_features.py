@@ -42,14 +42,19 @@ def kernel_features(
     q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
     window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+    shift: int | None = None,
 ) -> KernelFeatures:
     """Kernel arguments for one call. Window semantics are FlashAttention-2's: query i sees key j
     iff i + sk - sq - left <= j <= i + sk - sq + right, a negative side meaning unbounded; with
-    causal, the causal bound (of the requested alignment) applies as well."""
+    causal, the causal bound (of the requested alignment) applies as well.
+
+    shift overrides sk - sq; varlen launches pass 0 (offsets relative to each sequence's own
+    seqlen_k - seqlen_q, which the kernels add)."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     left, right = window
-    shift = sk - sq  # FlashAttention's bottom-right alignment of windows and ALiBi
+    if shift is None:
+        shift = sk - sq  # FlashAttention's bottom-right alignment of windows and ALiBi
     causal_offset = (shift if bottom_right else 0) if causal else 0
     if right >= 0:
         causal_offset = min(causal_offset, shift + right) if causal else shift + right

@@ -22,6 +22,7 @@ from ._configs import bwd_config
 from ._features import kernel_features
 from . import _launch
 from ._launch import grid_1d, tile_dims
+from .flash_fwd import varlen_strides
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
@@ -59,7 +60,7 @@ def _bwd_dkdv_loop(
     stride_qm, stride_qd, stride_dom, stride_dod,
     start, end, n0, SEQ_Q, causal_offset, qk_scale,
     SEQ_K, Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, bh_q, dropout_p, dropout_scale,
+    seed, rng_offset, bh_q, dropout_p, dropout_scale, DROP_SEQ_Q, DROP_SEQ_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr = True, WINDOW_LEFT: tl.constexpr = False,
@@ -101,7 +102,8 @@ def _bwd_dkdv_loop(
         do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
             # dV sees the dropped probabilities (rescaled once at the end); dP is masked and scaled.
-            keep_t = _dropout_keep(seed, rng_offset, bh_q, rows[None, :], cols[:, None], SEQ_Q, SEQ_K, dropout_p)
+            keep_t = _dropout_keep(seed, rng_offset, bh_q, rows[None, :], cols[:, None], DROP_SEQ_Q, DROP_SEQ_K,
+                                    dropout_p)
             dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv)
@@ -118,7 +120,9 @@ def _bwd_dkdv_loop(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS", "causal_offset"])
+# VARLEN: packed (total, h, d) tensors located through CuSeqQ / CuSeqK, SEQ_Q / SEQ_K the maximum
+# lengths (dropout counters), TOTAL_Q the LSE / delta row stride, relative offsets (see _attn_fwd).
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS", "causal_offset", "TOTAL_Q"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -134,8 +138,9 @@ def _bwd_dkdv(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_n = pid % NUM_N_BLOCKS
@@ -143,38 +148,61 @@ def _bwd_dkdv(
     off_b = (bh // NUM_HEADS_K).to(tl.int64)
     off_hk = (bh % NUM_HEADS_K).to(tl.int64)
     n0 = pid_n * BLOCK_N
+    if VARLEN:
+        q_start = tl.load(CuSeqQ + off_b)
+        k_start = tl.load(CuSeqK + off_b)
+        seqlen_q = tl.load(CuSeqQ + off_b + 1) - q_start
+        seqlen_k = tl.load(CuSeqK + off_b + 1) - k_start
+        if n0 >= seqlen_k:
+            return
+        shift = seqlen_k - seqlen_q
+        causal_offset += shift
+        if HAS_ALIBI:
+            alibi_offset += shift
+        if WINDOW_LEFT:
+            left_offset += shift
+        # The batch strides are 0: the sequence's first row is folded into the base pointers.
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        DK += k_start.to(tl.int64) * stride_dkn
+        DV += k_start.to(tl.int64) * stride_dvn
+    else:
+        seqlen_q = SEQ_Q
+        seqlen_k = SEQ_K
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_ptrs = _tile_ptrs(K + off_b * stride_kb + off_hk * stride_kh, n0, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
     v_ptrs = _tile_ptrs(V + off_b * stride_vb + off_hk * stride_vh, n0, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
-    k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
-    v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    k = _load_rows(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    v = _load_rows(v_ptrs, cols, seqlen_k, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     if CAUSAL:
         # Query row i sees key j iff j <= i + causal_offset: rows below n0 - causal_offset see
         # none of this block; rows from n0 + BLOCK_N - 1 - causal_offset on see all of it.
-        m_lo = tl.minimum(tl.maximum(n0 - causal_offset, 0), SEQ_Q)
+        m_lo = tl.minimum(tl.maximum(n0 - causal_offset, 0), seqlen_q)
         diag_rows = tl.maximum(n0 + BLOCK_N - 1 - causal_offset - m_lo, 0)
-        m_mid = tl.minimum(m_lo + tl.cdiv(diag_rows, BLOCK_M) * BLOCK_M, SEQ_Q)
+        m_mid = tl.minimum(m_lo + tl.cdiv(diag_rows, BLOCK_M) * BLOCK_M, seqlen_q)
     else:
         m_lo = 0
         m_mid = 0
     if WINDOW_LEFT:
         # Row i sees key j only if j >= i + left_offset: rows up to n0 - left_offset see the
         # whole block on that side, rows from n0 + BLOCK_N - left_offset on see none of it.
-        m_hi = tl.minimum(tl.maximum(n0 + BLOCK_N - left_offset, 0), SEQ_Q)
-        full_end = tl.minimum(tl.maximum(n0 - left_offset + 1, 0), SEQ_Q)
-        if full_end >= SEQ_Q:
-            m_end = SEQ_Q
+        m_hi = tl.minimum(tl.maximum(n0 + BLOCK_N - left_offset, 0), seqlen_q)
+        full_end = tl.minimum(tl.maximum(n0 - left_offset + 1, 0), seqlen_q)
+        if full_end >= seqlen_q:
+            m_end = seqlen_q
         else:
             m_end = m_mid + (tl.maximum(full_end - m_mid, 0) // BLOCK_M) * BLOCK_M
         m_diag_end = tl.minimum(m_mid, m_hi)
     else:
-        m_hi = SEQ_Q
-        m_end = SEQ_Q
+        m_hi = seqlen_q
+        m_end = seqlen_q
         m_diag_end = m_mid
 
     if MASK_KIND != 0:
@@ -186,8 +214,12 @@ def _bwd_dkdv(
         bh_q = off_b * NUM_HEADS_Q + off_h
         Q_h = Q + off_b * stride_qb + off_h * stride_qh
         DO_h = DO + off_b * stride_dob + off_h * stride_doh
-        LSE_h = LSE + bh_q * SEQ_Q
-        DELTA_h = DELTA + bh_q * SEQ_Q
+        if VARLEN:
+            LSE_h = LSE + off_h * TOTAL_Q + q_start
+            DELTA_h = DELTA + off_h * TOTAL_Q + q_start
+        else:
+            LSE_h = LSE + bh_q * SEQ_Q
+            DELTA_h = DELTA + bh_q * SEQ_Q
         if MASK_KIND != 0:
             Mask_h = Mask + stride_mask_b + off_h * stride_mh
         else:
@@ -199,31 +231,31 @@ def _bwd_dkdv(
         if CAUSAL:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                m_lo, m_diag_end, n0, SEQ_Q, causal_offset, qk_scale,
-                SEQ_K, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, dropout_p, dropout_scale,
+                m_lo, m_diag_end, n0, seqlen_q, causal_offset, qk_scale,
+                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
                 MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
         dk, dv = _bwd_dkdv_loop(
             dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-            m_mid, m_end, n0, SEQ_Q, causal_offset, qk_scale,
-            SEQ_K, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-            seed, rng_offset, bh_q, dropout_p, dropout_scale,
+            m_mid, m_end, n0, seqlen_q, causal_offset, qk_scale,
+            seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
             MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
         if WINDOW_LEFT:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                tl.maximum(m_end, m_mid), m_hi, n0, SEQ_Q, causal_offset, qk_scale,
-                SEQ_K, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, dropout_p, dropout_scale,
+                tl.maximum(m_end, m_mid), m_hi, n0, seqlen_q, causal_offset, qk_scale,
+                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
                 MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
 
     dk *= sm_scale
     if DROPOUT:
         dv *= dropout_scale
-    col_ok = cols[:, None] < SEQ_K
+    col_ok = cols[:, None] < seqlen_k
     dk_ptrs = _tile_ptrs(DK + off_b * stride_dkb + off_hk * stride_dkh, n0, stride_dkn, stride_dkd, BLOCK_N, BLOCK_D)
     dv_ptrs = _tile_ptrs(DV + off_b * stride_dvb + off_hk * stride_dvh, n0, stride_dvn, stride_dvd, BLOCK_N, BLOCK_DV)
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok & (offs_d[None, :] < HEAD_DIM))
@@ -236,7 +268,7 @@ def _bwd_dq_loop(
     stride_kn, stride_kd, stride_vn, stride_vd,
     start, end, rows, SEQ_K, causal_offset, qk_scale,
     SEQ_Q, Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, bh, dropout_p, dropout_scale,
+    seed, rng_offset, bh, dropout_p, dropout_scale, DROP_SEQ_Q, DROP_SEQ_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -265,7 +297,8 @@ def _bwd_dq_loop(
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            keep_d = _dropout_keep(seed, rng_offset, bh, rows[:, None], cols[None, :], SEQ_Q, SEQ_K, dropout_p)
+            keep_d = _dropout_keep(seed, rng_offset, bh, rows[:, None], cols[None, :], DROP_SEQ_Q, DROP_SEQ_K,
+                                   dropout_p)
             dp = tl.where(keep_d, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -276,7 +309,7 @@ def _bwd_dq_loop(
     return dq
 
 
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset", "TOTAL_Q"])
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -291,8 +324,9 @@ def _bwd_dq(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_m = pid % NUM_M_BLOCKS
@@ -303,15 +337,41 @@ def _bwd_dq(
     off_h = (bh % NUM_HEADS_Q).to(tl.int64)
     off_hk = off_h // GROUP
     m0 = pid_m * BLOCK_M
+    if VARLEN:
+        q_start = tl.load(CuSeqQ + off_b)
+        k_start = tl.load(CuSeqK + off_b)
+        seqlen_q = tl.load(CuSeqQ + off_b + 1) - q_start
+        seqlen_k = tl.load(CuSeqK + off_b + 1) - k_start
+        if m0 >= seqlen_q:
+            return
+        shift = seqlen_k - seqlen_q
+        causal_offset += shift
+        if HAS_ALIBI:
+            alibi_offset += shift
+        if WINDOW_LEFT:
+            left_offset += shift
+        # The batch strides are 0: the sequence's first row is folded into the base pointers.
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        DQ += q_start.to(tl.int64) * stride_dqm
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+    else:
+        seqlen_q = SEQ_Q
+        seqlen_k = SEQ_K
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = _tile_ptrs(Q + off_b * stride_qb + off_h * stride_qh, m0, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
     do_ptrs = _tile_ptrs(DO + off_b * stride_dob + off_h * stride_doh, m0, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
-    q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
-    do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
-    lse = _load_lse_log2(LSE + bh.to(tl.int64) * SEQ_Q, rows, SEQ_Q)
-    delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
+    q = _load_rows(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    do = _load_rows(do_ptrs, rows, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    if VARLEN:
+        lse = _load_lse_log2(LSE + off_h * TOTAL_Q + q_start, rows, seqlen_q)
+        delta = tl.load(DELTA + off_h * TOTAL_Q + q_start + rows, mask=rows < seqlen_q, other=0.0)
+    else:
+        lse = _load_lse_log2(LSE + bh.to(tl.int64) * SEQ_Q, rows, SEQ_Q)
+        delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
     K_bh = K + off_b * stride_kb + off_hk * stride_kh
     V_bh = V + off_b * stride_vb + off_hk * stride_vh
     if MASK_KIND != 0:
@@ -324,13 +384,13 @@ def _bwd_dq(
         slope2 = 0.0
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    n_full, hi = _kv_bounds(m0, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
     if WINDOW_LEFT:
-        lo, full_lo = _window_lo(m0, SEQ_K, left_offset, BLOCK_M, BLOCK_N)
+        lo, full_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                          lo, tl.minimum(full_lo, hi), rows, SEQ_K, causal_offset, qk_scale,
-                          SEQ_Q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                          seed, rng_offset, bh, dropout_p, dropout_scale,
+                          lo, tl.minimum(full_lo, hi), rows, seqlen_k, causal_offset, qk_scale,
+                          seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                          seed, rng_offset, bh, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
                           MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
         mid_lo = full_lo
@@ -339,20 +399,20 @@ def _bwd_dq(
         mid_lo = 0
         tail_lo = n_full
     dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                      mid_lo, n_full, rows, SEQ_K, causal_offset, qk_scale,
-                      SEQ_Q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                      seed, rng_offset, bh, dropout_p, dropout_scale,
+                      mid_lo, n_full, rows, seqlen_k, causal_offset, qk_scale,
+                      seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                      seed, rng_offset, bh, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
                       MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                      tail_lo, hi, rows, SEQ_K, causal_offset, qk_scale,
-                      SEQ_Q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                      seed, rng_offset, bh, dropout_p, dropout_scale,
+                      tail_lo, hi, rows, seqlen_k, causal_offset, qk_scale,
+                      seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                      seed, rng_offset, bh, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
                       HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
                       MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 def flash_bwd(
@@ -411,6 +471,70 @@ def flash_bwd(
         hq, hq // hkv, sq, sk, m_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
+        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
+    )
+    return dq, dk, dv
+
+
+def flash_bwd_varlen(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, causal: bool, dlse: torch.Tensor | None = None, *,
+    dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of flash_fwd_varlen (packed (total, h, d) tensors, lse (hq, total_q)).
+
+    dlse (fp32 (hq, total_q)) is optional; the feature arguments must be the forward's. dq, dk, dv
+    may be given (any strides, e.g. views of one packed gradient buffer); they are written in place.
+    Deterministic: every gradient row has one writer (the dK/dV program of its key block).
+    """
+    total_q, hq, d = q.shape
+    total_k, hkv, dv_dim = k.shape[0], k.shape[1], v.shape[2]
+    b = cu_seqlens_q.shape[0] - 1
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    _launch.poison(dq, dk, dv)
+    if total_q == 0 or total_k == 0 or b == 0 or hq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
+    feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
+    cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
+    block_d, block_dv = tile_dims(d, dv_dim)
+
+    # delta = rowsum(dO * O) needs no sequence structure: the dense preprocess on (1, hq, total_q, dv)
+    # views writes it in the LSE's (hq, total_q) layout.
+    delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    pre_block = 64 if q.device.type == "cuda" else 16
+    pre_blocks = triton.cdiv(total_q, pre_block)
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    o4, do4 = out.transpose(0, 1).unsqueeze(0), dout.transpose(0, 1).unsqueeze(0)
+    _bwd_preprocess[grid_1d(pre_blocks * hq)](
+        o4, do4, dlse, delta, *o4.stride(), *do4.stride(), hq, total_q, pre_blocks,
+        HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
+    )
+    strides = (*varlen_strides(q), *varlen_strides(k), *varlen_strides(v), *varlen_strides(dout))
+    varlen = dict(CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True)
+
+    n_blocks = triton.cdiv(max(max_seqlen_k, 1), cfg.dkdv.block_n)
+    _bwd_dkdv[grid_1d(n_blocks * b * hkv)](
+        q, k, v, dout, lse, delta, dk, dv, *strides, *varlen_strides(dk), *varlen_strides(dv),
+        hq, hkv, hq // hkv, max_seqlen_q, max_seqlen_k, n_blocks, feat.causal_offset, feat.qk_scale, scale,
+        *feat.args,
+        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen,
+        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
+    )
+
+    m_blocks = triton.cdiv(max(max_seqlen_q, 1), cfg.dq.block_m)
+    _bwd_dq[grid_1d(m_blocks * b * hq)](
+        q, k, v, dout, lse, delta, dq, *strides, *varlen_strides(dq),
+        hq, hq // hkv, max_seqlen_q, max_seqlen_k, m_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
+        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
     )
     return dq, dk, dv

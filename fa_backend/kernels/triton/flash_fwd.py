@@ -28,7 +28,7 @@ def _fwd_kv_loop(
     stride_kn, stride_kd, stride_vn, stride_vd,
     start, end, offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
     Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, bh, dropout_p,
+    seed, rng_offset, bh, dropout_p, DROP_SEQ_Q, DROP_SEQ_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
@@ -75,7 +75,8 @@ def _fwd_kv_loop(
         v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
             # The normaliser l keeps every probability; dropped ones leave only the P @ V sum.
-            keep_d = _dropout_keep(seed, rng_offset, bh, offs_m[:, None], cols[None, :], SEQ_Q, SEQ_K, dropout_p)
+            keep_d = _dropout_keep(seed, rng_offset, bh, offs_m[:, None], cols[None, :], DROP_SEQ_Q, DROP_SEQ_K,
+                                   dropout_p)
             p = tl.where(keep_d, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
@@ -86,7 +87,15 @@ def _fwd_kv_loop(
 
 # Sequence-length arguments are not specialised (divisibility / == 1): a new length would
 # otherwise compile a new kernel variant. Feature arguments are None (constexpr) when unused.
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
+#
+# VARLEN (packed sequences, FlashAttention-2's varlen layout): Q/O are (total_q, h, d) and K/V
+# (total_k, h, d), passed with batch stride 0 and row stride = stride of dim 0; sequence b owns rows
+# [CuSeqQ[b], CuSeqQ[b + 1]) and keys [CuSeqK[b], CuSeqK[b + 1]). SEQ_Q / SEQ_K are then the maximum
+# lengths (they size the grid and the dropout counters, which are those of a padded (b, h, SEQ_Q,
+# SEQ_K) batch), TOTAL_Q is the LSE row stride (LSE is (h, total_q)), and every offset argument
+# (causal_offset, alibi_offset, left_offset) is relative: the kernel adds the sequence's own
+# seqlen_k - seqlen_q. Query blocks past a sequence's end exit at once.
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset", "TOTAL_Q"])
 def _attn_fwd(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -100,8 +109,9 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
+    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
     # concurrently running programs share that head's K/V in L2.
@@ -114,12 +124,33 @@ def _attn_fwd(
     off_h = (bh % NUM_HEADS_Q).to(tl.int64)
     off_hk = off_h // GROUP
     m0 = pid_m * BLOCK_M
+    if VARLEN:
+        q_start = tl.load(CuSeqQ + off_b)
+        k_start = tl.load(CuSeqK + off_b)
+        seqlen_q = tl.load(CuSeqQ + off_b + 1) - q_start
+        seqlen_k = tl.load(CuSeqK + off_b + 1) - k_start
+        if m0 >= seqlen_q:
+            return
+        shift = seqlen_k - seqlen_q
+        causal_offset += shift
+        if HAS_ALIBI:
+            alibi_offset += shift
+        if WINDOW_LEFT:
+            left_offset += shift
+        # The batch strides are 0: the sequence's first row is folded into the base pointers.
+        Q += q_start.to(tl.int64) * stride_qm
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        O += q_start.to(tl.int64) * stride_om
+    else:
+        seqlen_q = SEQ_Q
+        seqlen_k = SEQ_K
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = _tile_ptrs(Q + off_b * stride_qb + off_h * stride_qh, m0, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
-    q = _load_rows(q_ptrs, offs_m, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    q = _load_rows(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
     K_bh = K + off_b * stride_kb + off_hk * stride_kh
     V_bh = V + off_b * stride_vb + off_hk * stride_vh
     if MASK_KIND != 0:
@@ -135,15 +166,15 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    n_full, hi = _kv_bounds(m0, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
     if WINDOW_LEFT:
         # Keys before lo are left of every row's window; from full_lo on, left of no row's.
-        lo, full_lo = _window_lo(m0, SEQ_K, left_offset, BLOCK_M, BLOCK_N)
+        lo, full_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-            lo, tl.minimum(full_lo, hi), offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
+            lo, tl.minimum(full_lo, hi), offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-            seed, rng_offset, bh, dropout_p,
+            seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
             MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
         mid_lo = full_lo
@@ -153,16 +184,16 @@ def _attn_fwd(
         tail_lo = n_full
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-        mid_lo, n_full, offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
+        mid_lo, n_full, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
         Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-        seed, rng_offset, bh, dropout_p,
+        seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
         MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-        tail_lo, hi, offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
+        tail_lo, hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
         Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-        seed, rng_offset, bh, dropout_p,
+        seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
         MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
 
@@ -174,8 +205,11 @@ def _attn_fwd(
         inv_l = inv_l * dropout_scale
     out = acc * inv_l[:, None]
 
-    row_ok = offs_m < SEQ_Q
-    tl.store(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=row_ok)
+    row_ok = offs_m < seqlen_q
+    if VARLEN:
+        tl.store(LSE + off_h * TOTAL_Q + q_start + offs_m, lse, mask=row_ok)
+    else:
+        tl.store(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=row_ok)
     o_ptrs = _tile_ptrs(O + off_b * stride_ob + off_h * stride_oh, m0, stride_om, stride_od, BLOCK_M, BLOCK_DV)
     if HEAD_DIM_V == BLOCK_DV:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -228,6 +262,64 @@ def flash_fwd(
     return out, lse
 
 
+def varlen_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, head, row, dim) strides of a packed (total, h, d) tensor for the VARLEN kernels:
+    batch stride 0 (sequences are located through cu_seqlens), rows along dim 0."""
+    return 0, t.stride(1), t.stride(0), t.stride(2)
+
+
+def flash_fwd_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
+    dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on packed sequences (FlashAttention-2's varlen layout); returns (out, lse).
+
+    q is (total_q, hq, d), k / v (total_k, hkv, d / dv), any strides; cu_seqlens_q / _k are int32
+    (b + 1,) cumulative lengths on q's device, max_seqlen_q / _k Python ints bounding every length
+    (they size the grid; nothing is read back from the device). Sequence i is queries
+    [cu_seqlens_q[i], cu_seqlens_q[i + 1]) over keys [cu_seqlens_k[i], cu_seqlens_k[i + 1]); causal,
+    window and ALiBi are aligned bottom-right per sequence (offset seqlen_k_i - seqlen_q_i).
+
+    out is (total_q, hq, dv) in q's dtype, lse the fp32 natural-log sum-exp (hq, total_q) (FA2's
+    varlen layout). A query with no visible key outputs 0 with LSE -inf. Dropout draws the mask of a
+    padded (b, hq, max_seqlen_q, max_seqlen_k) batch (see dropout_keep_mask). Inputs must already be
+    validated.
+    """
+    total_q, hq, d = q.shape
+    total_k, hkv, dv = k.shape[0], k.shape[1], v.shape[2]
+    b = cu_seqlens_q.shape[0] - 1
+    out = q.new_empty((total_q, hq, dv)) if out is None else out
+    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device) if lse is None else lse
+    _launch.poison(out, lse)
+    if out.numel() == 0:
+        return out, lse
+    if total_k == 0 or b == 0:  # no key anywhere: every row is fully masked
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    if max_seqlen_q <= 0:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} with {total_q} query rows (it must bound every length)")
+    q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
+    feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
+    cfg = fwd_config(q, d, dv, feat.causal, max_seqlen_k, features=bool(feat.constexprs))
+    num_m_blocks = triton.cdiv(max_seqlen_q, cfg.block_m)
+    block_d, block_dv = tile_dims(d, dv)
+    _attn_fwd[grid_1d(num_m_blocks * b * hq)](
+        q, k, v, out, lse,
+        *varlen_strides(q), *varlen_strides(k), *varlen_strides(v), *varlen_strides(out),
+        hq, hq // hkv, max_seqlen_q, max_seqlen_k, num_m_blocks, feat.causal_offset, feat.qk_scale,
+        *feat.args,
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
+        CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
+    )
+    return out, lse
+
+
 @triton.jit
 def _dropout_mask_kernel(KEEP, seed, rng_offset, dropout_p, NUM_HEADS_Q, SEQ_Q, SEQ_K,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -254,3 +346,13 @@ def dropout_keep_mask(b: int, hq: int, sq: int, sk: int, dropout_p: float, rng: 
     grid = (triton.cdiv(sq, 16), triton.cdiv(sk, 16), b * hq)
     _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), float(dropout_p), hq, sq, sk, BLOCK_M=16, BLOCK_N=16)
     return keep.bool()
+
+
+def dropout_keep_mask_varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                             max_seqlen_k: int, hq: int, dropout_p: float, rng: tuple[int, int]) -> list[torch.Tensor]:
+    """Test/debug helper: per sequence i, the (hq, seqlen_q_i, seqlen_k_i) bool keep-mask the varlen
+    kernels draw (the top-left corner of sequence i's slice of a padded (b, hq, max_seqlen_q,
+    max_seqlen_k) mask). Reads the lengths back to the host."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    keep = dropout_keep_mask(len(cq) - 1, hq, max_seqlen_q, max_seqlen_k, dropout_p, rng, cu_seqlens_q.device)
+    return [keep[i, :, :cq[i + 1] - cq[i], :ck[i + 1] - ck[i]] for i in range(len(cq) - 1)]
