@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [varlen]
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -13,7 +13,8 @@ status=0
 if [[ " $steps " == *" tests "* ]]; then
   n=${SHARDS:-6}
   for i in $(seq 0 $((n - 1))); do
-    python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --shard="$i/$n" > "$OUT/tests_$i.log" 2>&1 &
+    timeout ${TEST_TIMEOUT:-900} python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --shard="$i/$n" \
+      > "$OUT/tests_$i.log" 2>&1 &
   done
   for i in $(seq 0 $((n - 1))); do wait -n || status=1; done
   for i in $(seq 0 $((n - 1))); do echo "shard $i: $(tail -n 1 "$OUT/tests_$i.log")"; done
@@ -41,6 +42,12 @@ if [[ " $steps " == *" decode "* ]]; then
     python3 -m fa_backend.bench_decode $flag --json "$OUT/decode_$mode.json" ${DECODE_ARGS:-} \
       > "$OUT/decode_$mode.log" 2>&1 || status=1
     grep -v -i -E "warn|return F" "$OUT/decode_$mode.log" | awk 'NR<=2 || $2==1' | head -n 40
+  done
+fi
+if [[ " $steps " == *" varlen "* ]]; then
+  for c in "" "--causal"; do
+    python3 -m fa_backend.bench_varlen $c --json "$OUT/varlen${c:+_causal}.json" > "$OUT/varlen${c:+_causal}.log" 2>&1 || status=1
+    grep -v -i warn "$OUT/varlen${c:+_causal}.log" | tail -n 12
   done
 fi
 if [[ " $steps " == *" overhead "* ]]; then
