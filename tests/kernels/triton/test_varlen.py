@@ -102,8 +102,11 @@ def test_zero_key_sequences_output_zero():
     assert (lse[:, :4] == float("-inf")).all() and torch.isfinite(lse[:, 4:10]).all()
     dq, dk, dv = torch.autograd.grad(out, leaves, torch.randn_like(out))
     assert (dq[:4] == 0).all() and (dq[10:] == 0).all() and torch.isfinite(dq).all()
-    # Causal with sq > sk: the first sq - sk rows of a sequence see no key either.
-    _check([6, 9], [5, 2], 2, 1, 16, is_causal=True)
+    # Causal with sq > sk: the first sq - sk rows of a sequence see no key either. 4 heads of 64
+    # rather than 2 of 16: with ~200 nonzero dq elements the max-error ratio to PyTorch's fp16 has a
+    # tail past 2x by chance (40 seeds: median 0.85, max 1.95, and one CI seed at 2.05); at this size
+    # 40 seeds gave median 0.98, max 1.83.
+    _check([6, 9], [5, 2], 4, 1, 64, is_causal=True)
 
 
 def test_all_keys_empty():
