@@ -139,12 +139,26 @@ def _lifted(where: str, fn, *args, **kwargs):
         _LIFTED.depth -= 1
 
 
-def _mha_arguments(self: nn.MultiheadAttention, args: tuple, kwargs: dict) -> dict | None:
+_MHA_NAMES = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+              "is_causal")
+_MHA_DEFAULTS = (None, None, None, None, True, None, True, False)
+
+
+def _mha_call(args: tuple, kwargs: dict) -> list | None:
+    """nn.MultiheadAttention.forward's arguments in signature order, or None for an unknown form."""
+    n = len(args)
+    if n > len(_MHA_NAMES) or (kwargs and not kwargs.keys() <= set(_MHA_NAMES[n:])):
+        return None  # the original forward reports it
+    return [*args, *(kwargs.get(name, default) for name, default in zip(_MHA_NAMES[n:], _MHA_DEFAULTS[n:]))]
+
+
+def _mha_arguments(self: nn.MultiheadAttention, call: list) -> dict | None:
     """F.multi_head_attention_forward's arguments for this call if `mha.mha_forward` can run it."""
-    query, key, value = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
-    if _arg(args, kwargs, 4, "need_weights", True) or not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+    query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
+    if need_weights or not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+                            and isinstance(value, torch.Tensor)):
         return None
-    if query.dim() != 3 or any(t.is_nested for t in (query, key, value)) or torch.is_autocast_enabled():
+    if query.dim() != 3 or query.is_nested or key.is_nested or value.is_nested or torch.is_autocast_enabled():
         return None
     if self.batch_first:  # as the module does: transposed views, keeping which inputs are the same tensor
         if key is value and query is key:
@@ -153,17 +167,20 @@ def _mha_arguments(self: nn.MultiheadAttention, args: tuple, kwargs: dict) -> di
             query, key = query.transpose(1, 0), key.transpose(1, 0)
             value = key
         else:
-            query, key, value = (t.transpose(1, 0) for t in (query, key, value))
+            query, key, value = query.transpose(1, 0), key.transpose(1, 0), value.transpose(1, 0)
+    params, attrs = self._parameters, self.__dict__  # direct lookups: nn.Module.__getattr__ is slow
+    out_params = self._modules["out_proj"]._parameters
     a = {
-        "query": query, "key": key, "value": value, "embed_dim_to_check": self.embed_dim,
-        "num_heads": self.num_heads, "in_proj_weight": self.in_proj_weight, "in_proj_bias": self.in_proj_bias,
-        "bias_k": self.bias_k, "bias_v": self.bias_v, "add_zero_attn": self.add_zero_attn,
-        "dropout_p": self.dropout, "out_proj_weight": self.out_proj.weight, "out_proj_bias": self.out_proj.bias,
-        "training": self.training, "key_padding_mask": _arg(args, kwargs, 3, "key_padding_mask"),
-        "need_weights": False, "attn_mask": _arg(args, kwargs, 5, "attn_mask"),
-        "use_separate_proj_weight": not self._qkv_same_embed_dim, "q_proj_weight": self.q_proj_weight,
-        "k_proj_weight": self.k_proj_weight, "v_proj_weight": self.v_proj_weight, "static_k": None,
-        "static_v": None, "average_attn_weights": True, "is_causal": _arg(args, kwargs, 7, "is_causal", False),
+        "query": query, "key": key, "value": value, "embed_dim_to_check": attrs["embed_dim"],
+        "num_heads": attrs["num_heads"], "in_proj_weight": params.get("in_proj_weight"),
+        "in_proj_bias": params.get("in_proj_bias"), "bias_k": self.bias_k, "bias_v": self.bias_v,
+        "add_zero_attn": attrs["add_zero_attn"], "dropout_p": attrs["dropout"],
+        "out_proj_weight": out_params["weight"], "out_proj_bias": out_params.get("bias"),
+        "training": attrs["training"], "key_padding_mask": key_padding_mask, "need_weights": False,
+        "attn_mask": attn_mask, "use_separate_proj_weight": not attrs["_qkv_same_embed_dim"],
+        "q_proj_weight": params.get("q_proj_weight"), "k_proj_weight": params.get("k_proj_weight"),
+        "v_proj_weight": params.get("v_proj_weight"), "static_k": None, "static_v": None,
+        "average_attn_weights": True, "is_causal": is_causal,
     }
     if _mha.direct_form_problem(a) is not None:
         return None
@@ -174,26 +191,30 @@ def _mha_forward_wrapper(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         where = _routing_here()
-        if where is None or len(args) > 8:
+        call = None if where is None else _mha_call(args, kwargs)
+        if call is None:
             return original(self, *args, **kwargs)
         with _NO_MODES():  # the checks' own tensor queries need not go through the router
-            query, key, value = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+            query, key, value, key_padding_mask, need_weights, attn_mask = call[:6]
             routed = None
-            if query is key and key is value and not _arg(args, kwargs, 4, "need_weights", True):
-                masks = (_arg(args, kwargs, 3, "key_padding_mask"), _arg(args, kwargs, 5, "attn_mask"))
-                routed = _fast_path_decision(self, query, masks)
-            a = None if routed is not None else _mha_arguments(self, args, kwargs)
+            if query is key and key is value and not need_weights:
+                routed = _fast_path_decision(self, query, (key_padding_mask, attn_mask))
+            a = None if routed is not None else _mha_arguments(self, call)
         if routed is not None:  # way 1
             if not getattr(_LIFTED, "counted", False):
                 routed.count()
             return _lifted(where, original, self, *args, **kwargs)
         if a is None:  # way 3
             return original(self, *args, **kwargs) if where == "top" else _unlifted(original, self, *args, **kwargs)
-        from .sdpa import route_sdpa
-
-        out, _ = _lifted(where, _mha.mha_forward, a, route_sdpa)  # way 2
+        out, _ = _lifted(where, _mha.mha_forward, a, _route_sdpa())  # way 2
         return (out.transpose(1, 0) if self.batch_first else out), None
     return forward
+
+
+def _route_sdpa():
+    from .sdpa import route_sdpa
+
+    return route_sdpa
 
 
 def _unlifted(fn, *args, **kwargs):
