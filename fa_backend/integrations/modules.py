@@ -244,7 +244,10 @@ def _encoder_layer_forward_wrapper(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         where = _routing_here()
-        if where is None or type(self) is not nn.TransformerEncoderLayer or len(args) > 4:
+        # exact classes only: a customised layer or attention module may call SDPA itself, and lifting
+        # the router would leave that call unrouted
+        if (where is None or type(self) is not nn.TransformerEncoderLayer
+                or type(self.self_attn) is not nn.MultiheadAttention or len(args) > 4):
             return original(self, *args, **kwargs)
         routed = None
         if not self.training and getattr(self, "activation_relu_or_gelu", 0):
