@@ -86,6 +86,18 @@ def assert_within_bar(name: str, ours: torch.Tensor, same_dtype: torch.Tensor, r
     assert err <= 2 * base + atol, f"{name}: max error {err:.3e} > 2 x PyTorch same-dtype error {base:.3e} + {atol:g}"
 
 
+def assert_grads_within_bar(out, leaves, pt, pt_leaves, ref, ref_leaves, atol: float = 1e-5) -> None:
+    """dq, dk, dv of `out` against the reference's (truth) and PyTorch same-dtype's (baseline) for one
+    random upstream gradient; a leaf a reference does not use (empty sequences) has zero gradient."""
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_grads = _grads_or_zeros(ref, ref_leaves, dout.to(ref.dtype))
+    pt_grads = _grads_or_zeros(pt, pt_leaves, dout)
+    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
+        assert g.dtype == leaves[0].dtype
+        assert_within_bar(name, g, gp, gr, atol)
+
+
 def check_attention(attn_fn, q, k, v, *, is_causal=False, bottom_right=False, scale=None, grad=True, atol=1e-5):
     """Run attn_fn(q, k, v) forward (and backward) and check output and gradients against the bar.
 
@@ -103,13 +115,7 @@ def check_attention(attn_fn, q, k, v, *, is_causal=False, bottom_right=False, sc
     assert_within_bar("out", out, pt, ref, atol)
     if not grad:
         return out
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, dout)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.to(ref_dtype))
-    pt_grads = torch.autograd.grad(pt, pt_leaves, dout)
-    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
-        assert g.dtype == q.dtype
-        assert_within_bar(name, g, gp, gr, atol)
+    assert_grads_within_bar(out, leaves, pt, pt_leaves, ref, ref_leaves, atol)
     return out
 
 
@@ -174,13 +180,7 @@ def check_features(attn_fn, q, k, v, *, grad=True, atol=1e-5, **features):
     assert_within_bar("out", out, pt, ref, atol)
     if not grad:
         return out
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, dout)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
-    pt_grads = torch.autograd.grad(pt, pt_leaves, dout)
-    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
-        assert g.dtype == q.dtype
-        assert_within_bar(name, g, gp, gr, atol)
+    assert_grads_within_bar(out, leaves, pt, pt_leaves, ref, ref_leaves, atol)
     return out
 
 
@@ -254,13 +254,7 @@ def check_varlen(attn_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, grad=True, ato
     assert max_err(lse[finite], lse_ref[finite]) < 1e-3, f"lse: max error {max_err(lse[finite], lse_ref[finite]):.3e}"
     if not grad:
         return out, lse
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, dout)
-    ref_grads = _grads_or_zeros(ref, ref_leaves, dout.to(ref_dtype))
-    pt_grads = _grads_or_zeros(pt, pt_leaves, dout)
-    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
-        assert g.dtype == q.dtype
-        assert_within_bar(name, g, gp, gr, atol)
+    assert_grads_within_bar(out, leaves, pt, pt_leaves, ref, ref_leaves, atol)
     return out, lse
 
 
