@@ -56,7 +56,7 @@ def _modes(fn, timer):
 
 
 def _cases():
-    for embed, heads in ((1024, 16), (2048, 16)):
+    for embed, heads in ((512, 16), (1024, 16), (2048, 16)):
         for s in (128, 512, 2048, 8192):
             yield embed, heads, s, TOKENS // s
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [varlen]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen]
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -52,6 +52,9 @@ if [[ " $steps " == *" varlen "* ]]; then
 fi
 if [[ " $steps " == *" overhead "* ]]; then
   python3 -m fa_backend bench --overhead-only 2>&1 | tail -n 8
+fi
+if [[ " $steps " == *" host "* ]]; then
+  python3 scripts/host_breakdown.py --json "$OUT/host.json" 2>&1 | grep -v -i warn | tail -n 24
 fi
 if [[ " $steps " == *" modules "* ]]; then
   python3 scripts/bench_modules.py --json "$OUT/modules.json" > "$OUT/modules.log" 2>&1 || status=1

@@ -113,7 +113,7 @@ def _preferred_kernel_refuses(decision: Decision, call: AttentionCall, q, k, v, 
         if any(r.code is ReasonCode.SLOWER for r in reasons):
             rule = peer_for(name, call)
             return rule is not None and pytorch_choice(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                                       enable_gqa) != rule.choice
+                                                       enable_gqa) not in rule.choices
     return False
 
 

@@ -73,3 +73,46 @@ def test_eager_router_checks_pytorchs_actual_pick(monkeypatch, pytorch_picks, ou
     q = torch.empty(2, 8, 2048, 128)
     call = dataclasses.replace(PLAIN, mask_kind="bool", mask_shape=(2, 1, 1, 2048), is_causal=False)
     assert sdpa._preferred_kernel_refuses(select(call), call, q, q, q, None, 0.0, False, None, False) is ours_after_all
+
+
+# One tiny call, e.g. nn.MultiheadAttention(64, 2) on 16 tokens: host-bound on any GPU.
+TINY = dataclasses.replace(PLAIN, capability=(8, 0), batch=1, heads_q=2, heads_kv=2, seqlen_q=16, seqlen_k=16,
+                           head_dim=32, head_dim_v=32, is_causal=False)
+
+
+@pytest.mark.parametrize("changes", [{}, {"capability": (9, 0)}, {"dtype": torch.float16},
+                                     {"mask_kind": "bool", "mask_shape": (1, 1, 16, 16)}, {"dropout_p": 0.1},
+                                     {"is_causal": True}, {"batch": 8, "heads_q": 32, "heads_kv": 32,
+                                                           "seqlen_q": 128, "seqlen_k": 128}],
+                         ids=["sm80", "sm90", "fp16", "mask", "dropout", "causal", "largest_below"])
+def test_host_bound_calls_prefer_pytorchs_fused_path(changes):
+    from fa_backend.dispatch.preference import TINY_FWD_FLOPS, fwd_flops
+
+    call = dataclasses.replace(TINY, **changes)
+    assert fwd_flops(call) < TINY_FWD_FLOPS
+    decision = select(call)
+    assert decision.backend == "torch"
+    (reason,) = decision.rejected["triton"]
+    assert reason.code is ReasonCode.SLOWER and "host-bound" in reason.message
+
+
+@pytest.mark.parametrize("changes", [
+    {"batch": 16, "heads_q": 32, "heads_kv": 32, "seqlen_q": 128, "seqlen_k": 128},  # 2**30 FLOPs: not below
+    {"heads_kv": 1, "enable_gqa": True},  # PyTorch's fused kernels may refuse GQA: ours
+    {"head_dim_v": 64},
+    {"seqlen_q": 8, "is_causal": True},  # causal with sq != sk
+], ids=["at_threshold", "gqa", "dv_ne_d", "causal_sq_ne_sk"])
+def test_outside_the_host_bound_class_ours_runs(changes):
+    call = dataclasses.replace(TINY, **changes)
+    assert slower_than_peer("triton", call) is None
+    assert select(call).backend == "triton"
+
+
+@pytest.mark.parametrize("pytorch_picks,ours_after_all", [("flash_attention", False), ("efficient_attention", False),
+                                                          ("cudnn_attention", False), ("math", True)])
+def test_host_bound_rule_holds_only_for_pytorchs_fused_kernels(monkeypatch, pytorch_picks, ours_after_all):
+    from fa_backend.integrations import sdpa
+
+    monkeypatch.setattr(sdpa, "pytorch_choice", lambda *a, **k: pytorch_picks)
+    q = torch.empty(1, 2, 16, 32)
+    assert sdpa._preferred_kernel_refuses(select(TINY), TINY, q, q, q, None, 0.0, False, None, False) is ours_after_all

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ._launch import interpreting, pad_head_dim
+from . import _launch
+from ._launch import pad_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _width(d: int, dv: int) -> int:
 def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int, features: bool = False) -> TileConfig:
     if _override["fwd"] is not None:
         return _override["fwd"]  # type: ignore[return-value]
-    if interpreting() or q.device.type != "cuda":
+    if q.device.type != "cuda" or _launch._INTERPRET:
         return _INTERPRETER_FWD
     width = _width(d, dv)
     if features and width in _GPU_FWD_FEATURES:
@@ -152,7 +153,7 @@ def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int, fe
 def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool = False) -> BwdConfig:
     if _override["bwd"] is not None:
         return _override["bwd"]  # type: ignore[return-value]
-    if interpreting() or q.device.type != "cuda":
+    if q.device.type != "cuda" or _launch._INTERPRET:
         return _INTERPRETER_BWD
     width = _width(d, dv)
     if features and width in _GPU_BWD_FEATURES:

@@ -38,6 +38,9 @@ def expand_mask(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> t
     return m
 
 
+_NO_FEATURE_ARGS = (None,) * 15  # Mask + 4 strides, Alibi + 3, softcap_in, left_offset, dropout's 4
+
+
 def kernel_features(
     q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
@@ -50,9 +53,13 @@ def kernel_features(
 
     shift overrides sk - sq; varlen launches pass 0 (offsets relative to each sequence's own
     seqlen_k - seqlen_q, which the kernels add)."""
-    b, hq, sq, _ = q.shape
-    sk = k.shape[2]
+    sq, sk = q.shape[2], k.shape[2]
     left, right = window
+    if (attn_mask is None and alibi_slopes is None and dropout_p <= 0 and softcap <= 0 and left < 0 and right < 0):
+        # the plain call (most calls): no feature arguments to build
+        return KernelFeatures(causal, ((sk - sq if shift is None else shift) if bottom_right else 0) if causal else 0,
+                              scale * _LOG2E, _NO_FEATURE_ARGS, {})
+    b, hq = q.shape[0], q.shape[1]
     if shift is None:
         shift = sk - sq  # FlashAttention's bottom-right alignment of windows and ALiBi
     causal_offset = (shift if bottom_right else 0) if causal else 0

@@ -47,27 +47,62 @@ def poison(*tensors) -> None:
             t.fill_(float("nan"))
 
 
-# Opt-in fast launches (FA_BACKEND_FAST_LAUNCH=1): JITFunction.run binds and specialises every argument
-# and hashes a cache key on every call, tens of µs of Python for a ~30-argument kernel, which is what
-# bounds small decode calls. `launch` does that work once per key of the arguments' specialisation classes
-# and then calls the compiled kernel's launcher directly. Off by default until validated on a GPU
-# (tests/kernels/triton/test_kvcache_gpu.py compares it bitwise with the JIT path).
-FAST_LAUNCH = os.environ.get("FA_BACKEND_FAST_LAUNCH", "0") == "1"
+# Fast launches: JITFunction.run binds and specialises every argument, hashes a cache key and builds
+# launch metadata on every call, tens of µs of Python for a ~50-argument kernel; that bounds small
+# attention calls and decode steps. `launch` does that work once per key of the arguments'
+# specialisation classes, then calls the compiled kernel's launcher directly. The launcher's calling
+# convention is Triton's own (CompiledKernel.run as JITFunction.run calls it), so the fast path is on
+# by default only for the Triton versions it was validated on (bitwise against the JIT path on an
+# H200: tests/kernels/triton/test_fast_launch_gpu.py); FA_BACKEND_FAST_LAUNCH=1 / 0 forces it on / off.
+_VALIDATED_TRITON = ("3.6.",)
+
+
+def _fast_launch_default() -> bool:
+    env = os.environ.get("FA_BACKEND_FAST_LAUNCH")
+    if env is not None:
+        return env == "1"
+    try:
+        import triton
+    except ImportError:
+        return False
+    return triton.__version__.startswith(_VALIDATED_TRITON)
+
+
+FAST_LAUNCH = _fast_launch_default()
+
+
+def _int_class(a: int) -> tuple[int, int]:
+    """Triton's type (0: i32, 1: i64, 2: u64, else by value) and divisibility class (2: == 1, 1: % 16 == 0)."""
+    if -0x80000000 <= a <= 0x7FFFFFFF:
+        width = 0
+    elif -0x8000000000000000 <= a <= 0x7FFFFFFFFFFFFFFF:
+        width = 1
+    elif 0 <= a <= 0xFFFFFFFFFFFFFFFF:
+        width = 2
+    else:
+        return a, a
+    return width, 2 if a == 1 else 0 if a & 15 else 1
+
+
+_INT_CLASSES: dict = {}  # int -> _int_class(int): strides, sizes and lengths repeat from call to call
 
 
 def spec_key(args) -> tuple:
     """What Triton's JIT specialises runtime arguments on (triton 3.6 native_specialize_impl), one entry per
-    argument: None, float (fp32) and bool (u1) by type; a tensor by dtype and 16-byte alignment; an int in
-    i32 range by class (2: == 1, a constant; 1: divisible by 16; 0: other), beyond it by value.
+    argument: None, float (fp32) and bool (u1) by type; an int by its integer type (i32 / i64 / u64 by
+    range) and class (== 1, a constant; divisible by 16; other); a tensor by dtype and 16-byte alignment.
     Stricter than the JIT (do_not_specialize ints are classed too), never looser."""
     key = []
+    ints = _INT_CLASSES
     for a in args:
         t = type(a)
         if t is int:
-            if -0x80000000 <= a <= 0x7FFFFFFF:
-                key.append(2 if a == 1 else 0 if a & 15 else 1)
-            else:
-                key.append(a)
+            c = ints.get(a)
+            if c is None:
+                c = _int_class(a)
+                if len(ints) < 65536:
+                    ints[a] = c
+            key.append(c)
         elif t is float or t is bool or a is None:
             key.append(t)
         else:
@@ -76,6 +111,8 @@ def spec_key(args) -> tuple:
 
 
 _FAST: dict = {}
+_LAYOUTS: dict = {}
+_PARAM_NAMES: dict = {}
 _INTERPRET = interpreting()  # fixed before the kernels are defined (the interpreter replaces them)
 
 
@@ -97,30 +134,73 @@ def _hooks_active() -> bool:
     return False
 
 
+_MISSING = object()
+
+
+def _layout(kernel) -> tuple | None:
+    """(name, is_constexpr, default) of each kernel parameter, or None when the kernel does not look like a
+    triton 3.6 JITFunction."""
+    entry = _LAYOUTS.get(id(kernel))
+    if entry is None:
+        params = getattr(kernel, "params", None)
+        if params is None:
+            return None
+        entry = tuple((p.name, bool(p.is_constexpr), p.default if getattr(p, "has_default", False) else _MISSING)
+                      for p in params)
+        _LAYOUTS[id(kernel)] = entry
+        _PARAM_NAMES[id(kernel)] = frozenset(name for name, _, _ in entry)
+    return entry
+
+
+def _bind(layout: tuple, names: frozenset, args: tuple, kwargs: dict):
+    """Every parameter's value in signature order (defaults filled in, as the JIT binds them), the runtime
+    ones, the constexpr ones and the remaining keywords (compile options); None if a parameter is missing
+    or a positional argument lands on a constexpr."""
+    values, runtime, consts = list(args), list(args), []
+    used = 0
+    for i, (name, is_constexpr, default) in enumerate(layout):
+        if i < len(args):
+            if is_constexpr:
+                return None
+            continue
+        if name in kwargs:
+            value = kwargs[name]
+            used += 1
+        elif default is not _MISSING:
+            value = default
+        else:
+            return None
+        values.append(value)
+        (consts if is_constexpr else runtime).append(value)
+    options = tuple(kv for kv in kwargs.items() if kv[0] not in names) if used != len(kwargs) else ()
+    return values, runtime, tuple(consts), options
+
+
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
-    """kernel[grid](*args, **kwargs), runtime arguments positional and every constexpr (then options) by
-    keyword. With FAST_LAUNCH, repeated launches with the same specialisation skip the JIT's per-call work."""
+    """kernel[grid](*args, **kwargs), with runtime arguments positional or by keyword and every constexpr
+    (then compile options) by keyword. With FAST_LAUNCH, repeated launches with the same specialisation
+    skip the JIT's per-call work."""
     if not FAST_LAUNCH or _INTERPRET:
         kernel[grid](*args, **kwargs)
         return
+    layout = _layout(kernel)
+    bound = None if layout is None else _bind(layout, _PARAM_NAMES[id(kernel)], args, kwargs)
     hooks = _hooks_active()
+    if bound is None or hooks:
+        kernel[grid](*args, **kwargs)
+        return
+    values, runtime, consts, options = bound
     device, stream = _current_device_and_stream()
-    key = (id(kernel), device, spec_key(args), tuple(kwargs.items()))
-    entry = _FAST.get(key)
-    if entry is None or hooks:
+    key = (id(kernel), device, spec_key(runtime), consts, options)
+    compiled = _FAST.get(key)
+    if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):
             compiled = compiled.result()
-        params = getattr(kernel, "params", None)
-        if compiled is None or params is None or hooks:
-            return
-        consts = tuple(kwargs[p.name] for p in params[len(args):] if p.is_constexpr and p.name in kwargs)
-        if len(args) + len(consts) != len(params) or any(p.is_constexpr for p in params[:len(args)]):
-            return  # not the layout this fast path assumes: stay on the JIT path
-        if len(_FAST) >= 4096:
-            _FAST.clear()
-        _FAST[key] = (compiled, consts)
+        if compiled is not None and hasattr(compiled, "run"):
+            if len(_FAST) >= 4096:
+                _FAST.clear()
+            _FAST[key] = compiled
         return
-    compiled, consts = entry
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, None, None, None, *args, *consts)
+                 compiled.function, compiled.packed_metadata, None, None, None, *values)

@@ -449,30 +449,33 @@ def flash_bwd(
     pre_blocks = triton.cdiv(sq, pre_block)
     if dlse is not None:
         dlse = dlse.contiguous()  # (b, hq, sq) fp32: indexed like lse
-    _bwd_preprocess[grid_1d(pre_blocks * b * hq)](
+    _launch.launch(_bwd_preprocess, grid_1d(pre_blocks * b * hq), (
         out, dout, dlse, delta, *out.stride(), *dout.stride(), hq, sq, pre_blocks,
+    ), dict(
         HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
-    )
+    ))
 
     n_blocks = triton.cdiv(sk, cfg.dkdv.block_n)
-    _bwd_dkdv[grid_1d(n_blocks * b * hkv)](
+    _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         hq, hkv, hq // hkv, sq, sk, n_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
+    ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
-    )
+    ))
 
     m_blocks = triton.cdiv(sq, cfg.dq.block_m)
-    _bwd_dq[grid_1d(m_blocks * b * hq)](
+    _launch.launch(_bwd_dq, grid_1d(m_blocks * b * hq), (
         q, k, v, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         hq, hq // hkv, sq, sk, m_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
+    ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
-    )
+    ))
     return dq, dk, dv
 
 
@@ -512,29 +515,32 @@ def flash_bwd_varlen(
     if dlse is not None:
         dlse = dlse.contiguous()
     o4, do4 = out.transpose(0, 1).unsqueeze(0), dout.transpose(0, 1).unsqueeze(0)
-    _bwd_preprocess[grid_1d(pre_blocks * hq)](
+    _launch.launch(_bwd_preprocess, grid_1d(pre_blocks * hq), (
         o4, do4, dlse, delta, *o4.stride(), *do4.stride(), hq, total_q, pre_blocks,
+    ), dict(
         HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
-    )
+    ))
     strides = (*varlen_strides(q), *varlen_strides(k), *varlen_strides(v), *varlen_strides(dout))
     varlen = dict(CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True)
 
     n_blocks = triton.cdiv(max(max_seqlen_k, 1), cfg.dkdv.block_n)
-    _bwd_dkdv[grid_1d(n_blocks * b * hkv)](
+    _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
         q, k, v, dout, lse, delta, dk, dv, *strides, *varlen_strides(dk), *varlen_strides(dv),
         hq, hkv, hq // hkv, max_seqlen_q, max_seqlen_k, n_blocks, feat.causal_offset, feat.qk_scale, scale,
         *feat.args,
+    ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
-    )
+    ))
 
     m_blocks = triton.cdiv(max(max_seqlen_q, 1), cfg.dq.block_m)
-    _bwd_dq[grid_1d(m_blocks * b * hq)](
+    _launch.launch(_bwd_dq, grid_1d(m_blocks * b * hq), (
         q, k, v, dout, lse, delta, dq, *strides, *varlen_strides(dq),
         hq, hq // hkv, max_seqlen_q, max_seqlen_k, m_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
+    ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
-    )
+    ))
     return dq, dk, dv

@@ -251,14 +251,15 @@ def flash_fwd(
     cfg = fwd_config(q, d, dv, feat.causal, sk, features=bool(feat.constexprs))
     num_m_blocks = triton.cdiv(sq, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
-    _attn_fwd[grid_1d(num_m_blocks * b * hq)](
+    _launch.launch(_attn_fwd, grid_1d(num_m_blocks * b * hq), (
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         hq, hq // hkv, sq, sk, num_m_blocks, feat.causal_offset, feat.qk_scale, *feat.args,
+    ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
-    )
+    ))
     return out, lse
 
 
@@ -307,16 +308,17 @@ def flash_fwd_varlen(
     cfg = fwd_config(q, d, dv, feat.causal, max_seqlen_k, features=bool(feat.constexprs))
     num_m_blocks = triton.cdiv(max_seqlen_q, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
-    _attn_fwd[grid_1d(num_m_blocks * b * hq)](
+    _launch.launch(_attn_fwd, grid_1d(num_m_blocks * b * hq), (
         q, k, v, out, lse,
         *varlen_strides(q), *varlen_strides(k), *varlen_strides(v), *varlen_strides(out),
         hq, hq // hkv, max_seqlen_q, max_seqlen_k, num_m_blocks, feat.causal_offset, feat.qk_scale,
         *feat.args,
+    ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
-    )
+    ))
     return out, lse
 
 

@@ -47,12 +47,18 @@ class _FakeCompiled:
         self.log.append(("fast", (gx, gy, gz), stream, args))
 
 
-class _FakeKernel:
-    """params like a JITFunction (runtime X, n, then constexpr BLOCK); kernel[grid](...) 'compiles'."""
+def _param(name, is_constexpr, default=None, has_default=False):
+    return SimpleNamespace(name=name, is_constexpr=is_constexpr, default=default, has_default=has_default)
 
-    def __init__(self):
-        self.params = [SimpleNamespace(name="X", is_constexpr=False), SimpleNamespace(name="n", is_constexpr=False),
-                       SimpleNamespace(name="BLOCK", is_constexpr=True)]
+
+class _FakeKernel:
+    """params like a JITFunction (runtime X, n, then constexpr BLOCK; with `extra`, a runtime Y=None and a
+    constexpr FLAG=False with defaults, as the varlen / feature arguments); kernel[grid](...) 'compiles'."""
+
+    def __init__(self, extra: bool = False):
+        self.params = [_param("X", False), _param("n", False), _param("BLOCK", True)]
+        if extra:
+            self.params += [_param("Y", False, None, True), _param("FLAG", True, False, True)]
         self.log = []
 
     def __getitem__(self, grid):
@@ -86,6 +92,30 @@ def test_fast_launch_reuses_then_respecialises(fast):
         kern.log.clear()
         _launch.launch(kern, (1,), args, kw)
         assert [e[0] for e in kern.log] == ["jit"], (args, kw)
+
+
+def test_fast_launch_binds_keywords_and_defaults_in_signature_order(fast):
+    kern = _FakeKernel(extra=True)
+    x, y = torch.empty(64), torch.empty(32)
+    _launch.launch(kern, (2,), (x, 5), {"BLOCK": 16, "num_warps": 4})
+    _launch.launch(kern, (2,), (x, 5), {"BLOCK": 16, "num_warps": 4})
+    assert kern.log[-1] == ("fast", (2, 1, 1), 7, (x, 5, 16, None, False))  # defaults filled in
+    # a runtime argument given by keyword is specialised like a positional one; a constexpr by value
+    for kw in ({"BLOCK": 16, "Y": y, "num_warps": 4}, {"BLOCK": 16, "FLAG": True, "num_warps": 4},
+               {"BLOCK": 16, "Y": y[1:], "num_warps": 4}):
+        kern.log.clear()
+        _launch.launch(kern, (2,), (x, 5), kw)
+        _launch.launch(kern, (2,), (x, 7), kw)
+        assert [e[0] for e in kern.log] == ["jit", "fast"], kw
+        assert kern.log[1][3] == (x, 7, 16, kw.get("Y"), kw.get("FLAG", False))
+
+
+def test_fast_launch_refuses_positional_constexpr(fast):
+    kern = _FakeKernel()
+    x = torch.empty(64)
+    for _ in range(2):
+        _launch.launch(kern, (1,), (x, 5, 16), {})
+    assert [e[0] for e in kern.log] == ["jit", "jit"]
 
 
 def test_fast_launch_keeps_jit_path_with_launch_hooks(fast, monkeypatch):
