@@ -29,30 +29,48 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _host_us(fn, n: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / n * 1e6)
-    return sorted(samples)[len(samples) // 2]
+_MODES = ("off", "on", "on_torch")
+
+
+def _switch(mode: str):
+    """Routing as `mode` says; returns the context to run the calls in."""
+    import contextlib
+
+    fa_backend.disable()
+    if mode == "off":
+        return contextlib.nullcontext()
+    fa_backend.enable()
+    return fa_backend.sdpa_backends(["torch"]) if mode == "on_torch" else contextlib.nullcontext()
 
 
 def _modes(fn, timer):
     out = {}
-    fa_backend.disable()
-    out["off"] = timer(fn)
-    fa_backend.enable()
-    out["on"] = timer(fn)
-    with fa_backend.sdpa_backends(["torch"]):
-        out["on_torch"] = timer(fn)
+    for mode in _MODES:
+        with _switch(mode):
+            out[mode] = timer(fn)
     fa_backend.disable()
     return out
+
+
+def _host_modes(fn, n: int = 200, rounds: int = 15):
+    """Wall time per call (µs), the modes interleaved round by round so drifts of the host hit all
+    three alike; the minimum over rounds (host noise only ever adds time)."""
+    samples = {mode: [] for mode in _MODES}
+    for mode in _MODES:
+        with _switch(mode):
+            for _ in range(20):
+                fn()
+    for _ in range(rounds):
+        for mode in _MODES:
+            with _switch(mode):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                torch.cuda.synchronize()
+                samples[mode].append((time.perf_counter() - t0) / n * 1e6)
+    fa_backend.disable()
+    return {mode: min(v) for mode, v in samples.items()}
 
 
 def _cases():
@@ -110,15 +128,15 @@ def main() -> None:
         x = torch.randn(1, 16, 64, device="cuda", dtype=DT)
         with torch.no_grad():
             report("mha_eval_tiny_host", 64, heads, 16, 1,
-                   _modes(lambda: mha(x, x, x, need_weights=False), _host_us), "us")
+                   _host_modes(lambda: mha(x, x, x, need_weights=False)), "us")
         layer = nn.TransformerEncoderLayer(64, heads, 128, dropout=0.0, batch_first=True, device="cuda",
                                            dtype=DT).eval()
         with torch.no_grad():
-            report("encoder_layer_tiny_host", 64, heads, 16, 1, _modes(lambda: layer(x), _host_us), "us")
+            report("encoder_layer_tiny_host", 64, heads, 16, 1, _host_modes(lambda: layer(x)), "us")
         layer.train()
         xg = x.clone().requires_grad_()
         report("encoder_layer_train_tiny_host", 64, heads, 16, 1,
-               _modes(lambda: layer(xg).sum().backward(), _host_us), "us")
+               _host_modes(lambda: layer(xg).sum().backward(), n=50), "us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,

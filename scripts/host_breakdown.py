@@ -1,7 +1,7 @@
 """Where the host time of one tiny attention call goes (GPU; issue 6's host-overhead report).
 
 One call of b=1, h=1, s=16, d=64, bf16 is host-bound: its wall time per call (a loop of calls, synchronised
-at the ends, median of 7 rounds) is the host cost. Measured layer by layer, each with the fast launch path
+at the ends; the variants interleaved round by round, min and median over rounds) is the host cost. Measured layer by layer, each with the fast launch path
 (`fa_backend.kernels.triton._launch`) on and off:
   sdpa              F.scaled_dot_product_attention, not routed (PyTorch's own pick)
   routed            the same call with fa_backend.enable() (default order)
@@ -12,13 +12,15 @@ at the ends, median of 7 rounds) is the host cost. Measured layer by layer, each
   launch            the forward kernel's launch alone, with prepared arguments
   empty             allocating out and lse alone
 and a forward + backward step (requires_grad) through fa_backend.attention and through SDPA.
-Usage: python scripts/host_breakdown.py [--json FILE] [--n N]
+Usage: python scripts/host_breakdown.py [--json FILE] [--n CALLS] [--rounds R]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import time
 
 import torch
@@ -30,18 +32,36 @@ from fa_backend.kernels._layout import new_attention_output
 from fa_backend.kernels.triton import _launch
 
 
-def per_call_us(fn, n: int) -> float:
-    for _ in range(50):
-        fn()
-    rounds = []
-    for _ in range(7):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-    return sorted(rounds)[3]
+def _context(routing: str | None):
+    if routing is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(fa_backend.enabled())
+    if routing == "triton":
+        stack.enter_context(fa_backend.sdpa_backends(["triton"]))
+    return stack
+
+
+def interleaved_us(variants: list[tuple], n: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """{name: (min, median)} wall µs per call; variants are (name, fast_launch, routing, fn, calls_scale),
+    run round by round in turn so that host drifts hit all alike."""
+    samples: dict[str, list[float]] = {v[0]: [] for v in variants}
+    for r in range(rounds + 1):
+        for name, fast, routing, fn, scale in variants:
+            _launch.FAST_LAUNCH = fast
+            calls = max(1, int(n * scale))
+            with _context(routing):
+                if r == 0:  # warm-up round: compile, fill caches
+                    for _ in range(50):
+                        fn()
+                    continue
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: (min(v), statistics.median(v)) for name, v in samples.items()}
 
 
 def _captured_launch(q):
@@ -57,11 +77,13 @@ def _captured_launch(q):
     return seen[0]
 
 
-def measure(n: int) -> dict[str, float]:
+def measure(n: int, rounds: int) -> dict[str, tuple[float, float]]:
     q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
     qg = q.clone().requires_grad_()
     kernel, grid, args, kwargs = _captured_launch(q)
-    sdpa = lambda: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, q, q)
 
     def step_ours():
         fa_backend.attention(qg, qg, qg).sum().backward()
@@ -69,43 +91,45 @@ def measure(n: int) -> dict[str, float]:
     def step_sdpa():
         F.scaled_dot_product_attention(qg, qg, qg).sum().backward()
 
-    res = {"sdpa": per_call_us(sdpa, n), "sdpa_fwd_bwd": per_call_us(step_sdpa, n // 4),
-           "empty": per_call_us(lambda: (new_attention_output(q, 64),
-                                         torch.empty((1, 1, 16), dtype=torch.float32, device="cuda")), n),
-           "launch_jit": per_call_us(lambda: kernel[grid](*args, **kwargs), n)}
-    _launch.FAST_LAUNCH = True
-    res["launch_fast"] = per_call_us(lambda: _launch.launch(kernel, grid, args, kwargs), n)
+    variants = [
+        ("sdpa", False, None, sdpa, 1), ("sdpa_fwd_bwd", False, None, step_sdpa, 0.25),
+        ("empty", False, None, lambda: (new_attention_output(q, 64),
+                                        torch.empty((1, 1, 16), dtype=torch.float32, device="cuda")), 1),
+        ("launch_jit", False, None, lambda: kernel[grid](*args, **kwargs), 1),
+        ("launch_fast", True, None, lambda: _launch.launch(kernel, grid, args, kwargs), 1),
+        ("routed", False, "default", sdpa, 1),
+    ]
     for fast in (False, True):
-        _launch.FAST_LAUNCH = fast
         tag = "fast" if fast else "jit"
-        res[f"flash_fwd_{tag}"] = per_call_us(lambda: kernels.flash_fwd(q, q, q, 0.125, False, False), n)
-        res[f"custom_op_{tag}"] = per_call_us(lambda: torch.ops.fa_backend.triton_flash_fwd(q, q, q), n)
-        res[f"attention_{tag}"] = per_call_us(lambda: fa_backend.attention(q, q, q), n)
-        res[f"attention_fwd_bwd_{tag}"] = per_call_us(step_ours, n // 4)
-        with fa_backend.enabled():
-            res[f"routed_{tag}"] = per_call_us(sdpa, n)
-            with fa_backend.sdpa_backends(["triton"]):
-                res[f"routed_triton_{tag}"] = per_call_us(sdpa, n)
-                res[f"routed_triton_fwd_bwd_{tag}"] = per_call_us(step_sdpa, n // 4)
-    return res
+        variants += [
+            (f"flash_fwd_{tag}", fast, None, lambda: kernels.flash_fwd(q, q, q, 0.125, False, False), 1),
+            (f"custom_op_{tag}", fast, None, lambda: torch.ops.fa_backend.triton_flash_fwd(q, q, q), 1),
+            (f"attention_{tag}", fast, None, lambda: fa_backend.attention(q, q, q), 1),
+            (f"attention_fwd_bwd_{tag}", fast, None, step_ours, 0.25),
+            (f"routed_triton_{tag}", fast, "triton", sdpa, 1),
+            (f"routed_triton_fwd_bwd_{tag}", fast, "triton", step_sdpa, 0.25),
+        ]
+    return interleaved_us(variants, n, rounds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--n", type=int, default=2000)
+    parser.add_argument("--n", type=int, default=1000, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     default_fast = _launch.FAST_LAUNCH
-    res = measure(args.n)
+    res = measure(args.n, args.rounds)
     _launch.FAST_LAUNCH = default_fast
-    for name, us in res.items():
-        print(f"{name:<28} {us:8.1f} us")
+    print(f"{'':<28} {'min':>8} {'median':>8}  (µs per call, {args.rounds} interleaved rounds of {args.n})")
+    for name, (lo, med) in res.items():
+        print(f"{name:<28} {lo:8.1f} {med:8.1f}")
     if args.json:
         import triton
 
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "us_per_call": res}, f, indent=1)
+                       "us_per_call_min_median": res}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ from . import mha as _mha
 
 _ORIGINAL: dict[type, object] = {}
 _DECISIONS: dict = {}
-_pop_mode = getattr(torch.overrides, "_pop_mode_temporarily", None)
+# The mode stack's own push / pop (torch.overrides._pop_mode_temporarily wraps them in a generator
+# context manager, which costs more than the rest of a lifted call's bookkeeping).
+_POP = getattr(torch._C, "_pop_torch_function_stack", None)
+_PUSH = getattr(torch._C, "_push_on_torch_function_stack", None)
 _LIFTED = threading.local()  # set while a module's forward runs with the router lifted off the stack
 _NO_MODES = torch._C.DisableTorchFunction
 if hasattr(torch._C, "_len_torch_function_stack") and hasattr(torch._C, "_get_function_stack_at"):
@@ -90,6 +93,7 @@ def _torch_decision(call: AttentionCall | None):
 
 
 _FAST_PATH_MEMO: dict = {}
+_NO_MASKS = (None, None)
 
 
 def _fast_path_decision(mha: nn.MultiheadAttention, x, masks: tuple):
@@ -115,14 +119,14 @@ def _fast_path_decision(mha: nn.MultiheadAttention, x, masks: tuple):
 def _routing_here() -> str | None:
     """'lifted' inside a module already running with the router lifted, 'top' when an active
     router is the top mode (so it can be lifted), else None (not routing, compiling, other modes)."""
-    if _pop_mode is None or torch.compiler.is_compiling():
+    if _POP is None or torch.compiler.is_compiling():
         return None
     if getattr(_LIFTED, "depth", 0):
         return "lifted"
     depth = _stack_len()
     if depth:
         top = _stack_at(depth - 1)
-        if isinstance(top, tuple(ROUTER_TYPES)) and top.active():
+        if (type(top) in ROUTER_TYPES or isinstance(top, tuple(ROUTER_TYPES))) and top.active():
             return "top"
     return None
 
@@ -131,25 +135,31 @@ def _lifted(where: str, fn, *args, **kwargs):
     """fn(*args, **kwargs) with the router off the stack (already off when `where` is 'lifted')."""
     if where == "lifted":
         return fn(*args, **kwargs)
-    _LIFTED.depth = getattr(_LIFTED, "depth", 0) + 1
+    state = _LIFTED
+    state.depth = getattr(state, "depth", 0) + 1
+    mode = _POP()
     try:
-        with _pop_mode():
-            return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     finally:
-        _LIFTED.depth -= 1
+        _PUSH(mode)
+        state.depth -= 1
 
 
 _MHA_NAMES = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
               "is_causal")
 _MHA_DEFAULTS = (None, None, None, None, True, None, True, False)
+_MHA_KEYWORDS = tuple(frozenset(_MHA_NAMES[n:]) for n in range(len(_MHA_NAMES) + 1))
 
 
 def _mha_call(args: tuple, kwargs: dict) -> list | None:
     """nn.MultiheadAttention.forward's arguments in signature order, or None for an unknown form."""
     n = len(args)
-    if n > len(_MHA_NAMES) or (kwargs and not kwargs.keys() <= set(_MHA_NAMES[n:])):
+    if n > len(_MHA_NAMES) or (kwargs and not kwargs.keys() <= _MHA_KEYWORDS[n]):
         return None  # the original forward reports it
-    return [*args, *(kwargs.get(name, default) for name, default in zip(_MHA_NAMES[n:], _MHA_DEFAULTS[n:]))]
+    call = list(args)
+    for i in range(n, len(_MHA_NAMES)):
+        call.append(kwargs.get(_MHA_NAMES[i], _MHA_DEFAULTS[i]) if kwargs else _MHA_DEFAULTS[i])
+    return call
 
 
 def _mha_arguments(self: nn.MultiheadAttention, call: list) -> dict | None:
@@ -191,15 +201,24 @@ def _mha_forward_wrapper(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         where = _routing_here()
-        call = None if where is None else _mha_call(args, kwargs)
-        if call is None:
+        if where is None:
             return original(self, *args, **kwargs)
+        a = call = None
         with _NO_MODES():  # the checks' own tensor queries need not go through the router
-            query, key, value, key_padding_mask, need_weights, attn_mask = call[:6]
-            routed = None
-            if query is key and key is value and not need_weights:
-                routed = _fast_path_decision(self, query, (key_padding_mask, attn_mask))
-            a = None if routed is not None else _mha_arguments(self, call)
+            if (len(args) == 3 and args[0] is args[1] and args[1] is args[2] and len(kwargs) == 1
+                    and kwargs.get("need_weights", True) is False):
+                routed = _fast_path_decision(self, args[0], _NO_MASKS)  # mha(x, x, x, need_weights=False)
+            else:
+                call = _mha_call(args, kwargs)
+                if call is None:
+                    return original(self, *args, **kwargs)
+                query, key, value, key_padding_mask, need_weights, attn_mask = call[:6]
+                routed = None
+                if query is key and key is value and not need_weights:
+                    routed = _fast_path_decision(self, query, (key_padding_mask, attn_mask))
+            if routed is None:
+                call = call or _mha_call(args, kwargs)
+                a = _mha_arguments(self, call)
         if routed is not None:  # way 1
             if not getattr(_LIFTED, "counted", False):
                 routed.count()

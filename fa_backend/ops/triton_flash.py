@@ -186,6 +186,32 @@ def _backward(ctx, dout, dlse):
 triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+_KERNELS: list = []  # the kernels module, imported on first use (importing fa_backend needs no Triton)
+
+
+def _kernels():
+    if not _KERNELS:
+        from ..kernels import triton as kernels
+
+        _KERNELS.append(kernels)
+    return _KERNELS[0]
+
+
+def _eager_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, window_left,
+                   window_right, softcap, alibi_slopes):
+    """The op's forward for plain tensors in eager mode: same checks, counters and kernels; (out, lse, feats)."""
+    check_triton_inputs(q, k, v, is_causal, attn_mask=attn_mask, dropout_p=dropout_p)
+    if (attn_mask is not None or dropout_p or rng_state is not None or window_left != -1 or window_right != -1
+            or softcap or alibi_slopes is not None):
+        _check_features(q, attn_mask, dropout_p, rng_state, window_left, window_right, softcap, alibi_slopes)
+        feats = _features(attn_mask, dropout_p, rng_state, window_left, window_right, softcap, alibi_slopes)
+    else:
+        feats = {}
+    counters.record_run("triton")
+    out, lse = _kernels().flash_fwd(q, k, v, _resolve_scale(q, scale), is_causal, bottom_right, **feats)
+    return out, lse, feats
+
+
 class _EagerTritonFlash(torch.autograd.Function):
     """The op's eager twin: same checks, kernels, counters and gradients (bitwise), without the
     torch.library dispatch and custom-op autograd layers, which cost tens of microseconds of Python
@@ -194,24 +220,17 @@ class _EagerTritonFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state,
                 window_left, window_right, softcap, alibi_slopes):
-        from ..kernels.triton import flash_fwd
-
-        check_triton_inputs(q, k, v, is_causal, attn_mask=attn_mask, dropout_p=dropout_p)
-        _check_features(q, attn_mask, dropout_p, rng_state, window_left, window_right, softcap, alibi_slopes)
-        counters.record_run("triton")
-        feats = _features(attn_mask, dropout_p, rng_state, window_left, window_right, softcap, alibi_slopes)
-        out, lse = flash_fwd(q, k, v, _resolve_scale(q, scale), is_causal, bottom_right, **feats)
+        out, lse, feats = _eager_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state,
+                                         window_left, window_right, softcap, alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes)
         ctx.scale, ctx.is_causal, ctx.bottom_right, ctx.feats = scale, is_causal, bottom_right, feats
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from ..kernels.triton import flash_bwd
-
         q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
-        feats = dict(ctx.feats, attn_mask=attn_mask, alibi_slopes=alibi_slopes)
-        dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, _resolve_scale(q, ctx.scale), ctx.is_causal,
+        feats = dict(ctx.feats, attn_mask=attn_mask, alibi_slopes=alibi_slopes) if ctx.feats else {}
+        dq, dk, dv = _kernels().flash_bwd(dout, q, k, v, out, lse, _resolve_scale(q, ctx.scale), ctx.is_causal,
                                ctx.bottom_right, dlse, **feats)
         return (dq, dk, dv) + (None,) * (3 + len(_FEATURES))
 
@@ -244,4 +263,7 @@ def triton_flash_attention(
             int(window_left), int(window_right), float(softcap), alibi_slopes)
     if torch.compiler.is_compiling() or not _plain(q, k, v, attn_mask, alibi_slopes):
         return triton_flash_fwd(*args)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        out, lse, _ = _eager_forward(*args)  # nothing to differentiate: no autograd.Function layer
+        return out, lse
     return _EagerTritonFlash.apply(*args)

@@ -16,3 +16,18 @@ def clean_state():
     yield
     fa_backend.disable()
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def no_speed_preferences(monkeypatch):
+    """Routing mechanics under test, not speed: no measured preference passes over our kernel. (On a GPU
+    the tests' small shapes are host-bound calls, which the preference sends to PyTorch's kernels.)"""
+    from fa_backend.dispatch import preference
+    from fa_backend.integrations import modules, sdpa
+
+    monkeypatch.setattr(preference, "PREFERENCES", ())
+    for memo in (sdpa._CACHE, modules._DECISIONS, modules._FAST_PATH_MEMO):
+        memo.clear()
+    yield
+    for memo in (sdpa._CACHE, modules._DECISIONS, modules._FAST_PATH_MEMO):
+        memo.clear()

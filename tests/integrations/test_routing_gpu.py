@@ -95,3 +95,34 @@ def test_module_fast_path_kept_on_gpu(module):
     assert torch.equal(out, ref)
     assert fa_backend.stats()["runs"] == {"torch": 1}
     assert fa_backend.stats()["fallbacks"]["triton:slower"] == 1
+
+
+@pytest.mark.parametrize("d", [32, 64, 96])
+def test_host_bound_call_runs_pytorchs_fused_kernel(d):
+    # Under 2**30 forward FLOPs (dispatch/preference.py): PyTorch's C++ path, on any GPU; forcing runs ours.
+    q, k, v = _qkv(b=1, h=2, s=16, d=d)
+    assert pytorch_choice(q, k, v) in ("flash_attention", "efficient_attention", "cudnn_attention")
+    explanation = fa_backend.explain(q, k, v)
+    assert explanation.backend == "torch"
+    (reason,) = explanation.reasons["triton"]
+    assert reason.code is ReasonCode.SLOWER and "host-bound" in reason.message
+    with fa_backend.enabled():
+        out = F.scaled_dot_product_attention(q, k, v)
+        assert fa_backend.stats()["runs"] == {"torch": 1}
+        with fa_backend.sdpa_backends(["triton"]):
+            forced = F.scaled_dot_product_attention(q, k, v)
+    assert fa_backend.stats()["runs"] == {"torch": 1, "triton": 1}
+    torch.testing.assert_close(out, forced, atol=2e-2, rtol=2e-2)
+
+
+def test_tiny_module_keeps_pytorchs_fast_path():
+    m = nn.MultiheadAttention(64, 2, batch_first=True, device="cuda", dtype=torch.bfloat16).eval()
+    x = torch.randn(1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = m(x, x, x, need_weights=False)[0]
+        with fa_backend.enabled():
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = m(x, x, x, need_weights=False)[0]
+    assert "aten::_native_multi_head_attention" in {e.name for e in prof.events()}
+    assert torch.equal(out, ref)
+    assert fa_backend.stats()["runs"] == {"torch": 1}

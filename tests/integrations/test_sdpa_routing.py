@@ -15,7 +15,7 @@ from fa_backend.dispatch import BackendUnsupportedError, ReasonCode
 from tests.conftest import DEVICE
 
 DT = torch.float16
-pytestmark = pytest.mark.usefixtures("clean_state")
+pytestmark = pytest.mark.usefixtures("clean_state", "no_speed_preferences")
 
 
 def _qkv(b=1, hq=2, hkv=2, s=24, d=16, dtype=DT):

@@ -12,7 +12,7 @@ import fa_backend
 from tests.conftest import DEVICE
 
 DT = torch.float16
-pytestmark = pytest.mark.usefixtures("clean_state")
+pytestmark = pytest.mark.usefixtures("clean_state", "no_speed_preferences")
 
 
 class Recorder:

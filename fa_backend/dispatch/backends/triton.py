@@ -36,6 +36,16 @@ def use_interpreter() -> None:
     INTERPRETER = True
 
 
+_OPS: list = []
+
+
+def _load_ops():
+    from ...ops import triton_flash_attention  # the ops import this module: imported on first run
+
+    _OPS.append(triton_flash_attention)
+    return triton_flash_attention
+
+
 class TritonBackend(Backend):
     """Limits of fa_backend/kernels/triton, as data; `why_not` returns every failing rule."""
 
@@ -114,8 +124,7 @@ class TritonBackend(Backend):
 
     @classmethod
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        from ...ops import triton_flash_attention
-
+        triton_flash_attention = _OPS[0] if _OPS else _load_ops()
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
         return triton_flash_attention(q, k, v, scale, bool(is_causal), bottom_right,
                                       attn_mask=attn_mask, dropout_p=float(dropout_p))[0]

@@ -15,6 +15,11 @@ def pad_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())  # next power of two (triton.next_power_of_2 is a JIT call)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints (triton.cdiv goes through Triton's JIT call machinery: µs per call)."""
+    return -(-a // b)
+
+
 def tile_dims(d: int, dv: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_DV) for head dims d and dv.
 

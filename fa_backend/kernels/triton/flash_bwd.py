@@ -21,7 +21,7 @@ from ._common import (LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_lse_lo
 from ._configs import bwd_config
 from ._features import kernel_features
 from . import _launch
-from ._launch import grid_1d, tile_dims
+from ._launch import cdiv, grid_1d, tile_dims
 from .flash_fwd import varlen_strides
 
 
@@ -446,7 +446,7 @@ def flash_bwd(
 
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     pre_block = 64 if q.device.type == "cuda" else 16
-    pre_blocks = triton.cdiv(sq, pre_block)
+    pre_blocks = cdiv(sq, pre_block)
     if dlse is not None:
         dlse = dlse.contiguous()  # (b, hq, sq) fp32: indexed like lse
     _launch.launch(_bwd_preprocess, grid_1d(pre_blocks * b * hq), (
@@ -455,7 +455,7 @@ def flash_bwd(
         HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
     ))
 
-    n_blocks = triton.cdiv(sk, cfg.dkdv.block_n)
+    n_blocks = cdiv(sk, cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
@@ -466,7 +466,7 @@ def flash_bwd(
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
     ))
 
-    m_blocks = triton.cdiv(sq, cfg.dq.block_m)
+    m_blocks = cdiv(sq, cfg.dq.block_m)
     _launch.launch(_bwd_dq, grid_1d(m_blocks * b * hq), (
         q, k, v, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
@@ -511,7 +511,7 @@ def flash_bwd_varlen(
     # views writes it in the LSE's (hq, total_q) layout.
     delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     pre_block = 64 if q.device.type == "cuda" else 16
-    pre_blocks = triton.cdiv(total_q, pre_block)
+    pre_blocks = cdiv(total_q, pre_block)
     if dlse is not None:
         dlse = dlse.contiguous()
     o4, do4 = out.transpose(0, 1).unsqueeze(0), dout.transpose(0, 1).unsqueeze(0)
@@ -523,7 +523,7 @@ def flash_bwd_varlen(
     strides = (*varlen_strides(q), *varlen_strides(k), *varlen_strides(v), *varlen_strides(dout))
     varlen = dict(CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True)
 
-    n_blocks = triton.cdiv(max(max_seqlen_k, 1), cfg.dkdv.block_n)
+    n_blocks = cdiv(max(max_seqlen_k, 1), cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
         q, k, v, dout, lse, delta, dk, dv, *strides, *varlen_strides(dk), *varlen_strides(dv),
         hq, hkv, hq // hkv, max_seqlen_q, max_seqlen_k, n_blocks, feat.causal_offset, feat.qk_scale, scale,
@@ -534,7 +534,7 @@ def flash_bwd_varlen(
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
     ))
 
-    m_blocks = triton.cdiv(max(max_seqlen_q, 1), cfg.dq.block_m)
+    m_blocks = cdiv(max(max_seqlen_q, 1), cfg.dq.block_m)
     _launch.launch(_bwd_dq, grid_1d(m_blocks * b * hq), (
         q, k, v, dout, lse, delta, dq, *strides, *varlen_strides(dq),
         hq, hq // hkv, max_seqlen_q, max_seqlen_k, m_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,

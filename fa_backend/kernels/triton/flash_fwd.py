@@ -19,7 +19,7 @@ from ._common import LN2, LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_ro
 from ._configs import fwd_config
 from ._features import kernel_features
 from . import _launch
-from ._launch import grid_1d, tile_dims
+from ._launch import cdiv, grid_1d, tile_dims
 
 
 @triton.jit
@@ -249,7 +249,7 @@ def flash_fwd(
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
     cfg = fwd_config(q, d, dv, feat.causal, sk, features=bool(feat.constexprs))
-    num_m_blocks = triton.cdiv(sq, cfg.block_m)
+    num_m_blocks = cdiv(sq, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
     _launch.launch(_attn_fwd, grid_1d(num_m_blocks * b * hq), (
         q, k, v, out, lse,
@@ -306,7 +306,7 @@ def flash_fwd_varlen(
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
     cfg = fwd_config(q, d, dv, feat.causal, max_seqlen_k, features=bool(feat.constexprs))
-    num_m_blocks = triton.cdiv(max_seqlen_q, cfg.block_m)
+    num_m_blocks = cdiv(max_seqlen_q, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
     _launch.launch(_attn_fwd, grid_1d(num_m_blocks * b * hq), (
         q, k, v, out, lse,
@@ -345,7 +345,7 @@ def dropout_keep_mask(b: int, hq: int, sq: int, sk: int, dropout_p: float, rng: 
     keep = torch.zeros((b, hq, sq, sk), dtype=torch.int8, device=device)
     if keep.numel() == 0:
         return keep.bool()
-    grid = (triton.cdiv(sq, 16), triton.cdiv(sk, 16), b * hq)
+    grid = (cdiv(sq, 16), cdiv(sk, 16), b * hq)
     _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), float(dropout_p), hq, sq, sk, BLOCK_M=16, BLOCK_N=16)
     return keep.bool()
 
