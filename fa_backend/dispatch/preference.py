@@ -68,6 +68,17 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
                dropout=True, evidence="H200, torch 2.11, d=128: cuDNN 2.1-2.9x our Triton forward and 1.8-4.3x "
                                       "backward with masks or dropout"),
+    # docs/benchmarks.md, "Decode (KV cache)" (H200, torch 2.11, bf16, hq=32, hkv 8 and 32, d=128, one query,
+    # no mask): our split-KV decode kernel ran at 0.62-1.02x cuDNN's speed as CUDA-graph replays (hkv=32:
+    # 0.86-1.02x; eager 0.31-1.02x). Routed decode calls (sq <= 16) look up rules for "triton_decode" first
+    # (dispatch/select.py), then the "triton" rules above. This rule's class is the measured one (sm90,
+    # fp16/bf16, d=128, no mask) as far as FasterPeer.applies can say it: hq == hkv only (the GQA rows,
+    # hkv=8, 0.62-0.95x, still run our kernel), no causal unless sq == sk, and every decode sq <= 16
+    # (no query-length field; sq 2-16 is unmeasured, and the first rule above covers those calls anyway).
+    FasterPeer(backend="triton_decode", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}),
+               evidence="H200, torch 2.11, bf16, hq=32, d=128, one query token: our split-KV decode kernel "
+                        "0.62-1.02x cuDNN"),
 )
 
 
