@@ -146,7 +146,7 @@ class TritonBackend(Backend):
     @classmethod
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
-        if not cls.decode_why_not(call):
+        if call.kind == "decode" and not cls.decode_why_not(call):
             from ...ops.triton_decode import sdpa_decode
 
             return sdpa_decode(q, k, v, attn_mask, bool(is_causal), bottom_right, scale)
