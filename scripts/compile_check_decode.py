@@ -30,7 +30,9 @@ def _source(fn, example: dict, dtype: str):
     return src
 
 
-def check_decode(d: int, group: int, paged: bool, splits: int, features: bool) -> str:
+def check_decode(d: int, group: int, paged: bool, splits: int, features: bool, mask: int = 0) -> str:
+    """mask: 0 none; 1 a bool key-padding mask (b, 1, 1, sk), 2 an additive (b, 1, sq, sk) mask, both as
+    routed SDPA decode calls send them (one int cache length, no cache_seqlens tensor)."""
     block_n, warps, stages = decode.decode_config(d)  # the GPU table (TRITON_INTERPRET unset here)
     page_tiles = False
     if paged:
@@ -50,6 +52,9 @@ def check_decode(d: int, group: int, paged: bool, splits: int, features: bool) -
           "PAGE_SIZE": 64 if paged else 0, "PAGE_TILES": page_tiles and not features, "SOFTCAP": features,
           "HAS_LEFT": features, "HAS_RIGHT": features, "ALIBI_PER_BATCH": False,
           "ROTARY_DIM": d if features else 0, "ROTARY_INTERLEAVED": True, "ROTARY_POS_STEP": 0}
+    if mask:
+        ex.update({"CACHE_SEQLENS": None, "MASK": "ptr8" if mask == 1 else "ptr", "stride_mb": 4096,
+                   "stride_mh": 0, "stride_mm": 0 if mask == 1 else 4096, "stride_mn": 1, "MASK_KIND": mask})
     src = _source(decode._decode_split, ex, "bf16")
     opts = {"num_warps": warps, "num_stages": stages}
     return _report(triton.compile(src, target=TARGET, options=opts), opts)
@@ -90,6 +95,9 @@ def main() -> None:
                         res = f"FAILED {type(e).__name__}: {str(e)[:300]}"
                     print(f"decode d={d:3} group={group} paged={paged:d} splits={splits:2} features={features:d}: "
                           f"{res}", flush=True)
+            for splits, mask in ((1, 1), (16, 1), (16, 2)):
+                print(f"decode d={d:3} group={group} paged=0 splits={splits:2} mask={'bool' if mask == 1 else 'add '}: "
+                      f"{check_decode(d, group, False, splits, False, mask)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune]
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -52,6 +52,10 @@ if [[ " $steps " == *" varlen "* ]]; then
 fi
 if [[ " $steps " == *" overhead "* ]]; then
   python3 -m fa_backend bench --overhead-only 2>&1 | tail -n 8
+fi
+if [[ " $steps " == *" decode_tune "* ]]; then
+  timeout ${TUNE_TIMEOUT:-420} python3 scripts/tune_decode.py --json "$OUT/tune_decode.json" > "$OUT/tune_decode.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/tune_decode.log" | tail -n 60
 fi
 if [[ " $steps " == *" host "* ]]; then
   python3 scripts/host_breakdown.py --json "$OUT/host.json" 2>&1 | grep -v -i warn | tail -n 24

@@ -12,6 +12,9 @@ import torch
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 MASK_KINDS = ("none", "bool", "additive")
+# Calls with at most this many queries are decode calls (a generation step, e.g. with a static KV cache):
+# the split-KV kernel's domain (kernels/triton/decode.py), which spreads the keys over the GPU instead.
+DECODE_MAX_SEQLEN_Q = 16
 
 _CAPABILITIES: dict[tuple[str, int], tuple[int, int]] = {}
 
@@ -79,6 +82,12 @@ class AttentionCall:
     same_dtype: bool = True
     same_device: bool = True
     subclass: bool = False
+    kv_last_dim_contiguous: bool = True  # key and value have stride 1 on head_dim
+
+    @property
+    def kind(self) -> str:
+        """"decode" for a short query (4-D, seqlen_q <= DECODE_MAX_SEQLEN_Q), else "dense"."""
+        return "decode" if self.ranks == (4, 4, 4) and self.seqlen_q <= DECODE_MAX_SEQLEN_Q else "dense"
 
     @property
     def mask_broadcastable(self) -> bool:
@@ -98,9 +107,10 @@ class AttentionCall:
         causal = f", causal={self.causal_alignment}" if self.is_causal else ""
         mask = f", mask={self.mask_kind}{list(self.mask_shape or ())}" if self.mask_kind != "none" else ""
         drop = f", dropout_p={self.dropout_p}" if self.dropout_p else ""
+        kind = ", decode" if self.kind == "decode" else ""
         return (f"attention(q={self.batch}x{self.heads_q}x{self.seqlen_q}x{self.head_dim}, "
                 f"k/v heads={self.heads_kv}, sk={self.seqlen_k}, dv={self.head_dim_v}, "
-                f"dtype={self.dtype}, device={self.device_type}{causal}{mask}{drop})")
+                f"dtype={self.dtype}, device={self.device_type}{causal}{mask}{drop}{kind})")
 
     def shape_class(self) -> str:
         """A coarse label for logs: what selects kernels, not every seqlen."""
@@ -118,9 +128,10 @@ class AttentionCall:
             hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
             consistent = (b == k.shape[0] == v.shape[0] and hkv == v.shape[1] and sk == v.shape[2]
                           and d == k.shape[3])
+            kv_contiguous = k.stride(3) == 1 and v.stride(3) == 1
         else:
             b = hq = hkv = sq = sk = d = dv = 0
-            consistent = False
+            consistent = kv_contiguous = False
         if attn_mask is None:
             mask_kind, mask_shape, mask_dtype, mask_grad, mask_device = "none", None, None, False, True
         else:
@@ -141,7 +152,7 @@ class AttentionCall:
             mask_same_device=mask_device, dropout_p=float(dropout_p), scale=scale, enable_gqa=bool(enable_gqa),
             requires_grad=grad, ranks=ranks, shapes_consistent=consistent,
             same_dtype=q.dtype == k.dtype == v.dtype, same_device=q.device == k.device == v.device,
-            subclass=subclass,
+            subclass=subclass, kv_last_dim_contiguous=bool(kv_contiguous),
         )
 
 

@@ -1,7 +1,9 @@
 """Counters: which backend ran how often, and every fallback reason.
 
-Eager calls are counted when routed; the `triton` op also counts itself at run time (custom ops
-run on every call, compiled or not). Decisions taken while tracing for torch.compile are counted
+Eager calls are counted when routed; our Triton ops count themselves at run time (custom ops run on
+every call, compiled or not): "triton" for the dense kernel, "triton_decode" for the split-KV decode
+kernel (routed decode calls and flash_attn_with_kvcache). A routed decode call kept off the decode
+kernel counts "triton_decode:<reason>" among the fallbacks. Decisions taken while tracing for torch.compile are counted
 once per compilation under "traced", since compiled graphs run no Python.
 """
 

@@ -8,33 +8,54 @@ import torch
 
 from .backends import BACKENDS, PRIORITY, pytorch_choice
 from .call import AttentionCall
-from .preference import slower_than_peer
 from .reasons import Reason, ReasonCode
+from .select import slower_reason
 from .state import allowed_backends
 
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """`backend` runs the call (None if no allowed backend can); `reasons` has every backend's."""
+    """`backend` runs the call (None if no allowed backend can); `reasons` has every backend's.
+
+    `kernels` names the kernel each backend would run the call on (for triton: "triton", the dense
+    kernel, or "triton_decode", the split-KV decode kernel) and `kernel_reasons` why that is not the
+    backend's preferred kernel for the call (e.g. a decode call that needs grad runs the dense kernel).
+    """
 
     call: AttentionCall
     backend: str | None
     reasons: dict[str, tuple[Reason, ...]]
     order: tuple[str, ...]
     pytorch_kernel: str | None = None
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)
+    kernel_reasons: dict[str, tuple[Reason, ...]] = dataclasses.field(default_factory=dict)
+
+    def _label(self, name: str) -> str:
+        """The backend's name, with its kernel for decode calls, e.g. "triton (split-KV decode)"."""
+        labels = BACKENDS[name].KERNEL_LABELS
+        kernel = self.kernels.get(name, name)
+        return f"{name} ({labels[kernel]})" if self.call.kind == "decode" and kernel in labels else name
 
     def __str__(self) -> str:
         lines = [self.call.describe()]
-        width = max(len(n) for n in self.reasons)
+        labels = {name: self._label(name) for name in self.order}
+        width = max(len(label) for label in labels.values())
         for name in self.order:
             reasons = self.reasons[name]
             if name == self.backend:
                 extra = f" (PyTorch would pick: {self.pytorch_kernel})" if name == "torch" and self.pytorch_kernel else ""
-                lines.append(f"  {name:<{width}}  RUNS{extra}")
+                lines.append(f"  {labels[name]:<{width}}  RUNS{extra}")
             elif not reasons:
-                lines.append(f"  {name:<{width}}  eligible (lower priority)")
+                lines.append(f"  {labels[name]:<{width}}  eligible (lower priority)")
             else:
-                lines.append(f"  {name:<{width}}  no: " + "; ".join(str(r) for r in reasons))
+                lines.append(f"  {labels[name]:<{width}}  no: " + "; ".join(str(r) for r in reasons))
+            eligible = all(r.code is ReasonCode.SLOWER for r in reasons)
+            kernel_reasons = self.kernel_reasons.get(name)
+            if eligible and kernel_reasons and self.call.kind == "decode":
+                passed_over = [label for kernel, label in BACKENDS[name].KERNEL_LABELS.items()
+                               if kernel != self.kernels.get(name)]
+                lines.append(f"  {'':<{width}}    ({', '.join(passed_over)} kernel not used: "
+                             + "; ".join(str(r) for r in kernel_reasons) + ")")
         if self.backend is None:
             lines.append("  -> no allowed backend can run this call (sdpa_backends restriction)")
         return "\n".join(lines)
@@ -54,9 +75,12 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
     allowed = allowed_backends()
     order = allowed if allowed is not None else PRIORITY
     reasons: dict[str, tuple[Reason, ...]] = {}
+    kernels: dict[str, str] = {}
+    kernel_reasons: dict[str, tuple[Reason, ...]] = {}
     for name in PRIORITY:
+        kernels[name], kernel_reasons[name] = BACKENDS[name].kernel_for(call)
         own = tuple(BACKENDS[name].why_not(call))
-        slower = slower_than_peer(name, call) if allowed is None and not own else None
+        slower = slower_reason(name, call) if allowed is None and not own else None
         if slower is not None:
             own = (slower,)
         if name not in order:
@@ -66,4 +90,4 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
     listed = tuple(order) + tuple(n for n in PRIORITY if n not in order)
     choice = pytorch_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) \
         if backend == "torch" else None
-    return Explanation(call, backend, reasons, listed, choice)
+    return Explanation(call, backend, reasons, listed, choice, kernels, kernel_reasons)

@@ -49,6 +49,9 @@ class FasterPeer:
     masks: bool = False  # also calls with an attn_mask (bool or additive)
     dropout: bool = False  # also calls with dropout_p > 0
     max_fwd_flops: int | None = None  # only calls with fewer forward FLOPs (fwd_flops)
+    max_kv_bytes: int | None = None  # only calls reading fewer bytes of K and V (kv_bytes)
+    max_seqlen_q: int | None = None  # only calls with at most this many queries
+    gqa: bool = False  # also calls with hq != hkv
     choices: frozenset[str] = frozenset({"cudnn_attention"})  # PyTorch's own picks the evidence is about
 
     def applies(self, call: AttentionCall) -> bool:
@@ -56,10 +59,12 @@ class FasterPeer:
                 and call.dtype in self.dtypes and call.head_dim == call.head_dim_v
                 and (self.head_dims is None or call.head_dim in self.head_dims)
                 and (call.mask_kind == "none" or self.masks) and (call.dropout_p == 0.0 or self.dropout)
-                and call.heads_q == call.heads_kv
+                and (call.heads_q == call.heads_kv or self.gqa)
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
                 and call.shapes_consistent and not call.subclass
+                and (self.max_seqlen_q is None or call.seqlen_q <= self.max_seqlen_q)
                 and (self.max_fwd_flops is None or fwd_flops(call) < self.max_fwd_flops)
+                and (self.max_kv_bytes is None or kv_bytes(call) < self.max_kv_bytes)
                 and (self.choices != CUDNN_ONLY or _cudnn_sdp_enabled()))
 
     def reason(self) -> Reason:
@@ -75,20 +80,26 @@ def fwd_flops(call: AttentionCall) -> int:
     return 2 * call.batch * call.heads_q * call.seqlen_q * call.seqlen_k * (call.head_dim + call.head_dim_v)
 
 
-# Below this many forward FLOPs a call is host-bound: at the ~100-500 TFLOP/s of the H200 kernels it is
-# 2-10 µs of GPU work, less than the per-call host time our Triton path costs beyond PyTorch's C++ path
-# (tens of µs: docs/benchmarks.md, "Host overhead").
+def kv_bytes(call: AttentionCall) -> int:
+    """Bytes of K and V the call reads once: b * hkv * sk * (d + dv) * itemsize."""
+    return call.batch * call.heads_kv * call.seqlen_k * (call.head_dim + call.head_dim_v) * call.dtype.itemsize
+
+
+# Below both a call is host-bound: a few µs of GPU work (2**30 FLOPs at ~400 TFLOP/s, 8 MiB at ~3 TB/s),
+# less than the host time per call our Triton path costs beyond PyTorch's C++ path (tens of µs:
+# docs/benchmarks.md, "Host overhead").
 TINY_FWD_FLOPS = 1 << 30
+TINY_KV_BYTES = 1 << 23
 
 PREFERENCES: tuple[FasterPeer, ...] = (
     # docs/benchmarks.md, "nn modules with routing on" (H200, torch 2.11): one tiny call (b=1, s=16, d=32)
     # through our Triton kernel took 250 µs per nn.MultiheadAttention call against 74 µs on PyTorch's path;
     # "Host overhead": our op 89.5 µs of host time per call, PyTorch's SDPA 18.4 µs. Any GPU: host cost.
     FasterPeer(backend="triton", kernel="fused SDPA", capabilities=None,
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=None, masks=True, dropout=True,
-               max_fwd_flops=TINY_FWD_FLOPS, choices=FUSED_CHOICES,
-               evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs): PyTorch's C++ path "
-                        "costs less host time per call than our Triton launch"),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=None, masks=True, dropout=True, gqa=True,
+               max_fwd_flops=TINY_FWD_FLOPS, max_kv_bytes=TINY_KV_BYTES, choices=FUSED_CHOICES,
+               evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and {TINY_KV_BYTES >> 20} MiB "
+                        "of K and V): PyTorch's C++ path costs less host time per call than our Triton launch"),
     # The H200 runs of docs/benchmarks.md (torch 2.11, triton 3.6): PyTorch picks cuDNN for these calls
     # on sm90 and it ran 1.06-1.43x our Triton forward and 1.23-1.69x our backward (d=64/128,
     # seqlen 512-16k), and was faster inside nn.MultiheadAttention at seqlen 128 too.
@@ -101,6 +112,15 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
                dropout=True, evidence="H200, torch 2.11, d=128: cuDNN 2.1-2.9x our Triton forward and 1.8-4.3x "
                                       "backward with masks or dropout"),
+    # docs/benchmarks.md, "Decode (KV cache)" (H200, torch 2.11, bf16, hq=32, hkv 8 and 32, d=128, one query,
+    # no mask): our split-KV decode kernel ran at 0.62-1.02x cuDNN's speed as CUDA-graph replays (eager
+    # 0.21-1.02x). Routed decode calls look up rules for "triton_decode" first (dispatch/select.py), then the
+    # "triton" rules above.
+    FasterPeer(backend="triton_decode", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), gqa=True,
+               max_seqlen_q=1,
+               evidence="H200, torch 2.11, bf16, hq=32, d=128, one query token: our split-KV decode kernel "
+                        "0.62-1.02x cuDNN"),
 )
 
 
@@ -118,4 +138,5 @@ def slower_than_peer(backend: str, call: AttentionCall) -> Reason | None:
     return None if rule is None else rule.reason()
 
 
-__all__ = ["FUSED_CHOICES", "PREFERENCES", "TINY_FWD_FLOPS", "FasterPeer", "fwd_flops", "peer_for", "slower_than_peer"]
+__all__ = ["FUSED_CHOICES", "PREFERENCES", "TINY_FWD_FLOPS", "TINY_KV_BYTES", "FasterPeer", "fwd_flops", "kv_bytes",
+           "peer_for", "slower_than_peer"]

@@ -29,9 +29,8 @@ from .. import _logging
 from ..dispatch import counters as _stats
 from ..dispatch.backends import BACKENDS, pytorch_choice
 from ..dispatch.call import AttentionCall, precompute_capabilities
-from ..dispatch.preference import peer_for
 from ..dispatch.reasons import ReasonCode
-from ..dispatch.select import Decision, select
+from ..dispatch.select import Decision, faster_peer, select
 from ..dispatch.state import ROUTER_TYPES, ROUTING, allowed_backends, routing_active
 from . import mha as _mha
 from . import modules as _modules
@@ -69,6 +68,17 @@ def _note_trace(backend: str, skipped: str) -> bool:
     return True
 
 
+def _passed_over(call: AttentionCall, decision: Decision) -> dict[str, tuple]:
+    """{backend or kernel: reasons} of what the decision passed over: the backends tried before the one that
+    runs and, for a decode call that backend runs on another of its kernels, the kernel it did not use
+    (e.g. "triton_decode" when the call needs grad; dense calls report none: every training call would)."""
+    passed = dict(decision.rejected)
+    if call.kind == "decode" and decision.kernel_rejected:
+        other = [k for k in BACKENDS[decision.backend].KERNEL_LABELS if k != decision.kernel]
+        passed["+".join(other)] = decision.kernel_rejected
+    return passed
+
+
 class _Routed:
     """A cached eager decision: what runs, and the counters one such call bumps."""
 
@@ -76,16 +86,19 @@ class _Routed:
 
     def __init__(self, call: AttentionCall, decision: Decision, cast):
         self.call, self.decision, self.cast = call, decision, cast
-        # the triton op counts its own runs (compiled or not), so routed triton calls add none here
+        # the triton ops count their own runs (compiled or not: "triton" and "triton_decode"), so routed
+        # triton calls add none here
         self.run_key = None if decision.backend == "triton" else decision.backend
-        self.fallback_keys = tuple(f"{name}:{r.code.value}" for name, rs in decision.rejected.items() for r in rs)
-        for name, reasons in decision.rejected.items():
+        passed = _passed_over(call, decision)
+        self.fallback_keys = tuple(f"{name}:{r.code.value}" for name, rs in passed.items() for r in rs)
+        ran = decision.kernel or decision.backend
+        for name, reasons in passed.items():
             codes = tuple(r.code.value for r in reasons)
             if codes != ("not_installed",):
                 key = (name, codes, call.device_type, call.dtype, call.head_dim, call.head_dim_v, call.heads_q,
                        call.heads_kv)
                 _logging.log_once(key, _LOG, logging.INFO, "%s skipped for %s: %s; ran %s", name, call.shape_class(),
-                                  "; ".join(str(r) for r in reasons), decision.backend)
+                                  "; ".join(str(r) for r in reasons), ran)
 
     def count(self) -> None:
         _stats.record_call(self.run_key, self.fallback_keys)
@@ -111,7 +124,7 @@ def _preferred_kernel_refuses(decision: Decision, call: AttentionCall, q, k, v, 
     would not run the kernel that preference is about for these tensors (eager only)."""
     for name, reasons in decision.rejected.items():
         if any(r.code is ReasonCode.SLOWER for r in reasons):
-            rule = peer_for(name, call)
+            rule = faster_peer(name, call)
             return rule is not None and pytorch_choice(q, k, v, attn_mask, dropout_p, is_causal, scale,
                                                        enable_gqa) not in rule.choices
     return False
@@ -124,7 +137,8 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.requires_grad)
     key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
            v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, torch._C._get_cudnn_sdp_enabled(),
-           torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+           torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+           k.dim() > 0 and k.stride(-1) == 1 and v.dim() > 0 and v.stride(-1) == 1)
     entry = _CACHE.get(key)
     if entry is None:
         call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
@@ -147,8 +161,8 @@ def route_sdpa(sdpa, args, kwargs) -> torch.Tensor:
         cast = torch.get_autocast_dtype(device) if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) else None
         call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
         decision = select(call, allowed_backends())
-        _note_trace(decision.backend, ",".join(f"{n}:{'+'.join(r.code.value for r in rs)}"
-                                               for n, rs in decision.rejected.items()))
+        _note_trace(decision.kernel or decision.backend, ",".join(
+            f"{n}:{'+'.join(r.code.value for r in rs)}" for n, rs in _passed_over(call, decision).items()))
     else:
         entry = _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         entry.count()

@@ -5,8 +5,11 @@ fa_backend::triton_kv_append  writes new keys (rotated) and values into the cach
                                graphs see the writes);
 fa_backend::triton_decode_fwd  split-KV attention of q (rotated in the kernel when asked) over the
                                caches; returns (out, lse).
-Schemas and fakes only; kernels are imported lazily. Inputs are validated by
-fa_backend.kvcache.flash_attn_with_kvcache.
+fa_backend::triton_sdpa_decode the same kernel on an SDPA call with a short query (routed decode
+                               calls): SDPA layout and semantics (top-left is_causal, attn_mask);
+                               returns (out, lse). No backward.
+Schemas and fakes only; kernels are imported lazily. The inputs of triton_decode_fwd are validated by
+fa_backend.kvcache.flash_attn_with_kvcache; triton_sdpa_decode validates its own.
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import counters
+from ..dispatch.call import AttentionCall
+from ..dispatch.reasons import BackendUnsupportedError, Reason, ReasonCode
+from ..kernels._layout import new_attention_output
 from ._library import NAMESPACE
+from .triton_flash import _plain, _resolve_scale, check_triton_inputs
 
 BACKEND_NAME = "triton_decode"
 
@@ -94,3 +101,58 @@ def _(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_lef
     out = q.new_empty((b, sq, hq, d))
     lse = q.new_empty((b, hq, sq), dtype=torch.float32)
     return out, lse
+
+
+def _check_sdpa_decode(q, k, v, attn_mask, is_causal, cache=True) -> None:
+    """triton_flash's checks (ValueError for malformed input, BackendUnsupportedError otherwise), plus the
+    decode kernel's own limit: one head dim for keys and values."""
+    check_triton_inputs(q, k, v, is_causal, cache=cache, attn_mask=attn_mask)
+    if v.shape[-1] != q.shape[-1]:
+        call = AttentionCall.from_tensors(q, k, v, attn_mask, is_causal=is_causal, enable_gqa=True)
+        raise BackendUnsupportedError(call.describe(), {BACKEND_NAME: [Reason(
+            ReasonCode.HEAD_DIM, f"head_dim_v={v.shape[-1]} != head_dim={q.shape[-1]} (the split-KV decode kernel: "
+                                 "equal head dims)")]})
+
+
+def sdpa_decode_impl(q, k, v, attn_mask, is_causal, bottom_right, scale, need_lse=True):
+    """The decode kernel on SDPA-layout tensors (q (b, hq, sq, d), k / v (b, hkv, sk, d) read as
+    (b, s, h, d) views: no copy unless a head dim is strided); one launch, plus the merge when the keys
+    are split. Returns out (b, hq, sq, d) over (b, sq, hq, d) memory and the lse (None unless need_lse)."""
+    from ..kernels.triton.decode import decode_attention
+
+    counters.record_run(BACKEND_NAME)
+    out, lse = decode_attention(
+        _last_dim_contiguous(q).transpose(1, 2), _last_dim_contiguous(k).transpose(1, 2),
+        _last_dim_contiguous(v).transpose(1, 2), k.shape[2], 0, scale=scale,
+        window_right=0 if is_causal and bottom_right else -1, causal_top_left=is_causal and not bottom_right,
+        attn_mask=attn_mask, need_lse=need_lse)
+    return out.transpose(1, 2), lse
+
+
+@torch.library.custom_op(f"{NAMESPACE}::triton_sdpa_decode", mutates_args=())
+def triton_sdpa_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+    bottom_right: bool, scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA forward of q (b, hq, sq, d) over k / v (b, hkv, sk, d) on the split-KV decode kernel (meant
+    for short queries): attn_mask bool (True = attend) or additive, broadcastable to (b, hq, sq, sk);
+    is_causal top-left (SDPA) or, with bottom_right, FlashAttention's alignment. Returns out (b, hq, sq, d)
+    (memory (b, sq, hq, d), like triton_flash_fwd) and the fp32 lse (b, hq, sq). No backward."""
+    _check_sdpa_decode(q, k, v, attn_mask, is_causal)
+    return sdpa_decode_impl(q, k, v, attn_mask, is_causal, bottom_right, _resolve_scale(q, scale))
+
+
+@triton_sdpa_decode.register_fake
+def _(q, k, v, attn_mask, is_causal, bottom_right, scale):
+    _check_sdpa_decode(q, k, v, attn_mask, is_causal, cache=False)
+    return new_attention_output(q, q.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                bottom_right: bool, scale: float | None) -> torch.Tensor:
+    """The output of triton_sdpa_decode for a call the router has checked: the op under torch.compile and
+    for tensor subclasses; in eager mode the kernel itself (no op dispatch, no LSE: host time is what
+    bounds a decode step)."""
+    if torch.compiler.is_compiling() or not _plain(q, k, v, attn_mask):
+        return triton_sdpa_decode(q, k, v, attn_mask, is_causal, bottom_right, scale)[0]
+    return sdpa_decode_impl(q, k, v, attn_mask, is_causal, bottom_right, _resolve_scale(q, scale), need_lse=False)[0]

@@ -98,10 +98,9 @@ def test_host_bound_calls_prefer_pytorchs_fused_path(changes):
 
 @pytest.mark.parametrize("changes", [
     {"batch": 16, "heads_q": 32, "heads_kv": 32, "seqlen_q": 128, "seqlen_k": 128},  # 2**30 FLOPs: not below
-    {"heads_kv": 1, "enable_gqa": True},  # PyTorch's fused kernels may refuse GQA: ours
     {"head_dim_v": 64},
     {"seqlen_q": 8, "is_causal": True},  # causal with sq != sk
-], ids=["at_threshold", "gqa", "dv_ne_d", "causal_sq_ne_sk"])
+], ids=["at_threshold", "dv_ne_d", "causal_sq_ne_sk"])
 def test_outside_the_host_bound_class_ours_runs(changes):
     call = dataclasses.replace(TINY, **changes)
     assert slower_than_peer("triton", call) is None
@@ -116,3 +115,16 @@ def test_host_bound_rule_holds_only_for_pytorchs_fused_kernels(monkeypatch, pyto
     monkeypatch.setattr(sdpa, "pytorch_choice", lambda *a, **k: pytorch_picks)
     q = torch.empty(1, 2, 16, 32)
     assert sdpa._preferred_kernel_refuses(select(TINY), TINY, q, q, q, None, 0.0, False, None, False) is ours_after_all
+
+
+def test_host_bound_needs_few_bytes_too():
+    # A decode step is few FLOPs but reads the whole cache: host-bound only while K and V are small.
+    from fa_backend.dispatch.preference import TINY_KV_BYTES, kv_bytes
+
+    step = dataclasses.replace(TINY, capability=(8, 0), heads_q=32, heads_kv=8, enable_gqa=True, seqlen_q=1,
+                               seqlen_k=1024, head_dim=128, head_dim_v=128)
+    assert kv_bytes(step) == 4 << 20 < TINY_KV_BYTES
+    assert "host-bound" in select(step).rejected["triton"][0].message
+    longer = dataclasses.replace(step, seqlen_k=4096)  # 16 MiB of K and V
+    assert kv_bytes(longer) > TINY_KV_BYTES and slower_than_peer("triton", longer) is None
+    assert select(longer).backend == "triton"

@@ -14,11 +14,20 @@ class Backend:
     """Backends are classes with classmethods only; limits are class attributes (data)."""
 
     NAME: ClassVar[str]
+    # Human labels of the backend's kernels, by kernel name, for a backend with more than one.
+    KERNEL_LABELS: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def why_not(cls, call: AttentionCall) -> list[Reason]:
         """Every reason this backend cannot run `call`; empty when it can."""
         raise NotImplementedError
+
+    @classmethod
+    def kernel_for(cls, call: AttentionCall) -> tuple[str, tuple[Reason, ...]]:
+        """The kernel this backend would run `call` on (its key in stats()["runs"]; measured-speed rules
+        may name it) and every reason its preferred kernel for the call is not that one (empty when it
+        is). A backend with one kernel returns its own name."""
+        return cls.NAME, ()
 
     @classmethod
     def run(cls, call: AttentionCall, sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

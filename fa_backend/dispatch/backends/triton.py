@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import ClassVar
 
 import torch
 
-from ..call import AttentionCall
+from ..call import DECODE_MAX_SEQLEN_Q, AttentionCall
 from ..reasons import Reason, ReasonCode
 from .base import Backend
 
@@ -62,6 +63,12 @@ class TritonBackend(Backend):
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = True
     SUPPORTS_BACKWARD = True
     IS_DETERMINISTIC = True
+    # Two kernels: the dense FlashAttention kernel ("triton", forward and backward) and, for decode calls
+    # (AttentionCall.kind: seqlen_q <= 16) that need no gradient and no dropout, the split-KV decode
+    # kernel ("triton_decode", kernels/triton/decode.py; the op fa_backend::triton_sdpa_decode). The
+    # names are the keys of stats()["runs"] and of the measured-speed rules (dispatch/preference.py).
+    DECODE_KERNEL = "triton_decode"
+    KERNEL_LABELS: ClassVar[dict[str, str]] = {"triton": "dense", "triton_decode": "split-KV decode"}
 
     @classmethod
     def why_not(cls, call: AttentionCall) -> list[Reason]:
@@ -123,8 +130,36 @@ class TritonBackend(Backend):
         return reasons
 
     @classmethod
+    def decode_why_not(cls, call: AttentionCall) -> list[Reason]:
+        """Every reason an eligible call does not run on the split-KV decode kernel; empty when it does."""
+        reasons: list[Reason] = []
+        if call.kind != "decode":
+            reasons.append(Reason(ReasonCode.SEQ_LEN, f"seqlen_q={call.seqlen_q} > {DECODE_MAX_SEQLEN_Q} (the split-KV "
+                                                      "decode kernel takes short queries)"))
+        if call.requires_grad:
+            reasons.append(Reason(ReasonCode.GRAD, "inputs require grad (the split-KV decode kernel has no backward)"))
+        if call.dropout_p > 0:
+            reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (the split-KV decode kernel: 0.0)"))
+        if call.head_dim_v != call.head_dim:
+            reasons.append(Reason(ReasonCode.HEAD_DIM, f"head_dim_v={call.head_dim_v} != head_dim={call.head_dim} "
+                                                       "(the split-KV decode kernel: equal head dims)"))
+        if not call.kv_last_dim_contiguous:
+            reasons.append(Reason(ReasonCode.LAYOUT, "key or value has a strided head_dim (the split-KV decode kernel "
+                                                     "reads contiguous rows; the dense kernel takes any strides)"))
+        return reasons
+
+    @classmethod
+    def kernel_for(cls, call: AttentionCall) -> tuple[str, tuple[Reason, ...]]:
+        reasons = tuple(cls.decode_why_not(call))
+        return (cls.NAME, reasons) if reasons else (cls.DECODE_KERNEL, ())
+
+    @classmethod
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        triton_flash_attention = _OPS[0] if _OPS else _load_ops()
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
+        if call.kind == "decode" and not cls.decode_why_not(call):
+            from ...ops.triton_decode import sdpa_decode
+
+            return sdpa_decode(q, k, v, attn_mask, bool(is_causal), bottom_right, scale)
+        triton_flash_attention = _OPS[0] if _OPS else _load_ops()
         return triton_flash_attention(q, k, v, scale, bool(is_causal), bottom_right,
                                       attn_mask=attn_mask, dropout_p=float(dropout_p))[0]

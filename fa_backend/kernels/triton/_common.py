@@ -96,13 +96,20 @@ def _score_mods(qk, qi, kj, SEQ_Q, SEQ_K, qk_scale, softcap_in, Mask, stride_mm,
         s -= slope2 * tl.abs((qi + alibi_offset - kj).to(tl.float32))
     if MASK_KIND != MASK_NONE:
         in_bounds = (qi < SEQ_Q) & (kj < SEQ_K)
-        ptrs = Mask + qi.to(tl.int64) * stride_mm + kj.to(tl.int64) * stride_mn
-        if MASK_KIND == MASK_BOOL:
-            m = tl.load(ptrs, mask=in_bounds, other=1)
-            s = tl.where(m != 0, s, float("-inf"))
-        else:
-            s += tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32) * LOG2E
+        s = _apply_mask(s, Mask + qi.to(tl.int64) * stride_mm + kj.to(tl.int64) * stride_mn, in_bounds, MASK_KIND)
     return s, t
+
+
+@triton.jit
+def _apply_mask(s, ptrs, in_bounds, MASK_KIND: tl.constexpr):
+    """Scores s (log2 domain) with an attn_mask read at ptrs: -inf where a bool mask (uint8) is 0, or plus
+    log2(e) * an additive mask (read in fp32). Elements outside in_bounds are not read and change nothing."""
+    if MASK_KIND == MASK_BOOL:
+        m = tl.load(ptrs, mask=in_bounds, other=1)
+        s = tl.where(m != 0, s, float("-inf"))
+    else:
+        s += tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32) * LOG2E
+    return s
 
 
 @triton.jit

@@ -17,7 +17,11 @@ Key j of batch b (0 <= j < seqlen_k[b]) is cache row leftpad[b] + j, seqlen_k = 
 + seqlen_new - leftpad[b]. Scores: softcap * tanh(scale * q.k / softcap) (when softcap > 0) minus
 alibi_slope * |i + seqlen_k - seqlen_q - j|; key j is visible to query i when j < seqlen_k and
 i + seqlen_k - seqlen_q - WINDOW_LEFT <= j <= i + seqlen_k - seqlen_q + WINDOW_RIGHT (each bound
-only when set; causal sets WINDOW_RIGHT = 0). Rows that see no key output 0 with LSE -inf.
+only when set; causal sets WINDOW_RIGHT = 0, SDPA's top-left causal WINDOW_RIGHT = seqlen_q - seqlen_k).
+An optional attn_mask (SDPA's: bool, True = attend, or additive) is read per tile through its broadcast
+strides, behind the MASK_KIND constexpr (without a mask the kernel compiles as before); the mask row of
+packed row r is that of head hk * GROUP + g, query i. Rows that see no key output 0 with LSE -inf, as
+PyTorch's math SDPA gives for fully masked rows.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._common import LN2, LOG2E
+from ._common import LN2, LOG2E, _apply_mask
+from ._features import expand_mask
 from ._launch import grid_1d, interpreting, pad_head_dim
 from .kv_append import _rotate
 
@@ -37,18 +42,20 @@ MAX_SPLITS = 128
 @triton.jit(do_not_specialize=["SEQ_NEW", "SEQ_BASE", "WINDOW_LEFT", "WINDOW_RIGHT"])
 def _decode_split(
     Q, K, V, O, LSE, WS,
-    CACHE_SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
+    CACHE_SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, MASK,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     SEQ_Q, SEQ_NEW, SEQ_BASE, qk_scale, softcap, WINDOW_LEFT, WINDOW_RIGHT,
     GROUP: tl.constexpr, NUM_HEADS_K: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGE_TILES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ALIBI_PER_BATCH: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-    ROTARY_POS_STEP: tl.constexpr,
+    ROTARY_POS_STEP: tl.constexpr, MASK_KIND: tl.constexpr = 0,
 ):
     # Optional inputs are None (compile-time) when absent: CACHE_SEQLENS (then every length is SEQ_BASE),
-    # BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS/SIN, LSE (not wanted). O is contiguous (b, sq, hq, d);
-    # the last dim of q and of the caches is contiguous (stride 1).
+    # BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS/SIN, LSE (not wanted), MASK and its strides (MASK_KIND 0).
+    # O is contiguous (b, sq, hq, d); the last dim of q and of the caches is contiguous (stride 1). The
+    # mask is read through its (b, hq, sq, key) strides, 0 on broadcast dims; column j is key j.
     NUM_HEADS_Q: tl.constexpr = GROUP * NUM_HEADS_K
     # Splits innermost: the programs reading one KV head's cache run side by side.
     pid = tl.program_id(0)
@@ -114,6 +121,9 @@ def _decode_split(
         if ALIBI_PER_BATCH:
             alibi_row = ALIBI + off_b * NUM_HEADS_Q
         slope = tl.load(alibi_row + qh, mask=row_ok, other=0.0) * LOG2E
+    if MASK_KIND != 0:
+        mask_rows = (MASK + off_b.to(tl.int64) * stride_mb + qh.to(tl.int64) * stride_mh
+                     + qi.to(tl.int64) * stride_mm)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -160,6 +170,9 @@ def _decode_split(
         rel = cols[None, :] - (qi[:, None] + shift)  # key position minus query position
         if ALIBI is not None:
             s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
+        if MASK_KIND != 0:
+            s = _apply_mask(s, mask_rows[:, None] + cols.to(tl.int64)[None, :] * stride_mn,
+                            row_ok[:, None] & col_ok[None, :], MASK_KIND)
         keep = col_ok[None, :]
         if HAS_RIGHT:
             keep = keep & (rel <= WINDOW_RIGHT)
@@ -342,7 +355,7 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None = None, window_left: int = -1, window_right: int = -1,
     softcap: float = 0.0, num_splits: int = 0, rotary_cos: torch.Tensor | None = None,
     rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True, rotary_pos_step: int = 1,
-    need_lse: bool = True,
+    need_lse: bool = True, attn_mask: torch.Tensor | None = None, causal_top_left: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q (b, sq, hq, d) over a cache (already holding the new rows); returns
     out (b, sq, hq, d) in q's dtype and the fp32 natural-log lse (b, hq, sq) (None unless need_lse).
@@ -353,6 +366,11 @@ def decode_attention(
     at position cache_seqlens[b] + i * rotary_pos_step. One launch, plus the merge when the keys are
     split; no other device work (CUDA-graph safe). Inputs are validated by the caller: the last dim of
     q and of the caches must be contiguous, alibi_slopes contiguous.
+
+    attn_mask (SDPA's): bool (True = attend) or additive (fp16 / bf16 / fp32), any shape broadcastable to
+    (b, hq, sq, max_seqlen_k) with column j for key j; read through its strides (0 on broadcast dims,
+    never expanded in memory). causal_top_left (SDPA's is_causal): query i sees keys j <= i; needs one
+    int cache_seqlens and no cache_leftpad (every sequence has the same length).
     """
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -372,19 +390,31 @@ def decode_attention(
     if _launch.POISON_OUTPUTS:
         _launch.poison(*(t for t in (out, lse, ws) if t is not None))
     seqlens_t, seq_base = (None, int(cache_seqlens)) if isinstance(cache_seqlens, int) else (cache_seqlens, 0)
+    has_right, right = window_right >= 0, max(window_right, 0)
+    if causal_top_left:
+        if seqlens_t is not None or cache_leftpad is not None:
+            raise ValueError("causal_top_left needs one int cache_seqlens for every sequence and no cache_leftpad")
+        # key j is visible to query i iff j - (i + seqlen_k - sq) <= right; top-left: j <= i
+        top_left = sq - (seq_base + seqlen_new)
+        has_right, right = True, top_left if window_right < 0 else min(window_right, top_left)
+    if attn_mask is not None:
+        mask = expand_mask(attn_mask, b, hq, sq, max_seqlen_k)
+        mask_ptr, mask_strides, mask_kind = mask, mask.stride(), 1 if attn_mask.dtype == torch.bool else 2
+    else:
+        mask_ptr, mask_strides, mask_kind = None, (None,) * 4, 0
     qb, qm, qh, _ = q.stride()
     kb, kn, kh, _ = k_cache.stride()
     vb, vn, vh, _ = v_cache.stride()
     _launch.launch(_decode_split, grid, (
         q, k_cache, v_cache, out, lse, ws,
-        seqlens_t, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
-        qb, qm, qh, kb, kn, kh, vb, vn, vh, 0 if block_table is None else block_table.stride(0),
-        sq, seqlen_new, seq_base, scale, softcap, max(window_left, 0), max(window_right, 0),
+        seqlens_t, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin, mask_ptr,
+        qb, qm, qh, kb, kn, kh, vb, vn, vh, 0 if block_table is None else block_table.stride(0), *mask_strides,
+        sq, seqlen_new, seq_base, scale, softcap, max(window_left, 0), right,
     ), dict(
-        SOFTCAP=softcap > 0.0, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
+        SOFTCAP=softcap > 0.0, HAS_LEFT=window_left >= 0, HAS_RIGHT=has_right,
         ALIBI_PER_BATCH=alibi_slopes is not None and alibi_slopes.dim() == 2,
         ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1], ROTARY_INTERLEAVED=rotary_interleaved,
-        ROTARY_POS_STEP=rotary_pos_step, **consts,
+        ROTARY_POS_STEP=rotary_pos_step, MASK_KIND=mask_kind, **consts,
     ))
     if merge is not None:
         _launch.launch(_merge_splits, merge[0], (ws, out, lse, b * sq * hq, sq), merge[1])

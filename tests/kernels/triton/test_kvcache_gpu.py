@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fa_backend
+from tests.cuda_graphs import capture
 from tests.kernels.triton.test_kvcache import _rotary, _to_paged, check_kvcache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned")]
@@ -87,15 +88,7 @@ def test_cuda_graph_decode_step():
         return fa_backend.flash_attn_with_kvcache(static[0], kc, vc, static[1], static[2], cos, sin,
                                                   cache_seqlens=static[3], causal=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile kernels outside the capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step, warmup=2)
     for _ in range(3):
         new = _decode_case(b, L, hq, hkv, d, dtype, s_cache=L + 16)
         for dst, src in zip(static, (new[0], new[3], new[4], new[5])):
@@ -134,14 +127,7 @@ def test_cuda_graph_pure_decode(paged, int_seqlens):
         return fa_backend.flash_attn_with_kvcache(static_q, kc, vc, cache_seqlens=seqlens, block_table=bt,
                                                   return_softmax_lse=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = capture(step)
     for _ in range(2):
         static_q.copy_(torch.randn_like(q))
         out, lse = step()
@@ -202,14 +188,7 @@ def test_fast_launch_matches_jit_path(monkeypatch, paged):
         return fa_backend.flash_attn_with_kvcache(static_q, kc, vc, cache_seqlens=sl, block_table=bt,
                                                   return_softmax_lse=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, _ = step()
+    graph, (static_out, _) = capture(step)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, ref[1][0])
