@@ -158,6 +158,10 @@ def host_overhead(device: str = "cuda", n: int = 2000) -> dict[str, float]:
         result["fa_backend.attention (direct)"] = _per_call_us(lambda: fa_backend.attention(q, q, q), n, sync)
         result["fa_backend.attention (direct, requires_grad)"] = _per_call_us(
             lambda: fa_backend.attention(qg, qg, qg), n, sync)
+        from .ops.triton_decode import sdpa_decode  # what a routed call with <= 16 queries runs
+
+        result["split-KV decode kernel (direct, what routed 16-query calls run)"] = _per_call_us(
+            lambda: sdpa_decode(q, q, q, None, False, False, None), n, sync)
     with fa_backend.enabled():
         result["F.scaled_dot_product_attention (routed)"] = _per_call_us(sdpa, n, sync)
         if device == "cuda":

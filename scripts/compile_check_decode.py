@@ -33,7 +33,7 @@ def _source(fn, example: dict, dtype: str):
 def check_decode(d: int, group: int, paged: bool, splits: int, features: bool, mask: int = 0) -> str:
     """mask: 0 none; 1 a bool key-padding mask (b, 1, 1, sk), 2 an additive (b, 1, sq, sk) mask, both as
     routed SDPA decode calls send them (one int cache length, no cache_seqlens tensor)."""
-    block_n, warps, stages = decode.decode_config(d)  # the GPU table (TRITON_INTERPRET unset here)
+    block_n, warps, stages = decode.decode_config(d, splits)  # the GPU table (TRITON_INTERPRET unset here)
     page_tiles = False
     if paged:
         block_n, page_tiles = decode.page_block_n(block_n, 64)

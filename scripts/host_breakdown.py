@@ -5,8 +5,10 @@ at the ends; the variants interleaved round by round, min and median over rounds
 (`fa_backend.kernels.triton._launch`) on and off:
   sdpa              F.scaled_dot_product_attention, not routed (PyTorch's own pick)
   routed            the same call with fa_backend.enable() (default order)
-  routed_triton     the same call restricted to our Triton kernel (sdpa_backends(["triton"]))
+  routed_triton     the same call restricted to our Triton kernels (sdpa_backends(["triton"])): 16 queries, no
+                    grad: the split-KV decode kernel (with grad: the dense kernels)
   attention         fa_backend.attention (our op's eager twin, no routing)
+  decode_direct     the split-KV decode kernel's eager path (what a routed call with <= 16 queries runs)
   custom_op         torch.ops.fa_backend.triton_flash_fwd (the torch.library boundary, as compiled code calls it)
   flash_fwd         kernels.triton.flash_fwd (allocation, launch configuration, launch)
   launch            the forward kernel's launch alone, with prepared arguments
@@ -30,6 +32,7 @@ import fa_backend
 from fa_backend.kernels import triton as kernels
 from fa_backend.kernels._layout import new_attention_output
 from fa_backend.kernels.triton import _launch
+from fa_backend.ops.triton_decode import sdpa_decode
 
 
 def _context(routing: str | None):
@@ -105,6 +108,7 @@ def measure(n: int, rounds: int) -> dict[str, tuple[float, float]]:
             (f"flash_fwd_{tag}", fast, None, lambda: kernels.flash_fwd(q, q, q, 0.125, False, False), 1),
             (f"custom_op_{tag}", fast, None, lambda: torch.ops.fa_backend.triton_flash_fwd(q, q, q), 1),
             (f"attention_{tag}", fast, None, lambda: fa_backend.attention(q, q, q), 1),
+            (f"decode_direct_{tag}", fast, None, lambda: sdpa_decode(q, q, q, None, False, False, None), 1),
             (f"attention_fwd_bwd_{tag}", fast, None, step_ours, 0.25),
             (f"routed_triton_{tag}", fast, "triton", sdpa, 1),
             (f"routed_triton_fwd_bwd_{tag}", fast, "triton", step_sdpa, 0.25),

@@ -28,7 +28,7 @@ SPLITS = (0, 8, 16, 32, 64)  # 0: the heuristic
 def _set_config(cfg) -> None:
     from fa_backend.kernels.triton import decode
 
-    decode.decode_config = lambda d, cfg=cfg: cfg
+    decode.decode_config = lambda d, num_splits=0, cfg=cfg: cfg
     decode._PLANS.clear()
 
 

@@ -111,7 +111,8 @@ def test_host_bound_call_runs_pytorchs_fused_kernel(d):
         assert fa_backend.stats()["runs"] == {"torch": 1}
         with fa_backend.sdpa_backends(["triton"]):
             forced = F.scaled_dot_product_attention(q, k, v)
-    assert fa_backend.stats()["runs"] == {"torch": 1, "triton": 1}
+    runs = fa_backend.stats()["runs"]  # forced: the dense kernel, or the decode kernel (16 queries)
+    assert runs.pop("torch") == 1 and runs in ({"triton": 1}, {"triton_decode": 1})
     torch.testing.assert_close(out, forced, atol=2e-2, rtol=2e-2)
 
 

@@ -16,7 +16,7 @@ from tests.integrations.test_sdpa_routing_compile import Recorder
 from tests.reference import assert_within_bar, attention_ref, check_features
 
 DT = torch.float16
-pytestmark = pytest.mark.usefixtures("clean_state")
+pytestmark = pytest.mark.usefixtures("clean_state", "no_speed_preferences")
 
 
 def _qkv(b=2, hq=4, hkv=2, sq=1, sk=40, d=32, dv=None):

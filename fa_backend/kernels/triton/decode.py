@@ -261,12 +261,15 @@ def _cuda_sm_count(index: int) -> int:
     return _SM_COUNTS[index]
 
 
-def decode_config(d: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for padded head dim d: not tuned on a GPU yet (see PERF.md §9)."""
+def decode_config(d: int, num_splits: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for padded head dim d and the launch's number of splits (0: not
+    known yet; BLOCK_N does not depend on it). d <= 128 from scripts/tune_decode.py on the H200: one split
+    (each program streams a whole cache) pipelines one stage deeper (b=64, hkv=8, 16k cache: 4 stages
+    1.00x cuDNN, 3 stages 0.87x); with splits, 3 stages were as good as any."""
     if interpreting():
         return 16, 4, 1
     if d <= 128:
-        return 64, 4, 3
+        return 64, 4, 4 if num_splits == 1 else 3
     return 32, 4, 2
 
 
@@ -283,17 +286,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Split bounds measured with scripts/tune_decode.py on the H200 (bf16, d=128, CUDA-graph replays): at batch
+# 1, 8 to 16 splits of at least 8 tiles each beat the earlier ~2 programs per SM (b=1, hkv=8, 4k cache:
+# 8 splits 0.82x cuDNN against 32 splits 0.59x; 16k: 16 splits 0.88x against 33 0.67x; hkv=32, 32k:
+# 8 splits 0.98x against 9 0.88x); 32 or 64 splits were slower at every point measured.
+MAX_USEFUL_SPLITS = 16
+MIN_TILES_PER_SPLIT = 8
+
+
 def num_splits_heuristic(batch: int, heads_k: int, num_m_blocks: int, max_seqlen_k: int, block_n: int,
                          sm_count: int) -> int:
     """Splits from shapes only (no device values: CUDA-graph safe). One split when the (batch, KV head,
     query block) programs already fill the GPU or the cache is a few tiles; else enough splits for about
-    two programs per SM, at least 2 tiles per split (a short cache is latency-bound: more, shorter
-    programs), at most MAX_SPLITS."""
+    one program per SM (rounded up to a power of two), at most MAX_USEFUL_SPLITS, each split at least
+    MIN_TILES_PER_SPLIT tiles."""
     tiles = batch * heads_k * num_m_blocks
     n_blocks = _cdiv(max(max_seqlen_k, 1), block_n)
     if n_blocks <= 4 or tiles >= 0.8 * sm_count:
         return 1
-    splits = min(_cdiv(2 * sm_count, tiles), max(1, n_blocks // 2), MAX_SPLITS)
+    splits = min(_next_pow2(_cdiv(sm_count, tiles)), MAX_USEFUL_SPLITS, n_blocks // MIN_TILES_PER_SPLIT,
+                 MAX_SPLITS)
     return max(1, splits)
 
 
@@ -320,7 +332,7 @@ _PLANS: dict = {}
 def _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits, device):
     group = hq // hkv
     block_d = pad_head_dim(d)
-    block_n, num_warps, num_stages = decode_config(block_d)
+    block_n = decode_config(block_d)[0]
     page_tiles = False
     if page_size:
         block_n, page_tiles = page_block_n(block_n, page_size)
@@ -330,6 +342,7 @@ def _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_spli
     if num_splits <= 0:
         num_splits = num_splits_heuristic(b, hkv, num_m_blocks, max_seqlen_k, block_n, _sm_count(device))
     num_splits = min(num_splits, MAX_SPLITS)
+    _, num_warps, num_stages = decode_config(block_d, num_splits)  # BLOCK_N is the same for any splits
     n_rows = b * sq * hq
     consts = {"GROUP": group, "NUM_HEADS_K": hkv, "HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
               "BLOCK_D": block_d, "NUM_SPLITS": num_splits, "PAGE_SIZE": page_size, "PAGE_TILES": page_tiles,

@@ -118,10 +118,12 @@ def test_output_layout_and_non_contiguous_grad():
 ], ids=["tall", "wide"])
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 def test_tile_shapes(fwd, bwd, alignment):
-    # Causal block bounds must hold for BLOCK_M != BLOCK_N in both kernels.
+    # Causal block bounds must hold for BLOCK_M != BLOCK_N in both kernels. 4 heads of 32: with 2 heads of
+    # 16 the 2x rule's ratio is a max over too few elements (40 CPU seeds: median 0.91, worst 1.76; one
+    # H200 run 2.13 on dq); with 4 x 32 the same 40 seeds gave median 0.84, worst 1.31.
     with _configs.override(fwd=fwd, bwd=bwd):
-        _check(*_qkv(1, 2, 1, 70, 53, 16), is_causal=True, alignment=alignment)
-        _check(*_qkv(1, 2, 1, 53, 70, 16), is_causal=True, alignment=alignment)
+        _check(*_qkv(1, 4, 1, 70, 53, 32), is_causal=True, alignment=alignment)
+        _check(*_qkv(1, 4, 1, 53, 70, 32), is_causal=True, alignment=alignment)
 
 
 def test_lse_and_its_gradient():

@@ -184,10 +184,12 @@ def test_gqa_and_head_dims(hq, hkv, d):
 
 
 def test_splits_with_mask_and_causal():
-    # 100 keys in 16-key tiles: the shape heuristic splits the keys, and the merge runs.
-    assert decode.num_splits_heuristic(1, 2, 1, 100, decode.decode_config(32)[0], 132) > 1
-    q, k, v = _qkv(1, 4, 2, 2, 100)
-    _check(q, k, v, attn_mask=_additive(_keep((1, 4, 2, 100)), torch.float32))
+    # Sixteen and a bit key tiles (16 keys under the interpreter, 64 on a GPU): the shape heuristic splits
+    # the keys, and the merge runs.
+    sk = 16 * decode.decode_config(32)[0] + 4
+    assert decode.num_splits_heuristic(1, 2, 1, sk, decode.decode_config(32)[0], 132) > 1
+    q, k, v = _qkv(1, 4, 2, 2, sk)
+    _check(q, k, v, attn_mask=_additive(_keep((1, 4, 2, sk)), torch.float32))
     _check(q, k, v, is_causal=True)
 
 
