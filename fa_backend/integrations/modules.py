@@ -9,7 +9,11 @@ the wrappers do nothing while it is off) takes one of three ways:
 1. PyTorch's fast path would apply (eval, no grad, no masks, ...) and the dispatcher's decision for
    the module's attention is PyTorch's own kernel anyway (ours ineligible, or measured slower, see
    dispatch/preference.py): the original forward runs with the router lifted off the stack, so the
-   fused op runs the same kernel with less host work. Counted and logged as routed to `torch`.
+   fused op runs the same kernel with less host work. For the common `mha(x, x, x, need_weights=False)`
+   the wrapper calls that fused op (`torch._native_multi_head_attention`) itself, with the arguments
+   PyTorch's forward passes, its checks memoised. Counted and logged as routed to `torch`.
+   1b. A host-bound call (dispatch/preference.py's bounds) whose attention runs PyTorch's kernel: the
+   original forward, lifted (PyTorch's own Python path is cheaper per call than way 2's).
 2. nn.MultiheadAttention in the common form (integrations/mha.py): computed by `mha.mha_forward`
    with the router lifted (no per-op mode cost); its attention goes through the dispatcher.
    nn.TransformerEncoderLayer (exact class) where one of PyTorch's own reasons keeps it off the
@@ -29,6 +33,7 @@ from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
 from ..dispatch.call import AttentionCall, device_capability
+from ..dispatch.preference import TINY_FWD_FLOPS, TINY_KV_BYTES
 from ..dispatch.select import select
 from ..dispatch.state import ROUTER_TYPES, allowed_backends
 from . import mha as _mha
@@ -63,6 +68,7 @@ def _fast_path_attention(mha: nn.MultiheadAttention, x, masks: tuple) -> Attenti
             or not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.bias_v is not None
             or mha.add_zero_attn or bias is None or weight is None or masks[0] is not None or masks[1] is not None
             or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.is_nested or x.dtype != weight.dtype
+            or bias.dtype != x.dtype or x.device.type not in ("cpu", "cuda")
             or torch.is_autocast_enabled() or not torch.backends.mha.get_fastpath_enabled()):
         return None
     b, s, embed = x.shape
@@ -103,9 +109,10 @@ def _fast_path_decision(mha: nn.MultiheadAttention, x, masks: tuple):
         return None
     params = mha._parameters
     weight = params.get("in_proj_weight")
-    key = (id(mha), mha.training, torch.is_grad_enabled(), x.shape, x.dtype, x.device, x.is_nested,
-           None if weight is None else weight.dtype, params.get("in_proj_bias") is None, mha.batch_first,
-           mha.num_heads, mha._qkv_same_embed_dim, mha.bias_k is None, mha.add_zero_attn,
+    bias = params.get("in_proj_bias")
+    key = (id(mha), type(x), mha.training, torch.is_grad_enabled(), x.shape, x.dtype, x.device, x.is_nested,
+           None if weight is None else weight.dtype, None if bias is None else bias.dtype, mha.batch_first,
+           mha.num_heads, mha._qkv_same_embed_dim, mha.bias_k is None, mha.bias_v is None, mha.add_zero_attn,
            torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled(),
            allowed_backends(), torch._C._get_cudnn_sdp_enabled())
     entry = _FAST_PATH_MEMO.get(key)
@@ -114,6 +121,19 @@ def _fast_path_decision(mha: nn.MultiheadAttention, x, masks: tuple):
             _FAST_PATH_MEMO.clear()
         entry = _FAST_PATH_MEMO[key] = _torch_decision(_fast_path_attention(mha, x, masks)) or False
     return entry or None
+
+
+_make_fx_tracing = getattr(torch.nn.modules.activation, "_is_make_fx_tracing", None)
+
+
+def _native_self_attention(mha: nn.MultiheadAttention, x: torch.Tensor):
+    """What nn.MultiheadAttention.forward(x, x, x, need_weights=False) returns on PyTorch's fast path, for
+    a call `_fast_path_decision` has checked (memoised on everything PyTorch's own checks read): the same
+    fused op with the same arguments, without re-running those checks in Python on every call."""
+    params, out_params = mha._parameters, mha._modules["out_proj"]._parameters
+    return torch._native_multi_head_attention(
+        x, x, x, mha.embed_dim, mha.num_heads, params["in_proj_weight"], params["in_proj_bias"],
+        out_params["weight"], out_params["bias"], None, False, True, None)
 
 
 def _routing_here() -> str | None:
@@ -208,6 +228,12 @@ def _mha_forward_wrapper(original):
             if (len(args) == 3 and args[0] is args[1] and args[1] is args[2] and len(kwargs) == 1
                     and kwargs.get("need_weights", True) is False):
                 routed = _fast_path_decision(self, args[0], _NO_MASKS)  # mha(x, x, x, need_weights=False)
+                if (routed is not None and type(args[0]) is torch.Tensor and _make_fx_tracing is not None
+                        and not _make_fx_tracing()):
+                    # way 1, the common call: PyTorch's fused op directly (its checks are memoised above)
+                    if not getattr(_LIFTED, "counted", False):
+                        routed.count()
+                    return _lifted(where, _native_self_attention, self, args[0])
             else:
                 call = _mha_call(args, kwargs)
                 if call is None:
@@ -218,8 +244,9 @@ def _mha_forward_wrapper(original):
                     routed = _fast_path_decision(self, query, (key_padding_mask, attn_mask))
             if routed is None:
                 call = call or _mha_call(args, kwargs)
-                a = _mha_arguments(self, call)
-        if routed is not None:  # way 1
+                routed = _host_bound_decision(self, call)  # way 1b when not None
+                a = None if routed is not None else _mha_arguments(self, call)
+        if routed is not None:  # way 1 (PyTorch's fast path), or 1b (host-bound: PyTorch's own Python path)
             if not getattr(_LIFTED, "counted", False):
                 routed.count()
             return _lifted(where, original, self, *args, **kwargs)
@@ -230,10 +257,50 @@ def _mha_forward_wrapper(original):
     return forward
 
 
-def _route_sdpa():
-    from .sdpa import route_sdpa
+_HOST_BOUND_MEMO: dict = {}
 
-    return route_sdpa
+
+def _route_sdpa():
+    from . import sdpa  # sdpa imports this module; read at call time (tests replace route_sdpa)
+
+    return sdpa.route_sdpa
+
+
+def _host_bound_decision(mha: nn.MultiheadAttention, call: list):
+    """The routed record to count when this call's attention is host-bound (dispatch/preference.py's
+    bounds) and the dispatcher runs PyTorch's kernel for it, else None. Such a call gains nothing from
+    `mha.mha_forward`, whose Python costs more per call than PyTorch's own path (measured on the CPU
+    host: 102 against 82 µs for nn.MultiheadAttention(64, 1) on 16 tokens). Calls with masks: None."""
+    query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
+    if (need_weights or attn_mask is not None or key_padding_mask is not None or is_causal
+            or not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor)
+            or query.dim() != 3 or key.dim() != 3):
+        return None
+    params = mha._parameters
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                        or any(p is not None and p.requires_grad for p in params.values()))
+    attrs = mha.__dict__
+    memo_key = (id(mha), query.shape, key.shape, query.dtype, query.device, attrs["training"], grad,
+                allowed_backends(), torch._C._get_cudnn_sdp_enabled())
+    entry = _HOST_BOUND_MEMO.get(memo_key)
+    if entry is not None:
+        return entry or None
+    if len(_HOST_BOUND_MEMO) >= 1024:
+        _HOST_BOUND_MEMO.clear()
+    (bsz, tgt_len), src_len = query.shape[:2], key.shape[1]
+    if not attrs["batch_first"]:
+        (tgt_len, bsz), src_len = query.shape[:2], key.shape[0]
+    heads, embed = attrs["num_heads"], query.shape[2]
+    d = embed // heads
+    _HOST_BOUND_MEMO[memo_key] = False
+    if (embed % heads == 0 and 4 * bsz * heads * tgt_len * src_len * d < TINY_FWD_FLOPS
+            and 2 * bsz * heads * src_len * d * query.element_size() < TINY_KV_BYTES):
+        dropout = attrs["dropout"] if attrs["training"] else 0.0
+        attention = AttentionCall(device_type=query.device.type, capability=device_capability(query.device),
+                                  dtype=query.dtype, batch=bsz, heads_q=heads, heads_kv=heads, seqlen_q=tgt_len,
+                                  seqlen_k=src_len, head_dim=d, head_dim_v=d, dropout_p=dropout, requires_grad=grad)
+        _HOST_BOUND_MEMO[memo_key] = _torch_decision(attention) or False
+    return _HOST_BOUND_MEMO[memo_key] or None
 
 
 def _unlifted(fn, *args, **kwargs):
@@ -272,7 +339,7 @@ def _encoder_layer_forward_wrapper(original):
         if not self.training and getattr(self, "activation_relu_or_gelu", 0):
             masks = (_arg(args, kwargs, 1, "src_mask"), _arg(args, kwargs, 2, "src_key_padding_mask"))
             with _NO_MODES():
-                routed = _torch_decision(_fast_path_attention(self.self_attn, _arg(args, kwargs, 0, "src"), masks))
+                routed = _fast_path_decision(self.self_attn, _arg(args, kwargs, 0, "src"), masks)
             if routed is not None:  # way 1 (if PyTorch still takes its Python path, self_attn must not count again)
                 routed.count()
                 _LIFTED.counted = True

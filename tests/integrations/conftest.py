@@ -26,8 +26,8 @@ def no_speed_preferences(monkeypatch):
     from fa_backend.integrations import modules, sdpa
 
     monkeypatch.setattr(preference, "PREFERENCES", ())
-    for memo in (sdpa._CACHE, modules._DECISIONS, modules._FAST_PATH_MEMO):
+    for memo in (sdpa._CACHE, modules._DECISIONS, modules._FAST_PATH_MEMO, modules._HOST_BOUND_MEMO):
         memo.clear()
     yield
-    for memo in (sdpa._CACHE, modules._DECISIONS, modules._FAST_PATH_MEMO):
+    for memo in (sdpa._CACHE, modules._DECISIONS, modules._FAST_PATH_MEMO, modules._HOST_BOUND_MEMO):
         memo.clear()

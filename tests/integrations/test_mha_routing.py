@@ -255,6 +255,12 @@ def test_fast_path_is_kept_when_pytorchs_kernel_would_run_anyway(module):
     assert torch.equal(out, ref)
     assert _runs() == {"torch": 2}
     assert fa_backend.stats()["fallbacks"] == {"cute:not_installed": 2, "triton:dtype": 2}
+    if module == "mha":  # the whole return value is the module's own: (output, None)
+        with torch.no_grad(), fa_backend.enabled():
+            routed = m(x, x, x, need_weights=False)
+        with torch.no_grad():
+            unrouted = m(x, x, x, need_weights=False)
+        assert routed[1] is None and unrouted[1] is None and torch.equal(routed[0], unrouted[0])
 
 
 def test_fast_path_is_not_kept_when_our_kernel_runs():
