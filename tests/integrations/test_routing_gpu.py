@@ -127,3 +127,17 @@ def test_tiny_module_keeps_pytorchs_fast_path():
     assert "aten::_native_multi_head_attention" in {e.name for e in prof.events()}
     assert torch.equal(out, ref)
     assert fa_backend.stats()["runs"] == {"torch": 1}
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_tiny_odd_head_module_takes_pytorchs_own_path(training):
+    # One head (no fused fast path) and host-bound: PyTorch's Python path runs, counted as routed to torch.
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(64, 1, batch_first=True, device="cuda", dtype=torch.bfloat16).train(training)
+    x = torch.randn(1, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=training)
+    with torch.random.fork_rng(devices=["cuda"]):
+        ref = m(x, x, x, need_weights=False)[0]
+    with fa_backend.enabled():
+        out = m(x, x, x, need_weights=False)[0]
+    assert torch.equal(out, ref)
+    assert fa_backend.stats()["runs"] == {"torch": 1}
