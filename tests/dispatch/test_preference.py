@@ -128,3 +128,14 @@ def test_host_bound_needs_few_bytes_too():
     longer = dataclasses.replace(step, seqlen_k=4096)  # 16 MiB of K and V
     assert kv_bytes(longer) > TINY_KV_BYTES and slower_than_peer("triton", longer) is None
     assert select(longer).backend == "triton"
+
+
+@pytest.mark.parametrize("seqlen,ours", [(128, False), (2048, False), (4096, True)])
+def test_d32_short_sequences_prefer_pytorchs_kernel(seqlen, ours):
+    call = dataclasses.replace(PLAIN, batch=16384 // seqlen, heads_q=16, heads_kv=16, seqlen_q=seqlen, seqlen_k=seqlen,
+                               head_dim=32, head_dim_v=32)
+    decision = select(call)
+    assert (decision.backend == "triton") is ours
+    if not ours:
+        (reason,) = decision.rejected["triton"]
+        assert reason.code is ReasonCode.SLOWER and "d=32" in reason.message
