@@ -9,7 +9,11 @@ import json
 import sys
 
 
+LABELS = {"triton": "fa_backend (triton)", "flex": "FlexAttention (compiled)", "flash_attn": "flash_attn (FA2)"}
+
+
 def plot(result: dict, path: str) -> None:
+    """PNG of TFLOP/s against seqlen, one panel per (d, causal) column and fwd/bwd row, one line per backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,6 +22,8 @@ def plot(result: dict, path: str) -> None:
     records = result["records"]
     groups = sorted({(r["d"], r["causal"]) for r in records})
     backends = list(dict.fromkeys(r["backend"] for r in records))
+    standard = all(r["batch"] == max(1, 16384 // r["seqlen"]) and r["heads"] == max(1, 2048 // r["d"]) for r in records)
+    xlabel = "seqlen (batch = 16k / seqlen, heads = 2048 / d)" if standard else "seqlen (shapes as given)"
     fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7), squeeze=False)
     for col, (d, causal) in enumerate(groups):
         for row, direction in enumerate(("fwd", "bwd")):
@@ -27,17 +33,17 @@ def plot(result: dict, path: str) -> None:
                              if r["backend"] == b and r["d"] == d and r["causal"] == causal and r[f"{direction}_tflops"])
                 if pts:
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, marker="o", lw=2.5 if b == "triton" else 1.2,
-                            label="fa_backend (triton)" if b == "triton" else f"SDPA {b}")
+                    ax.plot(xs, ys, marker="o", lw=2.5 if b == "triton" else 1.2, label=LABELS.get(b, f"SDPA {b}"))
             ax.set_xscale("log", base=2)
             ax.set_title(f"{direction}, d={d}, {'causal' if causal else 'non-causal'}")
-            ax.set_xlabel("seqlen (batch = 16k / seqlen, heads = 2048 / d)")
+            ax.set_xlabel(xlabel)
             ax.set_ylabel("TFLOP/s")
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)
     axes[0][0].legend(fontsize=8)
     env = result.get("environment", {})
-    fig.suptitle(f"{env.get('gpu', '')}, bf16, torch {env.get('torch', '')}, triton {env.get('triton', '')}")
+    dtypes = ", ".join(dict.fromkeys(r.get("dtype", "") for r in records))
+    fig.suptitle(f"{env.get('gpu', '')}, {dtypes}, torch {env.get('torch', '')}, triton {env.get('triton', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
