@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
@@ -92,11 +94,12 @@ def _int_class(a: int) -> tuple[int, int]:
 _INT_CLASSES: dict = {}  # int -> _int_class(int): strides, sizes and lengths repeat from call to call
 
 
-def spec_key(args) -> tuple:
+def spec_key(args) -> tuple | None:
     """What Triton's JIT specialises runtime arguments on (triton 3.6 native_specialize_impl), one entry per
     argument: None, float (fp32) and bool (u1) by type; an int by its integer type (i32 / i64 / u64 by
     range) and class (== 1, a constant; divisible by 16; other); a tensor by dtype and 16-byte alignment.
-    Stricter than the JIT (do_not_specialize ints are classed too), never looser."""
+    Stricter than the JIT (do_not_specialize ints are classed too), never looser; None for an argument of
+    another type."""
     key = []
     ints = _INT_CLASSES
     for a in args:
@@ -110,8 +113,10 @@ def spec_key(args) -> tuple:
             key.append(c)
         elif t is float or t is bool or a is None:
             key.append(t)
-        else:
+        elif isinstance(a, torch.Tensor):
             key.append((a.dtype, not a.data_ptr() & 15))
+        else:
+            return None  # another type (a NumPy scalar, ...): the JIT path specialises it
     return tuple(key)
 
 
@@ -195,8 +200,12 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
         kernel[grid](*args, **kwargs)
         return
     values, runtime, consts, options = bound
+    spec = spec_key(runtime)
+    if spec is None:
+        kernel[grid](*args, **kwargs)
+        return
     device, stream = _current_device_and_stream()
-    key = (id(kernel), device, spec_key(runtime), consts, options)
+    key = (id(kernel), device, spec, consts, options)
     compiled = _FAST.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)

@@ -136,3 +136,13 @@ def test_fast_launch_off_is_the_jit_call(monkeypatch):
     for _ in range(2):
         _launch.launch(kern, (1,), (x, 5), {"BLOCK": 16})
     assert [e[0] for e in kern.log] == ["jit", "jit"]
+
+
+def test_fast_launch_leaves_other_argument_types_to_the_jit(fast):
+    np = pytest.importorskip("numpy")
+    kern = _FakeKernel()
+    x = torch.empty(64)
+    assert _launch.spec_key([x, np.int64(5)]) is None
+    for _ in range(2):
+        _launch.launch(kern, (1,), (x, np.int64(5)), {"BLOCK": 16})
+    assert [e[0] for e in kern.log] == ["jit", "jit"] and not _launch._FAST
