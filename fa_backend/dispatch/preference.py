@@ -114,15 +114,15 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
                dropout=True, evidence="H200, torch 2.11, d=128: cuDNN 2.1-2.9x our Triton forward and 1.8-4.3x "
                                       "backward with masks or dropout"),
-    # docs/benchmarks.md, "nn modules with routing on" (H200, torch 2.11, bf16, nn.MultiheadAttention(512, 16),
-    # d=32): with our Triton kernel, eval 0.37-0.57x and training 0.80-0.91x of routing off at seqlen
-    # 128-2048 in two runs; the same calls restricted to PyTorch's kernel 0.99-1.06x (eval) and 0.99-1.05x
-    # (training); at seqlen 8192 ours was faster (1.02-1.33x).
+    # docs/benchmarks.md, "nn modules with routing on" (H200, torch 2.11, bf16, E=512 with 16 heads, d=32,
+    # seqlen 128-2048, two runs): with our Triton kernel, eval 0.28-1.08x of routing off (MHA 0.37-0.57x at
+    # seqlen 128-512, 0.92-1.08x at 2048; encoder layer 0.28-0.52x) and training 0.80-0.99x; restricted to
+    # PyTorch's kernel, eval 0.86-1.22x in the later run. At seqlen 8192 ours was faster (1.01-1.33x).
     FasterPeer(backend="triton", kernel="fused SDPA", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({32}), max_seqlen_k=2048,
                choices=FUSED_CHOICES,
-               evidence="H200, torch 2.11, d=32, seqlen <= 2048: PyTorch's kernel 1.7-2.7x our Triton kernel "
-                        "inside nn.MultiheadAttention (eval)"),
+               evidence="H200, torch 2.11, d=32, seqlen <= 2048: with our Triton kernel nn modules ran at "
+                        "0.28-1.08x (eval) and 0.80-0.99x (training) of PyTorch's path"),
     # docs/benchmarks.md, "Decode (KV cache)" (H200, torch 2.11, bf16, hq=32, hkv 8 and 32, d=128, one query,
     # no mask): our split-KV decode kernel ran at 0.62-1.02x cuDNN's speed as CUDA-graph replays (eager
     # 0.21-1.02x). Routed decode calls look up rules for "triton_decode" first (dispatch/select.py), then the

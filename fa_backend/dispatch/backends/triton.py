@@ -40,11 +40,13 @@ def use_interpreter() -> None:
 _OPS: list = []
 
 
-def _load_ops():
-    from ...ops import triton_flash_attention  # the ops import this module: imported on first run
+def _load_ops() -> list:
+    """[triton_flash_attention, sdpa_decode]: the ops import this module, so they are imported on first run."""
+    from ...ops import triton_flash_attention
+    from ...ops.triton_decode import sdpa_decode
 
-    _OPS.append(triton_flash_attention)
-    return triton_flash_attention
+    _OPS[:] = [triton_flash_attention, sdpa_decode]
+    return _OPS
 
 
 class TritonBackend(Backend):
@@ -157,9 +159,8 @@ class TritonBackend(Backend):
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
         if call.kind == "decode" and not cls.decode_why_not(call):
-            from ...ops.triton_decode import sdpa_decode
-
+            sdpa_decode = (_OPS if _OPS else _load_ops())[1]
             return sdpa_decode(q, k, v, attn_mask, bool(is_causal), bottom_right, scale)
-        triton_flash_attention = _OPS[0] if _OPS else _load_ops()
+        triton_flash_attention = (_OPS if _OPS else _load_ops())[0]
         return triton_flash_attention(q, k, v, scale, bool(is_causal), bottom_right,
                                       attn_mask=attn_mask, dropout_p=float(dropout_p))[0]
