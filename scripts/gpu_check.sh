@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product]
+# env: SHARDS, TEST_TIMEOUT, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -58,10 +59,17 @@ if [[ " $steps " == *" decode_tune "* ]]; then
   grep -v -i warn "$OUT/tune_decode.log" | tail -n 60
 fi
 if [[ " $steps " == *" host "* ]]; then
-  python3 scripts/host_breakdown.py --json "$OUT/host.json" 2>&1 | grep -v -i warn | tail -n 24
+  python3 scripts/host_breakdown.py ${HOST_ARGS:-} --json "$OUT/host.json" > "$OUT/host.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/host.log" | tail -n 90
 fi
 if [[ " $steps " == *" modules "* ]]; then
   python3 scripts/bench_modules.py --json "$OUT/modules.json" > "$OUT/modules.log" 2>&1 || status=1
   cat "$OUT/modules.log" | tail -n 40
+fi
+if [[ " $steps " == *" product "* ]]; then
+  # the benchmark as a user runs it: --out DIR (JSON + PNG), a progress line, shapes from the command line
+  python3 -m fa_backend bench --out "$OUT/product" ${PRODUCT_ARGS:---shape 2,16,2048,128 --shape 8,32,512,64 --flex} \
+    > "$OUT/product.log" 2> "$OUT/product.err" || status=1
+  cat "$OUT/product.log" | tail -n 30; tail -c 600 "$OUT/product.err"; ls -la "$OUT/product" || true
 fi
 exit $status

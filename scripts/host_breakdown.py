@@ -13,8 +13,13 @@ at the ends; the variants interleaved round by round, min and median over rounds
   flash_fwd         kernels.triton.flash_fwd (allocation, launch configuration, launch)
   launch            the forward kernel's launch alone, with prepared arguments
   empty             allocating out and lse alone
+  torch_flash_op    PyTorch's flash kernel through its own op (torch._scaled_dot_product_flash_attention),
+  torch_cudnn_op    ... cuDNN (torch._scaled_dot_product_cudnn_attention), torch_efficient_op: ... efficient:
+                    what each of PyTorch's kernels costs without SDPA's own kernel choice
 and a forward + backward step (requires_grad) through fa_backend.attention and through SDPA.
-Usage: python scripts/host_breakdown.py [--json FILE] [--n CALLS] [--rounds R]
+--profile prints cProfile's top functions (by own time) of the routed and direct decode paths and of the
+routed default path.
+Usage: python scripts/host_breakdown.py [--json FILE] [--n CALLS] [--rounds R] [--profile]
 """
 
 from __future__ import annotations
@@ -80,6 +85,53 @@ def _captured_launch(q):
     return seen[0]
 
 
+def _torch_ops(q) -> list[tuple]:
+    """Variants calling PyTorch's fused kernels through their own ops (those that accept q)."""
+    ops = {
+        "torch_flash_op": lambda: torch._scaled_dot_product_flash_attention(q, q, q)[0],
+        "torch_cudnn_op": lambda: torch._scaled_dot_product_cudnn_attention(q, q, q, None, False)[0],
+        "torch_efficient_op": lambda: torch._scaled_dot_product_efficient_attention(q, q, q, None, False)[0],
+    }
+    runnable = []
+    for name, fn in ops.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except (RuntimeError, AttributeError, TypeError) as e:
+            print(f"{name}: not runnable here ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            continue
+        runnable.append((name, False, None, fn, 1))
+    return runnable
+
+
+def profile(n: int) -> None:
+    """cProfile's view of the routed decode call, the direct decode call and the routed default call."""
+    import cProfile
+    import pstats
+
+    q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    cases = [("routed_triton (decode)", "triton", lambda: F.scaled_dot_product_attention(q, q, q)),
+             ("decode_direct", None, lambda: sdpa_decode(q, q, q, None, False, False, None)),
+             ("routed (default order)", "default", lambda: F.scaled_dot_product_attention(q, q, q))]
+    for name, routing, fn in cases:
+        with _context(routing):
+            for _ in range(100):
+                fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(n):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+        print(f"--- cProfile: {name}, {n} calls (own time, µs per call)")
+        stats = pstats.Stats(prof)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:14]
+        for (file, line, func), (_, ncalls, tottime, cumtime, _) in rows:
+            print(f"{tottime / n * 1e6:8.2f} {cumtime / n * 1e6:8.2f}  {ncalls / n:4.1f}x  "
+                  f"{file.rsplit('/', 2)[-1] if file != '~' else ''}:{line} {func}")
+
+
 def measure(n: int, rounds: int) -> dict[str, tuple[float, float]]:
     q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
     qg = q.clone().requires_grad_()
@@ -96,6 +148,7 @@ def measure(n: int, rounds: int) -> dict[str, tuple[float, float]]:
 
     variants = [
         ("sdpa", False, None, sdpa, 1), ("sdpa_fwd_bwd", False, None, step_sdpa, 0.25),
+        *_torch_ops(q),
         ("empty", False, None, lambda: (new_attention_output(q, 64),
                                         torch.empty((1, 1, 16), dtype=torch.float32, device="cuda")), 1),
         ("launch_jit", False, None, lambda: kernel[grid](*args, **kwargs), 1),
@@ -121,13 +174,18 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--n", type=int, default=1000, help="calls per round")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    print("PyTorch's own pick for this call:", torch._fused_sdp_choice(q, q, q))
     default_fast = _launch.FAST_LAUNCH
     res = measure(args.n, args.rounds)
     _launch.FAST_LAUNCH = default_fast
     print(f"{'':<28} {'min':>8} {'median':>8}  (µs per call, {args.rounds} interleaved rounds of {args.n})")
     for name, (lo, med) in res.items():
         print(f"{name:<28} {lo:8.1f} {med:8.1f}")
+    if args.profile:
+        profile(2000)
     if args.json:
         import triton
 

@@ -29,6 +29,7 @@ import functools
 import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
@@ -242,13 +243,17 @@ def _mha_forward_wrapper(original):
                 routed = None
                 if query is key and key is value and not need_weights:
                     routed = _fast_path_decision(self, query, (key_padding_mask, attn_mask))
+            lean = False
             if routed is None:
                 call = call or _mha_call(args, kwargs)
                 routed = _host_bound_decision(self, call)  # way 1b when not None
                 a = None if routed is not None else _mha_arguments(self, call)
-        if routed is not None:  # way 1 (PyTorch's fast path), or 1b (host-bound: PyTorch's own Python path)
+                lean = routed is not None and _lean_form(self, call)
+        if routed is not None:  # way 1 (PyTorch's fast path), or 1b (host-bound: PyTorch's kernel)
             if not getattr(_LIFTED, "counted", False):
                 routed.count()
+            if lean:
+                return _lifted(where, _lean_self_attention, self, call[0])  # 1b, self-attention
             return _lifted(where, original, self, *args, **kwargs)
         if a is None:  # way 3
             return original(self, *args, **kwargs) if where == "top" else _unlifted(original, self, *args, **kwargs)
@@ -303,6 +308,41 @@ def _host_bound_decision(mha: nn.MultiheadAttention, call: list):
     return _HOST_BOUND_MEMO[memo_key] or None
 
 
+def _lean_form(mha: nn.MultiheadAttention, call: list) -> bool:
+    """True for a self-attention call `_lean_self_attention` computes exactly as PyTorch's Python path
+    does: query is key is value (a plain batched tensor), no masks, no is_causal, need_weights=False, packed
+    in-projection, no bias_k/bias_v, no add_zero_attn, autocast off."""
+    query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
+    attrs = mha.__dict__
+    return (query is key and key is value and type(query) is torch.Tensor and query.dim() == 3
+            and not need_weights and attn_mask is None and key_padding_mask is None and not is_causal
+            and attrs["_qkv_same_embed_dim"] and not attrs["add_zero_attn"]
+            and mha._parameters.get("in_proj_weight") is not None
+            and attrs.get("bias_k", mha._parameters.get("bias_k")) is None
+            and attrs.get("bias_v", mha._parameters.get("bias_v")) is None
+            and query.shape[-1] == attrs["embed_dim"] and not torch.is_autocast_enabled(query.device.type))
+
+
+def _lean_self_attention(mha: nn.MultiheadAttention, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """mha(x, x, x, need_weights=False) for a call `_lean_form` accepts, as the same six tensor ops
+    PyTorch's Python path reduces to (packed in-projection, SDPA with PyTorch's own kernel choice, the
+    out-projection) without its per-call Python checks and layout copies: way 1b's host-bound calls are
+    bounded by exactly that Python. Autograd flows through the ops as usual."""
+    attrs, params = mha.__dict__, mha._parameters
+    out_params = mha._modules["out_proj"]._parameters
+    heads, embed = attrs["num_heads"], attrs["embed_dim"]
+    dropout = attrs["dropout"] if attrs["training"] else 0.0
+    if attrs["batch_first"]:  # x (b, s, E)
+        qkv = F.linear(x, params["in_proj_weight"], params.get("in_proj_bias")).unflatten(-1, (3, heads, -1))
+        q, k, v = (qkv.select(2, i).transpose(1, 2) for i in range(3))  # (b, h, s, d) views
+        out = F.scaled_dot_product_attention(q, k, v, None, dropout).transpose(1, 2).reshape(x.shape[:2] + (embed,))
+    else:  # x (s, b, E)
+        qkv = F.linear(x, params["in_proj_weight"], params.get("in_proj_bias")).unflatten(-1, (3, heads, -1))
+        q, k, v = (qkv.select(2, i).permute(1, 2, 0, 3) for i in range(3))
+        out = F.scaled_dot_product_attention(q, k, v, None, dropout).permute(2, 0, 1, 3).reshape(x.shape[:2] + (embed,))
+    return F.linear(out, out_params["weight"], out_params.get("bias")), None
+
+
 def _unlifted(fn, *args, **kwargs):
     """fn with the router back on the stack (a module lifted it; this call needs the router's handler)."""
     from .sdpa import SDPARouter
@@ -326,6 +366,50 @@ def _encoder_layer_has_no_fast_path(layer: nn.TransformerEncoderLayer, src) -> b
     return torch.is_grad_enabled() and (src.requires_grad or any(p.requires_grad for p in layer.parameters()))
 
 
+_PLAIN_PARAMETER_TYPES = (nn.Parameter, torch.Tensor)
+_ENCODER_MEMO: dict = {}
+
+
+def _encoder_layer_fused_args(layer: nn.TransformerEncoderLayer, src) -> tuple | None:
+    """The arguments nn.TransformerEncoderLayer.forward(src) passes to `torch._transformer_encoder_layer_fwd`
+    when it takes its fused fast path (no masks), else None. PyTorch's own checks, memoised on what they
+    read, except the hooks and parameter types, which are checked on every call. Grad mode must be off
+    (with grad on the fast path depends on every parameter's requires_grad: left to PyTorch's forward)."""
+    if type(src) is not torch.Tensor or torch.is_grad_enabled():
+        return None
+    attrs = layer.__dict__
+    modules = attrs["_modules"]
+    attn, norm1, norm2 = modules["self_attn"], modules["norm1"], modules["norm2"]
+    key = (id(layer), src.shape, src.dtype, src.device, src.is_nested, attrs["training"],
+           torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled())
+    ok = _ENCODER_MEMO.get(key)
+    if ok is None:
+        if len(_ENCODER_MEMO) >= 1024:
+            _ENCODER_MEMO.clear()
+        a = attn.__dict__
+        ok = _ENCODER_MEMO[key] = bool(
+            key[-1] and src.dim() == 3 and not src.is_nested and not attrs["training"] and a["batch_first"]
+            and attn._parameters.get("in_proj_bias") is not None and a["_qkv_same_embed_dim"]
+            and attrs.get("activation_relu_or_gelu") and norm1.eps == norm2.eps and a["num_heads"] % 2 == 0
+            and not key[-2] and src.device.type in ("cpu", "cuda"))
+    if not ok:
+        return None
+    for m in layer.modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return None
+    ap, op = attn._parameters, attn._modules["out_proj"]._parameters
+    l1, l2 = modules["linear1"]._parameters, modules["linear2"]._parameters
+    n1, n2 = norm1._parameters, norm2._parameters
+    tensors = (ap["in_proj_weight"], ap["in_proj_bias"], op["weight"], op["bias"], n1["weight"], n1["bias"],
+               n2["weight"], n2["bias"], l1["weight"], l1["bias"], l2["weight"], l2["bias"])
+    for t in tensors:
+        if type(t) not in _PLAIN_PARAMETER_TYPES or t.device.type not in ("cpu", "cuda"):
+            return None  # None (bias=False), a subclass, an unsupported device: PyTorch's forward decides
+    a = attn.__dict__
+    return (src, a["embed_dim"], a["num_heads"], *tensors[:4], attrs["activation_relu_or_gelu"] == 2,
+            attrs["norm_first"], norm1.eps, *tensors[4:], None, None)
+
+
 def _encoder_layer_forward_wrapper(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -342,6 +426,10 @@ def _encoder_layer_forward_wrapper(original):
                 routed = _fast_path_decision(self.self_attn, _arg(args, kwargs, 0, "src"), masks)
             if routed is not None:  # way 1 (if PyTorch still takes its Python path, self_attn must not count again)
                 routed.count()
+                if masks[0] is None and masks[1] is None and len(args) + len(kwargs) == 1:
+                    fused = _encoder_layer_fused_args(self, _arg(args, kwargs, 0, "src"))
+                    if fused is not None:  # layer(src): PyTorch's fused op directly
+                        return _lifted(where, torch._transformer_encoder_layer_fwd, *fused)
                 _LIFTED.counted = True
                 try:
                     return _lifted(where, original, self, *args, **kwargs)

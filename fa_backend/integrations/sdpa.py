@@ -31,11 +31,13 @@ from ..dispatch.backends import BACKENDS, pytorch_choice
 from ..dispatch.call import AttentionCall, precompute_capabilities
 from ..dispatch.reasons import ReasonCode
 from ..dispatch.select import Decision, faster_peer, select
+from ..dispatch.state import _LOCAL as _LOCAL_STATE
 from ..dispatch.state import ROUTER_TYPES, ROUTING, allowed_backends, routing_active
 from . import mha as _mha
 from . import modules as _modules
 
 _SDPA = F.scaled_dot_product_attention
+_is_compiling = torch.compiler.is_compiling
 _ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention
 _ATEN_SDPA_DEFAULT = torch.ops.aten.scaled_dot_product_attention.default
 _MHA = F.multi_head_attention_forward
@@ -82,10 +84,12 @@ def _passed_over(call: AttentionCall, decision: Decision) -> dict[str, tuple]:
 class _Routed:
     """A cached eager decision: what runs, and the counters one such call bumps."""
 
-    __slots__ = ("call", "decision", "cast", "run_key", "fallback_keys")
+    __slots__ = ("call", "decision", "cast", "run_key", "fallback_keys", "run")
 
     def __init__(self, call: AttentionCall, decision: Decision, cast):
         self.call, self.decision, self.cast = call, decision, cast
+        # run(sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa): what the decision runs
+        self.run = BACKENDS[decision.backend].eager_runner(call, decision.kernel) if decision is not None else None
         # the triton ops count their own runs (compiled or not: "triton" and "triton_decode"), so routed
         # triton calls add none here
         self.run_key = None if decision.backend == "triton" else decision.backend
@@ -109,6 +113,7 @@ class _Routed:
 # Eager decisions keyed on everything the eligibility rules read; bounded, cleared when full.
 _CACHE: dict = {}
 _CACHE_LIMIT = 4096
+_UNIT = (1,)
 
 
 def _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast):
@@ -130,15 +135,24 @@ def _preferred_kernel_refuses(decision: Decision, call: AttentionCall, q, k, v, 
     return False
 
 
-def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Routed:
+def _autocast_dtype(q) -> torch.dtype | None:
     device = q.device.type
-    cast = torch.get_autocast_dtype(device) if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) else None
-    allowed = allowed_backends()
+    return torch.get_autocast_dtype(device) if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) else None
+
+
+# one cheap call says whether any autocast is on (the per-device queries cost more; torch >= 2.4)
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Routed:
+    cast = _autocast_dtype(q) if _ANY_AUTOCAST is None or _ANY_AUTOCAST() else None
     mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.requires_grad)
     key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
-           v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, torch._C._get_cudnn_sdp_enabled(),
+           v.shape, mask_key, dropout_p, is_causal, enable_gqa, _LOCAL_STATE.allowed, cast,
+           torch._C._get_cudnn_sdp_enabled(),
            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-           k.dim() > 0 and k.stride(-1) == 1 and v.dim() > 0 and v.stride(-1) == 1)
+           k.stride()[-1:] == _UNIT and v.stride()[-1:] == _UNIT)
+    allowed = key[16]
     entry = _CACHE.get(key)
     if entry is None:
         call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
@@ -155,18 +169,22 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 def route_sdpa(sdpa, args, kwargs) -> torch.Tensor:
     """Decide and run one intercepted SDPA call (`sdpa` is the function that was called)."""
-    q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind_sdpa(args, kwargs)
-    if torch.compiler.is_compiling():
-        device = q.device.type
-        cast = torch.get_autocast_dtype(device) if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) else None
-        call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
-        decision = select(call, allowed_backends())
-        _note_trace(decision.kernel or decision.backend, ",".join(
-            f"{n}:{'+'.join(r.code.value for r in rs)}" for n, rs in _passed_over(call, decision).items()))
+    if not kwargs and len(args) == 3:  # the common call, bound without building dicts
+        (q, k, v), attn_mask, dropout_p, is_causal, scale, enable_gqa = args, None, 0.0, False, None, False
     else:
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind_sdpa(args, kwargs)
+    if not _is_compiling():
         entry = _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         entry.count()
-        call, decision, cast = entry.call, entry.decision, entry.cast
+        if entry.cast is not None and entry.decision.backend == "triton":
+            q, k, v = (t.to(entry.cast) for t in (q, k, v))
+        return entry.run(sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    # traced by torch.compile: decided from metadata at trace time, the chosen op lands in the graph
+    cast = _autocast_dtype(q)
+    call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
+    decision = select(call, allowed_backends())
+    _note_trace(decision.kernel or decision.backend, ",".join(
+        f"{n}:{'+'.join(r.code.value for r in rs)}" for n, rs in _passed_over(call, decision).items()))
     if decision.backend == "triton" and cast is not None:
         q, k, v = (t.to(cast) for t in (q, k, v))
     return BACKENDS[decision.backend].run(call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

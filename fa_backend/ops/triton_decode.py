@@ -155,4 +155,10 @@ def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: to
     bounds a decode step)."""
     if torch.compiler.is_compiling() or not _plain(q, k, v, attn_mask):
         return triton_sdpa_decode(q, k, v, attn_mask, is_causal, bottom_right, scale)[0]
+    return eager_sdpa_decode(q, k, v, attn_mask, is_causal, bottom_right, scale)
+
+
+def eager_sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                      is_causal: bool, bottom_right: bool, scale: float | None) -> torch.Tensor:
+    """sdpa_decode's eager path, for callers that know the call is eager on plain tensors."""
     return sdpa_decode_impl(q, k, v, attn_mask, is_causal, bottom_right, _resolve_scale(q, scale), need_lse=False)[0]

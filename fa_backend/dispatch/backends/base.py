@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -28,6 +29,13 @@ class Backend:
         may name it) and every reason its preferred kernel for the call is not that one (empty when it
         is). A backend with one kernel returns its own name."""
         return cls.NAME, ()
+
+    @classmethod
+    def eager_runner(cls, call: AttentionCall, kernel: str | None):
+        """A callable taking run()'s arguments after `call`, for eager calls described by `call` that this
+        backend runs on `kernel` (the router caches it with its decision, so per-call work that only
+        depends on the description is done once)."""
+        return functools.partial(cls.run, call)
 
     @classmethod
     def run(cls, call: AttentionCall, sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -156,6 +156,17 @@ class TritonBackend(Backend):
         return (cls.NAME, reasons) if reasons else (cls.DECODE_KERNEL, ())
 
     @classmethod
+    def eager_runner(cls, call: AttentionCall, kernel: str | None):
+        if kernel != cls.DECODE_KERNEL or call.subclass:
+            return super().eager_runner(call, kernel)
+        from ...ops.triton_decode import eager_sdpa_decode
+
+        # the decision already holds what sdpa_decode would check on every call: plain tensors, eager
+        bottom_right = call.causal_alignment == "bottom_right"
+        return lambda sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa: eager_sdpa_decode(
+            q, k, v, attn_mask, bool(is_causal), bottom_right and bool(is_causal), scale)
+
+    @classmethod
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
         if call.kind == "decode" and not cls.decode_why_not(call):
