@@ -88,7 +88,7 @@ def _modes(fn):
     return {mode: statistics.median(v) for mode, v in samples.items()}
 
 
-def _host_modes(fn, n: int = 200, rounds: int = 15):
+def _host_modes(fn, n: int = 40, rounds: int = 60):
     """Wall time per call (µs), the modes interleaved round by round so drifts of the host hit all
     three alike; the minimum over rounds (host noise only ever adds time)."""
     samples = {mode: [] for mode in _MODES}
@@ -175,7 +175,7 @@ def main() -> None:
         layer.train()
         xg = x.clone().requires_grad_()
         report("encoder_layer_train_tiny_host", 64, heads, 16, 1,
-               _host_modes(lambda: layer(xg).sum().backward(), n=50), "us")
+               _host_modes(lambda: layer(xg).sum().backward(), n=10), "us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
