@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels]
 # env: SHARDS, TEST_TIMEOUT, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -65,6 +65,10 @@ fi
 if [[ " $steps " == *" modules "* ]]; then
   python3 scripts/bench_modules.py --json "$OUT/modules.json" > "$OUT/modules.log" 2>&1 || status=1
   cat "$OUT/modules.log" | tail -n 40
+fi
+if [[ " $steps " == *" module_kernels "* ]]; then
+  python3 scripts/module_kernels.py > "$OUT/module_kernels.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/module_kernels.log" | tail -n 120
 fi
 if [[ " $steps " == *" product "* ]]; then
   # the benchmark as a user runs it: --out DIR (JSON + PNG), a progress line, shapes from the command line
