@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -224,29 +225,42 @@ def peak_memory(seqlens: list[int], d: int = 64, batch: int = 2, heads: int = 16
     return rows
 
 
-def _per_call_us(fn, n: int, sync) -> float:
-    """Median over 7 rounds of the wall time per call of `fn` called n times back to back."""
+def _interleaved_us(variants: list[tuple], n: int, rounds: int, sync) -> dict[str, list[float]]:
+    """{name: [wall µs per call, one per round]}: each variant (name, fn, context factory) timed on n calls
+    back to back, the variants taken in turn round by round so that drifts of the host hit all alike."""
     import time
 
-    for _ in range(100):
-        fn()
-    rounds = []
-    for _ in range(7):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-        sync()
-    return sorted(rounds)[3]
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    for r in range(rounds + 1):
+        for name, fn, context in variants:
+            with context():
+                if r == 0:  # warm-up round: compile, fill the router's caches
+                    for _ in range(100):
+                        fn()
+                    continue
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                sync()
+                samples[name].append((time.perf_counter() - t0) / n * 1e6)
+    return samples
 
 
-def host_overhead(device: str = "cuda", n: int = 2000) -> dict[str, float]:
+SDPA_UNROUTED = "F.scaled_dot_product_attention (not routed)"
+SDPA_ROUTED = "F.scaled_dot_product_attention (routed)"
+DECODE_DIRECT = "split-KV decode kernel (direct, what routed 16-query calls run)"
+SDPA_ROUTED_TRITON = "F.scaled_dot_product_attention (routed, sdpa_backends(['triton']))"
+
+
+def host_overhead(device: str = "cuda", n: int = 500, rounds: int = 15) -> dict[str, float]:
     """Eager wall time per tiny call (µs): b=1, h=1, s=16, d=64, so the host is the bottleneck.
 
     On CUDA (bf16): our op directly, the same call through routed F.scaled_dot_product_attention
     (default order, where a measured preference may pick PyTorch's kernel, and restricted to our
     Triton kernel), and PyTorch's own SDPA. On CPU (fp32, falls back to PyTorch): SDPA unrouted and routed.
+    The variants are interleaved round by round; each figure is the median over the rounds, and the
+    routing overheads are medians of the per-round differences (routed minus what it runs unrouted).
     """
     import fa_backend
 
@@ -255,21 +269,30 @@ def host_overhead(device: str = "cuda", n: int = 2000) -> dict[str, float]:
     q = torch.randn(1, 1, 16, 64, device=device, dtype=dtype)
     qg = q.clone().requires_grad_()
     sdpa = lambda: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
-    result = {"F.scaled_dot_product_attention (not routed)": _per_call_us(sdpa, n, sync)}
+    plain, routed = contextlib.nullcontext, fa_backend.enabled
+
+    @contextlib.contextmanager
+    def routed_triton():
+        with fa_backend.enabled(), fa_backend.sdpa_backends(["triton"]):
+            yield
+
+    variants = [(SDPA_UNROUTED, sdpa, plain), (SDPA_ROUTED, sdpa, routed)]
     if device == "cuda":
-        result["fa_backend.attention (direct)"] = _per_call_us(lambda: fa_backend.attention(q, q, q), n, sync)
-        result["fa_backend.attention (direct, requires_grad)"] = _per_call_us(
-            lambda: fa_backend.attention(qg, qg, qg), n, sync)
         from .ops.triton_decode import sdpa_decode  # what a routed call with <= 16 queries runs
 
-        result["split-KV decode kernel (direct, what routed 16-query calls run)"] = _per_call_us(
-            lambda: sdpa_decode(q, q, q, None, False, False, None), n, sync)
-    with fa_backend.enabled():
-        result["F.scaled_dot_product_attention (routed)"] = _per_call_us(sdpa, n, sync)
-        if device == "cuda":
-            with fa_backend.sdpa_backends(["triton"]):
-                result["F.scaled_dot_product_attention (routed, sdpa_backends(['triton']))"] = _per_call_us(
-                    sdpa, n, sync)
+        variants += [
+            ("fa_backend.attention (direct)", lambda: fa_backend.attention(q, q, q), plain),
+            ("fa_backend.attention (direct, requires_grad)", lambda: fa_backend.attention(qg, qg, qg), plain),
+            (DECODE_DIRECT, lambda: sdpa_decode(q, q, q, None, False, False, None), plain),
+            (SDPA_ROUTED_TRITON, sdpa, routed_triton),
+        ]
+    samples = _interleaved_us(variants, n, rounds, sync)
+    result = {name: statistics.median(v) for name, v in samples.items()}
+    pairs = [("routing overhead, default order (routed - not routed)", SDPA_ROUTED, SDPA_UNROUTED),
+             ("routing overhead onto the decode kernel (routed - direct)", SDPA_ROUTED_TRITON, DECODE_DIRECT)]
+    for label, a, b in pairs:
+        if a in samples and b in samples:
+            result[label] = statistics.median(x - y for x, y in zip(samples[a], samples[b]))
     return result
 
 

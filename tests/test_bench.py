@@ -4,6 +4,7 @@ exit path, and a GPU smoke run of `python -m fa_backend bench --out DIR`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import io
@@ -209,3 +210,23 @@ def test_bench_out_dir_on_gpu(tmp_path, capsys):
         assert (r["d"], r["causal"], r["seqlen"], r["batch"], r["heads"], r["dtype"]) == (
             64, False, 1024, 16, 32, "bfloat16")
         assert r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0 and r["fwd_first_ms"] > 0 and r["bwd_first_ms"] > 0
+
+
+def test_interleaved_timing_takes_variants_in_turn():
+    order = []
+    variants = [(name, (lambda name=name: order.append(name)), contextlib.nullcontext) for name in ("a", "b")]
+    samples = bench._interleaved_us(variants, n=3, rounds=2, sync=lambda: None)
+    assert set(samples) == {"a", "b"} and all(len(v) == 2 and min(v) > 0 for v in samples.values())
+    assert order == ["a"] * 100 + ["b"] * 100 + ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback path")
+def test_host_overhead_on_cpu_reports_the_routing_overhead():
+    import fa_backend
+
+    fa_backend.reset_stats()
+    result = bench.host_overhead("cpu", n=5, rounds=3)
+    assert set(result) == {bench.SDPA_UNROUTED, bench.SDPA_ROUTED,
+                           "routing overhead, default order (routed - not routed)"}
+    assert result[bench.SDPA_UNROUTED] > 0 and result[bench.SDPA_ROUTED] > 0
+    assert fa_backend.stats()["runs"].get("torch", 0) + fa_backend.stats()["runs"].get("math", 0) >= 3 * 5
