@@ -314,7 +314,7 @@ def _lean_form(mha: nn.MultiheadAttention, call: list) -> bool:
     in-projection, no bias_k/bias_v, no add_zero_attn, autocast off."""
     query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
     attrs = mha.__dict__
-    return (query is key and key is value and type(query) is torch.Tensor and query.dim() == 3
+    return (query is key and key is value and type(query) is torch.Tensor and query.dim() == 3 and not query.is_nested
             and not need_weights and attn_mask is None and key_padding_mask is None and not is_causal
             and attrs["_qkv_same_embed_dim"] and not attrs["add_zero_attn"]
             and mha._parameters.get("in_proj_weight") is not None
@@ -370,6 +370,20 @@ _PLAIN_PARAMETER_TYPES = (nn.Parameter, torch.Tensor)
 _ENCODER_MEMO: dict = {}
 
 
+def _any_forward_hooks(module: nn.Module) -> bool:
+    """Whether `module` or any submodule has forward (pre-)hooks: PyTorch's check before the fused
+    encoder-layer op, without `modules()`' generator and memo (several µs per call)."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if m is None:  # a submodule slot set to None
+            continue
+        if m._forward_hooks or m._forward_pre_hooks:
+            return True
+        stack.extend(m._modules.values())
+    return False
+
+
 def _encoder_layer_fused_args(layer: nn.TransformerEncoderLayer, src) -> tuple | None:
     """The arguments nn.TransformerEncoderLayer.forward(src) passes to `torch._transformer_encoder_layer_fwd`
     when it takes its fused fast path (no masks), else None. PyTorch's own checks, memoised on what they
@@ -394,14 +408,15 @@ def _encoder_layer_fused_args(layer: nn.TransformerEncoderLayer, src) -> tuple |
             and not key[-2] and src.device.type in ("cpu", "cuda"))
     if not ok:
         return None
-    for m in layer.modules():
-        if m._forward_hooks or m._forward_pre_hooks:
-            return None
+    if _any_forward_hooks(layer):
+        return None
     ap, op = attn._parameters, attn._modules["out_proj"]._parameters
     l1, l2 = modules["linear1"]._parameters, modules["linear2"]._parameters
     n1, n2 = norm1._parameters, norm2._parameters
-    tensors = (ap["in_proj_weight"], ap["in_proj_bias"], op["weight"], op["bias"], n1["weight"], n1["bias"],
-               n2["weight"], n2["bias"], l1["weight"], l1["bias"], l2["weight"], l2["bias"])
+    # .get: a replaced norm or linear may lack a parameter; None then sends the call to PyTorch's forward
+    tensors = (ap.get("in_proj_weight"), ap.get("in_proj_bias"), op.get("weight"), op.get("bias"), n1.get("weight"),
+               n1.get("bias"), n2.get("weight"), n2.get("bias"), l1.get("weight"), l1.get("bias"), l2.get("weight"),
+               l2.get("bias"))
     for t in tensors:
         if type(t) not in _PLAIN_PARAMETER_TYPES or t.device.type not in ("cpu", "cuda"):
             return None  # None (bias=False), a subclass, an unsupported device: PyTorch's forward decides

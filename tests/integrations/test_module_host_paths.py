@@ -115,18 +115,22 @@ def test_encoder_layer_calls_pytorchs_fused_op_directly(monkeypatch, norm_first,
     assert fa_backend.stats()["runs"] == {"torch": 1}
 
 
-def test_encoder_layer_with_hooks_keeps_pytorchs_forward(monkeypatch):
+@pytest.mark.parametrize("where", ["linear1", "self_attn.out_proj"])
+def test_encoder_layer_with_hooks_keeps_pytorchs_forward(monkeypatch, where):
     calls = _spy(monkeypatch, "_encoder_layer_fused_args")
     layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True).to(DEVICE).eval()
     seen = []
-    layer.linear1.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    if where == "linear1":
+        layer.linear1.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    else:  # nested two levels down (PyTorch's Python path uses out_proj's weights directly: it never fires)
+        layer.self_attn.out_proj.register_forward_pre_hook(lambda mod, inp: seen.append(None))
     x = torch.randn(2, 12, 32, device=DEVICE)
     with torch.no_grad():
         ref = layer(x)
         with fa_backend.enabled():
             out = layer(x)
     assert calls == []
-    assert len(seen) == 2  # PyTorch's Python path runs the hooked submodule, routed or not
+    assert len(seen) == (2 if where == "linear1" else 0)  # as PyTorch's Python path runs it, routed or not
     assert torch.equal(out, ref)
 
 
@@ -153,3 +157,14 @@ def test_encoder_layer_direct_call_only_where_pytorch_takes_its_fast_path(monkey
             out = layer(x, **kwargs)
     assert calls == []
     torch.testing.assert_close(out, ref, equal_nan=True)
+
+
+def test_hook_search_reaches_nested_modules_and_skips_empty_slots():
+    layer = nn.TransformerEncoderLayer(32, 2, 64)
+    layer.register_module("extra", None)
+    assert not modules._any_forward_hooks(layer)
+    handle = layer.self_attn.out_proj.register_forward_pre_hook(lambda mod, inp: None)
+    assert modules._any_forward_hooks(layer)
+    handle.remove()
+    layer.register_forward_hook(lambda mod, inp, out: None)
+    assert modules._any_forward_hooks(layer)
