@@ -122,7 +122,8 @@ def check_fwd(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16
                    stride_vb=2048 * 4096, stride_vh=128, stride_vn=2048, stride_vd=1,
                    **_strides("m", "o"), NUM_HEADS_Q=16, GROUP=1, SEQ_Q=4096, SEQ_K=4096, NUM_M_BLOCKS=32,
                    causal_offset=0, qk_scale=0.1, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=cfg.block_m,
-                   BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, CAUSAL=causal, SCALE_NEG=False)
+                   BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, CAUSAL=causal, SCALE_NEG=False,
+                   LAZY_RESCALE=cfg.lazy_rescale)
     example.update(extra or {})
     return _compile(_attn_fwd, example, cfg, dtype)
 

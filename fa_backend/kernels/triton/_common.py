@@ -5,6 +5,9 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores live in the log2 domain so exp2 is one MUFU op
 LN2 = tl.constexpr(0.6931471805599453)
+# Lazy rescale (forward, opt-in per tile config): the running max is moved only when it grows by more than
+# this many log2 units (FlashAttention-4's threshold), so probabilities stay <= 2**8 (fp16 / bf16 safe).
+RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit

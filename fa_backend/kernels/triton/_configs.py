@@ -24,6 +24,7 @@ class TileConfig:
     block_n: int  # key rows per tile
     num_warps: int = 4
     num_stages: int = 2
+    lazy_rescale: bool = False  # forward only: see _common.RESCALE_LOG2 (candidates only until timed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,13 @@ def bwd_table(causal: bool) -> dict[int, BwdConfig]:
 
 
 def fwd_candidates(width: int) -> list[TileConfig]:
-    """Forward tiles worth timing for a padded head dim (no register spills on sm90 at bf16)."""
+    """Forward tiles worth timing for a padded head dim (no register spills on sm90 at bf16), and the
+    lazy-rescale variant of the table's tiles."""
+    lazy = [dataclasses.replace(t[width], lazy_rescale=True) for t in (_GPU_FWD, _GPU_FWD_CAUSAL) if width in t]
+    return list(dict.fromkeys(_plain_fwd_candidates(width) + lazy))
+
+
+def _plain_fwd_candidates(width: int) -> list[TileConfig]:
     if width <= 64:
         return [TileConfig(128, 64, 4, s) for s in (2, 3, 4)] + [
             TileConfig(128, 128, 8, s) for s in (2, 3)] + [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 4),

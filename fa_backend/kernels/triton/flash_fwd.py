@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .._layout import new_attention_output
-from ._common import LN2, LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_rows, _score_mods, _tile_ptrs, _window_lo
+from ._common import LN2, LOG2E, RESCALE_LOG2, _band_keep, _dropout_keep, _kv_bounds, _load_rows, _score_mods, _tile_ptrs, _window_lo
 from ._configs import fwd_config
 from ._features import kernel_features
 from . import _launch
@@ -33,7 +33,7 @@ def _fwd_kv_loop(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW_LEFT: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -62,16 +62,32 @@ def _fwd_kv_loop(
             m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
         else:
             # max(s * c) = max(s) * c for c >= 0 (min for c < 0): one FMA per score below.
             if SCALE_NEG:
                 m_ij = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
             else:
                 m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+            if LAZY_RESCALE:
+                # Keep the running max (the reference of both acc and l, so the result stays exact) until
+                # some row's max grows by more than RESCALE_LOG2: then p <= 2**RESCALE_LOG2, and the
+                # tile's acc * alpha multiply and alpha's exp2 are skipped. Always taken on the first
+                # block (m = -inf).
+                if tl.max(m_ij - m_i, 0) > RESCALE_LOG2:
+                    alpha = tl.math.exp2(m_i - m_ij)
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha
+                    m_i = m_ij
+                m_ij = m_i
+                p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+                l_i = l_i + tl.sum(p, 1)
+            else:
+                p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+                alpha = tl.math.exp2(m_i - m_ij)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
         v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
             # The normaliser l keeps every probability; dropped ones leave only the P @ V sum.
@@ -112,6 +128,7 @@ def _attn_fwd(
     CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
     # concurrently running programs share that head's K/V in L2.
@@ -176,7 +193,7 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
         mid_lo = full_lo
         tail_lo = tl.maximum(full_lo, n_full)
     else:
@@ -188,14 +205,14 @@ def _attn_fwd(
         Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
         seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
         tail_lo, hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
         Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
         seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
 
     # Rows that saw no key (l = 0) output 0 with LSE = -inf, as PyTorch's math backend does.
     empty = l_i == 0.0
@@ -259,6 +276,7 @@ def flash_fwd(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
+        **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
     ))
     return out, lse
 
