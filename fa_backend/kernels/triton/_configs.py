@@ -25,6 +25,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     lazy_rescale: bool = False  # forward only: see _common.RESCALE_LOG2 (candidates only until timed)
+    atomic_dq: bool = False  # dK/dV only: dQ added there with atomics (flash_bwd.py; candidates only until timed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,16 @@ def _plain_fwd_candidates(width: int) -> list[TileConfig]:
 
 
 def dkdv_candidates(width: int) -> list[TileConfig]:
+    """dK/dV tiles worth timing, and atomic-dQ variants of those with 32 query rows per step (8 warps from
+    width 128 on): the ones that leave registers for the dQ tile (sm90 compile check: larger ones spill)."""
+    plain = _plain_dkdv_candidates(width)
+    table = [t[width].dkdv for t in (_GPU_BWD, _GPU_BWD_CAUSAL) if width in t]
+    atomic = [dataclasses.replace(c, atomic_dq=True) for c in table + plain
+              if c.block_m <= 32 and (width <= 64 or c.num_warps == 8)]
+    return list(dict.fromkeys(plain + atomic))
+
+
+def _plain_dkdv_candidates(width: int) -> list[TileConfig]:
     if width <= 64:
         return [TileConfig(64, 128, 8, s) for s in (1, 2, 3)] + [
             TileConfig(64, 64, 4, s) for s in (1, 2)] + [TileConfig(32, 128, 4, 1), TileConfig(32, 64, 4, 2)]

@@ -1,4 +1,4 @@
-"""FlashAttention backward in Triton, deterministic by construction (no atomics).
+"""FlashAttention backward in Triton, deterministic by construction (no atomics) by default.
 
 Three launches:
 1. preprocess: delta = rowsum(dO * O) in fp32;
@@ -7,7 +7,9 @@ Three launches:
 3. dQ: one program per (query block, batch, query head) walks the key blocks.
 dK/dV and dQ each recompute P (and dP) from the saved LSE instead of exchanging partial dQ
 through atomics; every output element has a single writer, so results are bitwise
-reproducible.
+reproducible. A tile-config option (TileConfig.atomic_dq, dense layout) instead adds dQ from the
+dK/dV kernel with fp32 atomics (5 GEMMs instead of 7) and converts it in a small last launch; it is
+never used under torch.use_deterministic_algorithms.
 """
 
 from __future__ import annotations
@@ -65,13 +67,15 @@ def _bwd_dkdv_loop(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr = True, WINDOW_LEFT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
 ):
     """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end).
 
     Scores are computed transposed (keys x queries) so dV += P^T dO and dK += dS^T Q are plain
     dots. Key rows past SEQ_K hold zeros and produce values that are never stored. Query rows
     past SEQ_Q get LSE = +inf, hence P = 0. MASKED applies the causal / window band.
+    ATOMIC_DQ: also add dS K, this block's share of dQ, into the fp32 (SEQ_Q, BLOCK_D) rows at DQ_ACC
+    with atomics (one GEMM here instead of the dQ kernel's three; not bitwise reproducible).
     """
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -115,6 +119,10 @@ def _bwd_dkdv_loop(
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        if ATOMIC_DQ:
+            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)  # (BLOCK_M, BLOCK_D); padded columns of k are 0
+            tl.atomic_add(DQ_ACC + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], dq_part,
+                          mask=rows[:, None] < SEQ_Q, sem="relaxed")
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
     return dk, dv
@@ -141,6 +149,7 @@ def _bwd_dkdv(
     CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
+    DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_n = pid % NUM_N_BLOCKS
@@ -228,6 +237,10 @@ def _bwd_dkdv(
             slope2 = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah).to(tl.float32) * LOG2E
         else:
             slope2 = 0.0
+        if ATOMIC_DQ:  # dense layout only: (b, hq, SEQ_Q, BLOCK_D) fp32
+            DQ_ACC_h = DQ_ACC + bh_q.to(tl.int64) * SEQ_Q * BLOCK_D
+        else:
+            DQ_ACC_h = DQ_ACC
         if CAUSAL:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -235,14 +248,14 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
         dk, dv = _bwd_dkdv_loop(
             dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
             m_mid, m_end, n0, seqlen_q, causal_offset, qk_scale,
             seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
         if WINDOW_LEFT:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -250,7 +263,7 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
 
     dk *= sm_scale
     if DROPOUT:
@@ -415,6 +428,28 @@ def _bwd_dq(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
+@triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
+def _bwd_dq_convert(
+    DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, NUM_HEADS_Q, SEQ_Q, NUM_M_BLOCKS, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dQ = sm_scale * the fp32 rows the dK/dV kernel accumulated with atomics (ATOMIC_DQ), in dQ's dtype
+    and strides."""
+    pid = tl.program_id(0)
+    pid_m = pid % NUM_M_BLOCKS
+    bh = pid // NUM_M_BLOCKS
+    off_b = (bh // NUM_HEADS_Q).to(tl.int64)
+    off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * SEQ_Q + rows)[:, None] * BLOCK_D + offs_d[None, :],
+                  mask=rows[:, None] < SEQ_Q, other=0.0)
+    dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
+    tl.store(dq_ptrs, (acc * sm_scale).to(DQ.dtype.element_ty),
+             mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
+
+
 def flash_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
@@ -455,6 +490,10 @@ def flash_bwd(
         HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
     ))
 
+    # dQ through atomics in the dK/dV kernel (a tile-config option): never under
+    # torch.use_deterministic_algorithms, since the order of the fp32 additions varies from run to run
+    atomic = cfg.dkdv.atomic_dq and not torch.are_deterministic_algorithms_enabled()
+    dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
         q, k, v, dout, lse, delta, dk, dv,
@@ -464,7 +503,14 @@ def flash_bwd(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
+        **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
     ))
+    if atomic:
+        m_blocks = cdiv(sq, pre_block)
+        _launch.launch(_bwd_dq_convert, grid_1d(m_blocks * b * hq), (
+            dq_acc, dq, *dq.stride(), hq, sq, m_blocks, scale,
+        ), dict(HEAD_DIM=d, BLOCK_M=pre_block, BLOCK_D=block_d))
+        return dq, dk, dv
 
     m_blocks = cdiv(sq, cfg.dq.block_m)
     _launch.launch(_bwd_dq, grid_1d(m_blocks * b * hq), (
