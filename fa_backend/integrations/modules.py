@@ -394,18 +394,18 @@ def _encoder_layer_fused_args(layer: nn.TransformerEncoderLayer, src) -> tuple |
     attrs = layer.__dict__
     modules = attrs["_modules"]
     attn, norm1, norm2 = modules["self_attn"], modules["norm1"], modules["norm2"]
-    key = (id(layer), src.shape, src.dtype, src.device, src.is_nested, attrs["training"],
-           torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled())
+    autocast, fastpath = torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled()
+    key = (id(layer), src.shape, src.dtype, src.device, src.is_nested, attrs["training"], autocast, fastpath)
     ok = _ENCODER_MEMO.get(key)
     if ok is None:
         if len(_ENCODER_MEMO) >= 1024:
             _ENCODER_MEMO.clear()
         a = attn.__dict__
         ok = _ENCODER_MEMO[key] = bool(
-            key[-1] and src.dim() == 3 and not src.is_nested and not attrs["training"] and a["batch_first"]
-            and attn._parameters.get("in_proj_bias") is not None and a["_qkv_same_embed_dim"]
+            fastpath and not autocast and src.dim() == 3 and not src.is_nested and not attrs["training"]
+            and a["batch_first"] and attn._parameters.get("in_proj_bias") is not None and a["_qkv_same_embed_dim"]
             and attrs.get("activation_relu_or_gelu") and norm1.eps == norm2.eps and a["num_heads"] % 2 == 0
-            and not key[-2] and src.device.type in ("cpu", "cuda"))
+            and src.device.type in ("cpu", "cuda"))
     if not ok:
         return None
     if _any_forward_hooks(layer):

@@ -89,7 +89,7 @@ class _Routed:
     def __init__(self, call: AttentionCall, decision: Decision, cast):
         self.call, self.decision, self.cast = call, decision, cast
         # run(sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa): what the decision runs
-        self.run = BACKENDS[decision.backend].eager_runner(call, decision.kernel) if decision is not None else None
+        self.run = BACKENDS[decision.backend].eager_runner(call, decision.kernel)
         # the triton ops count their own runs (compiled or not: "triton" and "triton_decode"), so routed
         # triton calls add none here
         self.run_key = None if decision.backend == "triton" else decision.backend
@@ -146,13 +146,12 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Routed:
     cast = _autocast_dtype(q) if _ANY_AUTOCAST is None or _ANY_AUTOCAST() else None
+    allowed = _LOCAL_STATE.allowed  # allowed_backends(), without the call
     mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.requires_grad)
     key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
-           v.shape, mask_key, dropout_p, is_causal, enable_gqa, _LOCAL_STATE.allowed, cast,
-           torch._C._get_cudnn_sdp_enabled(),
+           v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, torch._C._get_cudnn_sdp_enabled(),
            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
            k.stride()[-1:] == _UNIT and v.stride()[-1:] == _UNIT)
-    allowed = key[16]
     entry = _CACHE.get(key)
     if entry is None:
         call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
