@@ -73,8 +73,11 @@ def _note_trace(backend: str, skipped: str) -> bool:
 def _passed_over(call: AttentionCall, decision: Decision) -> dict[str, tuple]:
     """{backend or kernel: reasons} of what the decision passed over: the backends tried before the one that
     runs and, for a decode call that backend runs on another of its kernels, the kernel it did not use
-    (e.g. "triton_decode" when the call needs grad; dense calls report none: every training call would)."""
-    passed = dict(decision.rejected)
+    (e.g. "triton_decode" when the call needs grad; dense calls report none: every training call would).
+    A backend that is not installed (or not enabled) is summarised by that reason alone: its other reasons
+    are noise in counters and logs until it can run anything (explain() still lists them all)."""
+    passed = {name: tuple(r for r in reasons if r.code is ReasonCode.NOT_INSTALLED) or reasons
+              for name, reasons in decision.rejected.items()}
     if call.kind == "decode" and decision.kernel_rejected:
         other = [k for k in BACKENDS[decision.backend].KERNEL_LABELS if k != decision.kernel]
         passed["+".join(other)] = decision.kernel_rejected

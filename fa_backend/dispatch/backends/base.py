@@ -8,7 +8,23 @@ from typing import ClassVar
 import torch
 
 from ..call import AttentionCall
-from ..reasons import Reason
+from ..reasons import Reason, ReasonCode
+
+
+def input_reasons(call: AttentionCall) -> list[Reason]:
+    """The rules every fused-kernel backend applies to the inputs themselves: plain tensors, 4-D
+    (batch, heads, seqlen, head_dim), shapes that fit together, one device. (The triton backend still
+    spells these out itself.)"""
+    reasons: list[Reason] = []
+    if call.subclass:
+        reasons.append(Reason(ReasonCode.LAYOUT, "tensor subclass inputs (DTensor, NestedTensor, ...) are left to PyTorch"))
+    if call.ranks != (4, 4, 4):
+        reasons.append(Reason(ReasonCode.LAYOUT, f"ranks={call.ranks} (supported: 4-D (batch, heads, seqlen, head_dim))"))
+    elif not call.shapes_consistent:
+        reasons.append(Reason(ReasonCode.LAYOUT, "query, key and value shapes do not fit together (PyTorch reports the error)"))
+    if not call.same_device:
+        reasons.append(Reason(ReasonCode.DEVICE, "query, key and value are on different devices"))
+    return reasons
 
 
 class Backend:

@@ -1,0 +1,275 @@
+"""FlashAttention forward for Hopper (sm90a) in the CuTe DSL: fa_backend's first CuTe kernel.
+
+NOT VALIDATED AND NOT ROUTED: this kernel has only been compiled (tests/kernels/cute, compile-only, on
+a machine without a GPU); it has never run. Nothing registers it with the dispatcher: the `cute`
+backend keeps KERNELS_ENABLED = False until it has passed numerics tests on an H200.
+
+Deliberately simple, to be correct first (no warp specialisation, no pipelining, no overlap):
+- one CTA = one warpgroup (128 threads) = one tile of TILE_M = 64 query rows of one (batch, head);
+- TMA loads Q once and, per key block, K and V (TILE_N rows) into swizzled shared memory, one stage,
+  completion tracked by an mbarrier; the CTA syncs before the next block overwrites K and V;
+- S = Q K^T with wgmma (both operands in shared memory), online softmax in registers (log2 domain),
+  O += P V with wgmma taking P from registers (the S accumulator layout is the A-operand layout);
+- epilogue: O / l stored to global memory from registers (rows past seqlen_q skipped), LSE (natural
+  log, fp32) per row; rows that see no key (bottom-right causal with seqlen_k < seqlen_q) get O = 0
+  and LSE = -inf.
+
+Layouts: q, o (b, hq, sq, d); k, v (b, hkv, sk, d): SDPA's layout with any strides whose head_dim
+stride is 1 and whose other strides are multiples of 8 elements (TMA needs 16-byte aligned strides);
+lse (b, hq, sq) fp32. GQA: query head h reads key/value head h // (hq // hkv).
+Causal: top-left (key j visible to query i when j <= i) or bottom-right (j <= i + sk - sq).
+The softmax scale must be positive (the row maximum is taken before scaling). Launch needs about
+50 KB of shared memory at d = 128 (above the 48 KB default): unchecked until it runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ._compile_cache import CACHE, CompileKey, enable_dsl_disk_cache
+from ._target import compile_options
+
+enable_dsl_disk_cache()  # before the DSL's first compile in this process
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor  # noqa: E402
+from cutlass.memory import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+KERNEL_NAME = "flash_fwd_sm90"
+HEAD_DIMS = (64, 128)
+TILE_M = 64  # one warpgroup's wgmma M
+TILE_N = 64
+THREADS = 128
+_LOG2E = math.log2(math.e)
+_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+
+
+class FlashForwardSm90:
+    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one kernel variant."""
+
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool):
+        self.dtype, self.head_dim = dtype, head_dim
+        self.causal, self.bottom_right = causal, bottom_right and causal
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 scale_log2: Float32, stream: Any):
+        d = self.head_dim
+        # views with the TMA/MMA-friendly mode order: (s, d, h, b) for Q, K, O; (d, s, h, b) for V (the
+        # B operand of P V, contiguous along its N = d mode); (s, h, b) for the LSE
+        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
+        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
+        v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
+        o = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[2, 3, 1, 0]))
+        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        mma_qk = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
+                                             Float32, (1, 1, 1), (TILE_M, TILE_N))
+        mma_pv = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
+                                             Float32, (1, 1, 1), (TILE_M, d), a_source=warpgroup.OperandSource.RMEM)
+        sQ_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1),
+                                (None, None, 0))
+        sK_layout = cute.slice_(sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1),
+                                (None, None, 0))
+        sV_layout = cute.slice_(sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, 1),
+                                (None, None, 0))
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, sQ_layout, (TILE_M, d))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, sK_layout, (TILE_N, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, sV_layout, (d, TILE_N))
+        smem_bytes = 2 * (TILE_M + 2 * TILE_N) * d + 3 * 1024  # three tiles, alignment padding, barriers
+        self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
+                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout).launch(
+            grid=(cute.ceil_div(q.shape[0], TILE_M), q.shape[2], q.shape[3]), block=(THREADS, 1, 1),
+            smem=smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        minus_inf = Float32(-math.inf)
+
+        smem = SmemAllocator()
+        bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q has landed
+        bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V of the current key block have landed
+        # 1024-byte alignment: the swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
+        sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sV = smem.allocate_tensor(self.dtype, sV_layout.outer, byte_alignment=1024, swizzle=sV_layout.inner)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar_q, 1)
+            cute.arch.mbarrier_init(bar_kv, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        one_cta = cute.make_layout(1)
+        gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, key blocks)
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (d, TILE_N), (0, None))  # (d, TILE_N, key blocks)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_q, TILE_M * d * 2)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q)
+
+        thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+        # (row, col) within the tile of every accumulator value this thread holds
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, d)))
+        acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
+        acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
+        acc_o.fill(0.0)
+        p_layout = mma_pv.make_fragment_A(thr_pv.partition_shape_A((TILE_M, TILE_N))).layout
+        # Per thread, a wgmma accumulator holds values of two rows (r and r + 8) in groups of four: value
+        # i is in row half (i // 2) % 2. row_max is in log2 units (scores times scale_log2).
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-math.inf)
+        row_sum.fill(0.0)
+
+        # keys visible to query row i: j < seqlen_k and, when causal, j <= i + offset
+        offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
+        n_blocks = cute.ceil_div(seqlen_k, TILE_N)
+        if cutlass.const_expr(self.causal):
+            n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div((m_block + 1) * TILE_M + offset, TILE_N)), 0)
+        cute.arch.mbarrier_wait(bar_q, 0)
+        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+
+        for n_block in cutlass.range(n_blocks, unroll=1):
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * TILE_N * d * 2)
+                cute.copy(tma_k, tKgK[None, n_block], tKsK, tma_bar_ptr=bar_kv)
+                cute.copy(tma_v, tVgV[None, n_block], tVsV, tma_bar_ptr=bar_kv)
+            cute.arch.mbarrier_wait(bar_kv, n_block % 2)
+
+            # S = Q K^T
+            mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # mask: keys past seqlen_k (TMA filled them with zeros) and, when causal, keys after the diagonal
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                row = m_block * TILE_M + tScS[i][0]
+                col = n_block * TILE_N + tScS[i][1]
+                visible = col < seqlen_k
+                if cutlass.const_expr(self.causal):
+                    visible = visible & (col <= row + offset)
+                if not visible:
+                    acc_s[i] = minus_inf
+
+            # online softmax, one row half at a time; the 4 threads of a quad share rows
+            for half in cutlass.range_constexpr(2):
+                block_max = minus_inf
+                for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
+                    block_max = cute.arch.fmax(block_max, cute.arch.fmax(acc_s[i], acc_s[i + 1]))
+                block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
+                block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
+                new_max = cute.arch.fmax(row_max[half], block_max * scale_log2)
+                base = new_max
+                if new_max == minus_inf:  # nothing visible yet in this row: keep exp2 away from inf - inf
+                    base = Float32(0.0)
+                alpha = cute.math.exp2(row_max[half] - base, fastmath=True)
+                row_max[half] = new_max
+                block_sum = Float32(0.0)
+                for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
+                    for j in cutlass.range_constexpr(2):
+                        p = cute.math.exp2(acc_s[i + j] * scale_log2 - base, fastmath=True)
+                        acc_s[i + j] = p
+                        block_sum += p
+                row_sum[half] = row_sum[half] * alpha + block_sum
+                for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
+                    acc_o[i] = acc_o[i] * alpha
+                    acc_o[i + 1] = acc_o[i + 1] * alpha
+
+            # O += P V, P from registers: the S accumulator's value order is the A operand's
+            r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
+            r_p.store(acc_s.load().to(self.dtype))
+            t_p = cute.make_tensor(r_p.iterator, p_layout)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+                cute.gemm(mma_pv, acc_o, t_p[None, None, k], tOrV[None, None, k], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # every warp is done with sK and sV before the next block's TMA
+
+        # epilogue: O / l and the LSE (natural log); a row that saw no key gets O = 0 and LSE = -inf
+        gO = cute.local_tile(mO[None, None, head, batch], (TILE_M, d), (m_block, 0))
+        lane = tidx % 32
+        for half in cutlass.range_constexpr(2):
+            total = row_sum[half]
+            total += cute.arch.shuffle_sync_bfly(total, offset=1)
+            total += cute.arch.shuffle_sync_bfly(total, offset=2)
+            inv = Float32(0.0)
+            lse = minus_inf
+            if total > 0.0:
+                inv = 1.0 / total
+                lse = (row_max[half] + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+            for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
+                acc_o[i] = acc_o[i] * inv
+                acc_o[i + 1] = acc_o[i + 1] * inv
+            row = m_block * TILE_M + tOcO[half * 2][0]
+            if lane % 4 == 0 and row < seqlen_q:
+                mLSE[row, head, batch] = lse
+        for i in cutlass.range(cute.size(acc_o), unroll_full=True):
+            if m_block * TILE_M + tOcO[i][0] < seqlen_q:
+                gO[tOcO[i]] = acc_o[i].to(self.dtype)
+
+
+def _fake_sdpa_tensor(dtype: type, shape: tuple, align: int = 16) -> Any:
+    """A symbolic (b, h, s, d)-style tensor: dynamic sizes and strides (multiples of 8 elements, as TMA
+    needs), a static unit stride on the last mode."""
+    strides = tuple(cute.sym_int64(divisibility=8) for _ in shape[:-1]) + (1,)
+    return make_fake_tensor(dtype, shape, strides, assumed_align=align)
+
+
+def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
+                      arch: str = "sm_90a", dump_dir: str | None = None) -> Any:
+    """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0).
+
+    The compiled function takes (q, k, v, o, lse, scale * log2(e), stream). Cached per variant in
+    _compile_cache.CACHE (except with `dump_dir`, which always compiles, to write the PTX and cubin).
+    """
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
+    cdtype = _DTYPES[dtype]
+
+    def build() -> Any:
+        b, hq, hkv, sq, sk = (cute.sym_int64(symbol=name) for name in ("b", "hq", "hkv", "sq", "sk"))
+        q = _fake_sdpa_tensor(cdtype, (b, hq, sq, head_dim))
+        k = _fake_sdpa_tensor(cdtype, (b, hkv, sk, head_dim))
+        v = _fake_sdpa_tensor(cdtype, (b, hkv, sk, head_dim))
+        o = _fake_sdpa_tensor(cdtype, (b, hq, sq, head_dim))
+        lse = make_fake_tensor(Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+        kernel = FlashForwardSm90(cdtype, head_dim, causal, bottom_right)
+        return cute.compile(kernel, q, k, v, o, lse, Float32(1.0), make_fake_stream(),
+                            options=compile_options(arch, dump_dir))
+
+    if dump_dir is not None:
+        return build()
+    alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
+    key = CompileKey(KERNEL_NAME, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_M, TILE_N), arch)
+    return CACHE.get_or_compile(key, build)

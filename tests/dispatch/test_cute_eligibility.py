@@ -1,0 +1,139 @@
+"""The cute backend's declared limits: one rejected case per rule, its messages, and that it routes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fa_backend.dispatch import AttentionCall, ReasonCode, select
+from fa_backend.dispatch.backends import CuteBackend
+from fa_backend.dispatch.backends import cute as cute_backend
+
+# Eligible for the declared limits: only the not_installed reason (kernels not enabled) remains.
+OK = AttentionCall(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=2, heads_q=8, heads_kv=2,
+                   seqlen_q=1024, seqlen_k=2048, head_dim=128, head_dim_v=128, enable_gqa=True)
+
+
+@pytest.fixture
+def enabled(monkeypatch):
+    """As if the DSL were installed and the kernels enabled: why_not then reports the limits only."""
+    monkeypatch.setattr(cute_backend, "DSL_MISSING", None)
+    monkeypatch.setattr(cute_backend, "KERNELS_ENABLED", True)
+
+
+def _codes(**changes):
+    return [r.code for r in CuteBackend.why_not(dataclasses.replace(OK, **changes))]
+
+
+def test_not_enabled_yet_even_on_an_eligible_call():
+    assert _codes() == [ReasonCode.NOT_INSTALLED]
+    assert select(OK).backend == "triton"
+
+
+def test_eligible_call_has_no_reason_once_enabled(enabled):
+    assert _codes() == []
+
+
+@pytest.mark.parametrize("changes,code", [
+    ({"device_type": "cpu", "capability": None}, ReasonCode.DEVICE),
+    ({"same_device": False}, ReasonCode.DEVICE),
+    ({"capability": (8, 0)}, ReasonCode.CAPABILITY),
+    ({"capability": (10, 0)}, ReasonCode.CAPABILITY),
+    ({"capability": (12, 0)}, ReasonCode.CAPABILITY),
+    ({"dtype": torch.float32}, ReasonCode.DTYPE),
+    ({"same_dtype": False}, ReasonCode.DTYPE),
+    ({"head_dim": 256, "head_dim_v": 256}, ReasonCode.HEAD_DIM),
+    ({"head_dim": 32, "head_dim_v": 32}, ReasonCode.HEAD_DIM),
+    ({"head_dim_v": 64}, ReasonCode.HEAD_DIM),
+    ({"mask_kind": "bool", "mask_shape": (1024, 2048), "mask_dtype": torch.bool}, ReasonCode.MASK),
+    ({"mask_kind": "additive", "mask_shape": (1024, 2048), "mask_dtype": torch.bfloat16}, ReasonCode.MASK),
+    ({"dropout_p": 0.1}, ReasonCode.DROPOUT),
+    ({"enable_gqa": False}, ReasonCode.GQA),
+    ({"heads_q": 6, "heads_kv": 4}, ReasonCode.GQA),
+    ({"ranks": (3, 3, 3)}, ReasonCode.LAYOUT),
+    ({"subclass": True}, ReasonCode.LAYOUT),
+    ({"shapes_consistent": False}, ReasonCode.LAYOUT),
+    ({"requires_grad": True}, ReasonCode.GRAD),
+])
+def test_each_limit_gives_its_reason(enabled, changes, code):
+    assert _codes(**changes) == [code]
+
+
+@pytest.mark.parametrize("d", sorted(CuteBackend.SUPPORTED_HEAD_DIMS))
+@pytest.mark.parametrize("dtype", sorted(CuteBackend.SUPPORTED_DTYPES, key=str))
+@pytest.mark.parametrize("causal,alignment", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_declared_support_is_accepted(enabled, d, dtype, causal, alignment):
+    assert _codes(head_dim=d, head_dim_v=d, dtype=dtype, is_causal=causal, causal_alignment=alignment,
+                  capability=(9, 0)) == []
+
+
+def test_gqa_and_plain_mha_are_accepted(enabled):
+    assert _codes(heads_kv=8, enable_gqa=False) == []
+    assert _codes(heads_q=16, heads_kv=1) == []
+
+
+def test_causal_alignments_are_data(enabled, monkeypatch):
+    monkeypatch.setattr(CuteBackend, "CAUSAL_ALIGNMENTS", frozenset({"top_left"}))
+    assert _codes(is_causal=True, causal_alignment="bottom_right") == [ReasonCode.MASK]
+    assert _codes(is_causal=False, causal_alignment="bottom_right") == []
+
+
+def test_every_failing_rule_is_reported(enabled):
+    codes = _codes(dtype=torch.float32, head_dim=100, capability=(8, 0), dropout_p=0.1, requires_grad=True)
+    assert codes == [ReasonCode.CAPABILITY, ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.HEAD_DIM,
+                     ReasonCode.DROPOUT, ReasonCode.GRAD]
+
+
+def test_messages_name_limit_and_value(enabled):
+    def message(**changes):
+        (r,) = CuteBackend.why_not(dataclasses.replace(OK, **changes))
+        return r.message
+
+    assert message(head_dim=256, head_dim_v=256) == "head_dim=256 (supported: 64, 96, 128)"
+    assert message(head_dim_v=64) == "head_dim_v=64 != head_dim=128 (supported: equal head dims)"
+    assert message(capability=(10, 0)) == "compute capability (10, 0) (supported: 9.x, Hopper)"
+    assert message(dtype=torch.float32) == "dtype=torch.float32 (supported: torch.bfloat16, torch.float16)"
+    assert message(dropout_p=0.25) == "dropout_p=0.25 (supported: 0.0)"
+    assert message(device_type="mps", capability=None) == "device=mps (supported: cuda)"
+
+
+def test_not_installed_message_when_dsl_missing(monkeypatch):
+    monkeypatch.setattr(cute_backend, "DSL_MISSING", "nvidia-cutlass-dsl is not installed (pip install -e '.[cute]')")
+    monkeypatch.setattr(cute_backend, "KERNELS_ENABLED", True)  # enabled kernels still need the DSL
+    (r,) = CuteBackend.why_not(OK)
+    assert r.code is ReasonCode.NOT_INSTALLED
+    assert "nvidia-cutlass-dsl is not installed" in r.message and "pip install -e '.[cute]'" in r.message
+    assert "not enabled yet" in r.message
+
+
+def test_not_enabled_message_when_dsl_installed(monkeypatch):
+    monkeypatch.setattr(cute_backend, "DSL_MISSING", None)
+    monkeypatch.setattr(cute_backend, "DSL_VERSION", "4.8.1")
+    (r,) = CuteBackend.why_not(OK)
+    assert r.code is ReasonCode.NOT_INSTALLED
+    assert r.message.startswith("nvidia-cutlass-dsl 4.8.1 is installed, but fa_backend's CuTe kernels are not enabled")
+
+
+def test_not_installed_comes_first_with_the_limits():
+    codes = _codes(device_type="cpu", capability=None, dtype=torch.float32)
+    assert codes == [ReasonCode.NOT_INSTALLED, ReasonCode.DEVICE, ReasonCode.DTYPE]
+
+
+def test_run_raises():
+    with pytest.raises(RuntimeError, match="runs no call yet"):
+        CuteBackend.run(OK, None)
+
+
+def test_explain_lists_every_cute_reason_while_counters_keep_one():
+    import fa_backend
+
+    q = torch.empty(1, 2, 64, 32, dtype=torch.float32)
+    ex = fa_backend.explain(q, q, q)
+    codes = [r.code for r in ex.reasons["cute"]]
+    assert codes == [ReasonCode.NOT_INSTALLED, ReasonCode.DEVICE, ReasonCode.DTYPE, ReasonCode.HEAD_DIM]
+    fa_backend.reset_stats()
+    with fa_backend.enabled():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert [k for k in fa_backend.stats()["fallbacks"] if k.startswith("cute:")] == ["cute:not_installed"]
