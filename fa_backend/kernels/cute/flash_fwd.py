@@ -37,7 +37,7 @@ enable_dsl_disk_cache()  # before the DSL's first compile in this process
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
-from cutlass import Float32, Int32  # noqa: E402
+from cutlass import Float32  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
@@ -273,3 +273,46 @@ def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     key = CompileKey(KERNEL_NAME, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_M, TILE_N), arch)
     return CACHE.get_or_compile(key, build)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    """ValueError unless the tensors fit the kernel: what compile_flash_fwd's symbolic signature and TMA assume."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"expected 4-D (batch, heads, seqlen, head_dim) tensors, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (supported: one of torch.float16, torch.bfloat16)")
+    b, hq, _, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or d not in HEAD_DIMS:
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (head_dim one of "
+                         f"{HEAD_DIMS}, equal for q, k and v)")
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={k.shape[1]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # TMA: unit stride on head_dim, 16-byte aligned base and strides
+        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            raise ValueError(f"{name}: head_dim must be contiguous and the other strides and the data pointer "
+                             f"16-byte aligned, got strides {t.stride()}")
+    if not scale > 0:
+        raise ValueError(f"scale={scale} (supported: > 0)")
+
+
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
+              bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the compiled kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out (b, hq, sq, d)
+    in q's dtype and the fp32 natural-log LSE (b, hq, sq). NOT VALIDATED on a GPU yet (module docstring).
+
+    Converts the tensors with `from_dlpack` on every call (a few µs each); a TVM-FFI call path is to come.
+    """
+    from cuda.bindings import driver
+    from cutlass.cute.runtime import from_dlpack
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _check_inputs(q, k, v, scale)
+    compiled = compile_flash_fwd(q.dtype, q.shape[-1], causal, bottom_right)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+    stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    compiled(*tensors, from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2),
+             Float32(scale * _LOG2E), stream)
+    return out, lse

@@ -99,3 +99,21 @@ def test_score_accumulator_order_is_the_p_operand_order(d):
         assert s == p
         rows = [r for r, _ in s]
         assert len(set(rows)) == 2 and all(r == rows[(i // 2) % 2 * 2] for i, r in enumerate(rows))
+
+
+@pytest.mark.parametrize("case,match", [("head_dim_96", "head_dim"), ("negative_scale", "scale"),
+                                        ("strided_head_dim", "strides"), ("gqa_ratio", "multiple"),
+                                        ("mixed_dtypes", "dtypes")])
+def test_runner_rejects_what_the_kernel_cannot_take(case, match):
+    from fa_backend.kernels.cute.flash_fwd import _check_inputs
+
+    d = 96 if case == "head_dim_96" else 64
+    q = torch.randn(1, 3 if case == "gqa_ratio" else 2, 64, d, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 64, d, dtype=torch.float16 if case == "mixed_dtypes" else torch.bfloat16)
+    v = torch.randn(1, 2, 64, d, dtype=torch.bfloat16)
+    if case == "strided_head_dim":
+        q = q.transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(ValueError, match=match):
+        _check_inputs(q, k, v, -0.1 if case == "negative_scale" else 0.125)
+    ok = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    _check_inputs(ok, ok, ok, 0.125)  # and a call it can take passes
