@@ -72,6 +72,7 @@ class Record:
     fwd_first_ms: float | None = None  # first call for this (backend, shape) in this process, compile included
     bwd_first_ms: float | None = None
     error: str | None = None
+    fwd_timing: str = "eager"  # "eager": calls from Python (host overhead overlaps); "graph": CUDA-graph replays
 
 
 def attention_flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
@@ -163,13 +164,16 @@ def standard_shape(seqlen: int, d: int, tokens: int = 16384, width: int = 2048) 
 
 def bench_one(backend: str, d: int, causal: bool, seqlen: int, dtype: torch.dtype, backward: bool,
               tokens: int = 16384, width: int = 2048, batch: int | None = None,
-              heads: int | None = None) -> Record:
+              heads: int | None = None, graph: bool = False) -> Record:
     """Times one backend on one shape (GPU). batch/heads default to the standard sweep's.
 
     The first forward (and first backward) call is timed alone, then steady state is the median
-    of do_bench samples. A backend that refuses the shape or is unavailable gets `error` set.
+    of do_bench samples. With `graph`, the forward's steady state is timed as CUDA-graph replays of
+    calls on inputs that need no grad (GPU time only: no host overhead, no L2 flush between calls);
+    the backward keeps the eager timing. A backend that refuses the shape or is unavailable gets
+    `error` set.
     """
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     sb, sh = standard_shape(seqlen, d, tokens, width)
     batch, heads = batch or sb, heads or sh
@@ -181,8 +185,13 @@ def bench_one(backend: str, d: int, causal: bool, seqlen: int, dtype: torch.dtyp
         with ctx:
             out, rec.fwd_first_ms = _first_call_ms(lambda: fn(q, k, v))
             repeat = calls_per_sample(seqlen)
-            rec.fwd_ms = do_bench(lambda: [fn(q, k, v) for _ in range(repeat)],
-                                  warmup=25, rep=100, return_mode="median") / repeat
+            if graph:
+                qd, kd, vd = (t.detach() for t in (q, k, v))
+                rec.fwd_ms = do_bench_cudagraph(lambda: fn(qd, kd, vd), rep=100, return_mode="median")
+                rec.fwd_timing = "graph"
+            else:
+                rec.fwd_ms = do_bench(lambda: [fn(q, k, v) for _ in range(repeat)],
+                                      warmup=25, rep=100, return_mode="median") / repeat
             rec.fwd_tflops = flops / rec.fwd_ms * 1e-9
             if backward:
                 dout = torch.randn_like(out)
@@ -458,7 +467,9 @@ def print_table(records: list[Record], backends: list[str] | None = None, out: T
         for direction in ("fwd", "bwd"):
             if direction == "bwd" and all(r.bwd_tflops is None for r in group):
                 continue
-            print(f"\n{direction} TFLOP/s, d={d}, causal={causal}, {dtype}", file=out)
+            graph = direction == "fwd" and any(r.fwd_timing == "graph" for r in group)
+            print(f"\n{direction} TFLOP/s, d={d}, causal={causal}, {dtype}"
+                  + (" (CUDA-graph replays: GPU time only)" if graph else ""), file=out)
             for line in format_table(group, direction):
                 print(line, file=out)
 
@@ -520,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flex", action="store_true", help="also FlexAttention (torch.compile(flex_attention))")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--fwd-only", action="store_true")
+    parser.add_argument("--graph", action="store_true",
+                        help="time the forward as CUDA-graph replays (GPU time only, no host overhead): separates "
+                             "kernel speed from eager host cost on small shapes")
     parser.add_argument("--memory", action="store_true", help="also report peak memory vs the math backend")
     parser.add_argument("--overhead", action="store_true", help="also report host time per tiny eager call")
     parser.add_argument("--overhead-only", action="store_true",
@@ -563,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for backend, (batch, heads, s, d, causal) in todo:
         progress.step(f"{backend} d={d} {'causal' if causal else 'non-causal'} b={batch} h={heads} s={s}")
-        rec = bench_one(backend, d, causal, s, dtype, backward=not args.fwd_only, batch=batch, heads=heads)
+        rec = bench_one(backend, d, causal, s, dtype, backward=not args.fwd_only, batch=batch, heads=heads,
+                        graph=args.graph)
         torch.cuda.empty_cache()
         records.append(rec)
     progress.close()

@@ -230,3 +230,26 @@ def test_host_overhead_on_cpu_reports_the_routing_overhead():
                            "routing overhead, default order (routed - not routed)"}
     assert result[bench.SDPA_UNROUTED] > 0 and result[bench.SDPA_ROUTED] > 0
     assert fa_backend.stats()["runs"].get("torch", 0) + fa_backend.stats()["runs"].get("math", 0) >= 3 * 5
+
+
+def test_graph_timed_forward_tables_say_so():
+    records = _records()
+    for r in records:
+        r.fwd_timing = "graph"
+    buf = io.StringIO()
+    bench.print_table(records, out=buf)
+    text = buf.getvalue()
+    assert "fwd TFLOP/s, d=128, causal=True, bfloat16 (CUDA-graph replays: GPU time only)" in text
+    assert "bwd TFLOP/s, d=128, causal=True, bfloat16\n" in text  # the backward stays eager
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only exit")
+def test_graph_option_parses():
+    assert bench.main(["--graph", "--dims", "64", "--seqlens", "512"]) == 2  # parsed; then the CPU exit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_graph_timed_forward_on_gpu(backend):
+    rec = bench.bench_one(backend, 64, False, 512, torch.bfloat16, backward=True, batch=2, heads=2, graph=True)
+    assert rec.error is None and rec.fwd_timing == "graph" and rec.fwd_ms > 0 and rec.bwd_ms > 0
