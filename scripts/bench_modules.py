@@ -54,6 +54,13 @@ def _switch(mode: str):
     return fa_backend.sdpa_backends(["torch"]) if mode == "on_torch" else contextlib.nullcontext()
 
 
+def _summary(samples: dict[str, list[float]], pick) -> dict:
+    """{mode: pick(rounds)} plus, for the JSON, every mode's rounds (how much they spread)."""
+    out = {mode: pick(v) for mode, v in samples.items()}
+    out["rounds"] = {mode: [round(x, 4) for x in v] for mode, v in samples.items()}
+    return out
+
+
 def _modes(fn):
     """{mode: ms per call}: GPU time between CUDA events around blocks of calls, the three modes
     alternated block by block over ROUNDS rounds (clock and thermal drifts hit all alike), the median
@@ -85,7 +92,7 @@ def _modes(fn):
         for mode, (a, b) in events:
             samples[mode].append(a.elapsed_time(b) / calls)
     fa_backend.disable()
-    return {mode: statistics.median(v) for mode, v in samples.items()}
+    return _summary(samples, statistics.median)
 
 
 def _host_modes(fn, n: int = 40, rounds: int = 60):
@@ -106,7 +113,7 @@ def _host_modes(fn, n: int = 40, rounds: int = 60):
                 torch.cuda.synchronize()
                 samples[mode].append((time.perf_counter() - t0) / n * 1e6)
     fa_backend.disable()
-    return {mode: min(v) for mode, v in samples.items()}
+    return _summary(samples, min)
 
 
 def _cases():
