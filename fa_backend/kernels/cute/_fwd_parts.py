@@ -66,6 +66,16 @@ def online_softmax(acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor,
                    scale_log2: Float32):
     """Scores in acc_s become unnormalised probabilities exp2(s * scale_log2 - max); acc_o is rescaled and the
     running row max and row sum (two row halves each) are updated."""
+    alpha = cute.make_rmem_tensor((2,), Float32)
+    softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
+    rescale_rows(acc_o, alpha)
+
+
+@cute.jit
+def softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor,
+                   scale_log2: Float32):
+    """online_softmax without touching O: alpha gets the factor (per row half) by which O must be rescaled,
+    so that a P V GEMM still accumulating into O can run meanwhile."""
     for half in cutlass.range_constexpr(2):
         block_max = -Float32.inf
         for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
@@ -76,7 +86,7 @@ def online_softmax(acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor,
         base = new_max
         if new_max == -Float32.inf:  # nothing visible yet in this row: keep exp2 away from inf - inf
             base = Float32(0.0)
-        alpha = cute.math.exp2(row_max[half] - base, fastmath=True)
+        alpha[half] = cute.math.exp2(row_max[half] - base, fastmath=True)
         row_max[half] = new_max
         block_sum = Float32(0.0)
         for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
@@ -84,10 +94,16 @@ def online_softmax(acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor,
                 p = cute.math.exp2(acc_s[i + j] * scale_log2 - base, fastmath=True)
                 acc_s[i + j] = p
                 block_sum += p
-        row_sum[half] = row_sum[half] * alpha + block_sum
+        row_sum[half] = row_sum[half] * alpha[half] + block_sum
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
+    """acc_o's values of row half h times alpha[h]."""
+    for half in cutlass.range_constexpr(2):
         for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
-            acc_o[i] = acc_o[i] * alpha
-            acc_o[i + 1] = acc_o[i + 1] * alpha
+            acc_o[i] = acc_o[i] * alpha[half]
+            acc_o[i + 1] = acc_o[i + 1] * alpha[half]
 
 
 @cute.jit

@@ -12,6 +12,9 @@ One CTA = one tile of TILE_M = 128 query rows of one (batch, head), 3 warpgroups
   from registers; a consumer frees a K (V) stage as soon as its S (O) GEMM is done with it.
 Key blocks are visited last to first, so the blocks that need masking (the one past seqlen_k, those on
 the causal diagonal) come first and the rest run without mask code; blocks above the diagonal are skipped.
+With overlap=True (FA3's intra-warpgroup overlap) a consumer issues block j+1's S GEMM and block j's P V
+GEMM together and runs block j+1's softmax while P V is in flight. Not done: ping-pong between the
+consumers (named barriers), a TMA-store epilogue, persistent scheduling.
 Epilogue: O / l from registers to global memory (rows past seqlen_q skipped), LSE (natural log, fp32);
 rows that see no key get O = 0 and LSE = -inf.
 
@@ -21,6 +24,7 @@ h // (hq // hkv), top-left or bottom-right causal). Shared memory: about 164 KB 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -38,7 +42,8 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._fwd_parts import (  # noqa: E402
-    ForwardVariant, make_tiled_mmas, mask_scores, online_softmax, sdpa_views, store_rows)
+    ForwardVariant, make_tiled_mmas, mask_scores, online_softmax, rescale_rows, sdpa_views, softmax_scores,
+    store_rows)
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
 WG_M = 64  # query rows per consumer warpgroup (the wgmma M)
@@ -56,7 +61,15 @@ CONSUMER_REGS = 240
 
 
 class FlashForwardSm90WS(ForwardVariant):
-    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one warp-specialised variant."""
+    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one warp-specialised variant.
+
+    overlap: intra-warpgroup overlap (FA3): each consumer issues block j+1's S = Q K^T and block j's
+    O += P V back to back and runs block j+1's softmax while the P V GEMM is still in flight.
+    """
+
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False):
+        super().__init__(dtype, head_dim, causal, bottom_right)
+        self.overlap = overlap
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -196,61 +209,129 @@ class FlashForwardSm90WS(ForwardVariant):
         row_max.fill(-math.inf)
         row_sum.fill(0.0)
         row0 = m_block * TILE_M + wg * WG_M
-        tSrQ_wg = tSrQ[None, None, None, wg]
 
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
+        t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
         cute.arch.mbarrier_wait(bar_q, 0)
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-        for i in cutlass.range(n_blocks, unroll=1):
-            n_block = n_blocks - 1 - i
-            # S = Q K^T; the K stage goes back to the producer as soon as the GEMM has read it
-            pipe_k.consumer_wait(state_k)
-            mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                cute.gemm(mma_qk, acc_s, tSrQ_wg[None, None, k], tSrK[None, None, k, state_k.index], acc_s)
-                mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(state_k)
-            state_k.advance()
-
-            if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
-                mask_scores(acc_s, tScS, row0, n_block * TILE_N, seqlen_k, offset, self.causal)
-            online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
-
-            # O += P V, P from registers: the S accumulator's value order is the A operand's (flash_fwd's test)
-            r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
-            r_p.store(acc_s.load().to(self.dtype))
-            t_p = cute.make_tensor(r_p.iterator, p_layout)
-            pipe_v.consumer_wait(state_v)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
-                cute.gemm(mma_pv, acc_o, t_p[None, None, k], tOrV[None, None, k, state_v.index], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(state_v)
-            state_v.advance()
+        blocks = self._blocks_overlapped if cutlass.const_expr(self.overlap) else self._blocks
+        blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p, row_max, row_sum,
+               pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks, n_masked)
 
         gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * CONSUMERS + wg, 0))
         store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32)
 
+    @cute.jit
+    def _issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, t_p: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
+        """Issue (and commit, without waiting) O += P V on V stage `stage`."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+            cute.gemm(mma_pv, acc_o, t_p[None, None, k], tOrV[None, None, k, stage], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_qk(self, mma_qk: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor, acc_s: cute.Tensor, stage: Int32):
+        """Issue (and commit, without waiting) S = Q K^T on K stage `stage`."""
+        mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
+            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _scores(self, mma_qk: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor, acc_s: cute.Tensor, pipe_k: Any,
+                state_k: Any) -> Any:
+        """S = Q K^T for the next K stage, waited for; the stage goes back to the producer at once. Returns the
+        advanced K state."""
+        pipe_k.consumer_wait(state_k)
+        self._issue_qk(mma_qk, tSrQ, tSrK, acc_s, state_k.index)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state_k)
+        state_k.advance()
+        return state_k
+
+    @cute.jit
+    def _values(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, t_p: cute.Tensor, tOrV: cute.Tensor, pipe_v: Any,
+                state_v: Any) -> Any:
+        """O += P V for the next V stage, waited for; the stage goes back to the producer. Returns the advanced
+        V state."""
+        pipe_v.consumer_wait(state_v)
+        self._issue_pv(mma_pv, acc_o, t_p, tOrV, state_v.index)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state_v)
+        state_v.advance()
+        return state_v
+
+    @cute.jit
+    def _blocks(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor,
+                t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, pipe_k: Any, pipe_v: Any, row0: Int32,
+                seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32):
+        """The key-block loop of one consumer, last block first, each GEMM waited for before the next step."""
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        for i in cutlass.range(n_blocks, unroll=1):
+            state_k = self._scores(mma_qk, tSrQ, tSrK, acc_s, pipe_k, state_k)
+            if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
+                mask_scores(acc_s, tScS, row0, (n_blocks - 1 - i) * TILE_N, seqlen_k, offset, self.causal)
+            online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
+            r_p.store(acc_s.load().to(self.dtype))
+            state_v = self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
+
+    @cute.jit
+    def _blocks_overlapped(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                           tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor,
+                           r_p: cute.Tensor, t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                           pipe_k: Any, pipe_v: Any, row0: Int32, seqlen_k: Int32, offset: Int32, scale_log2: Float32,
+                           n_blocks: Int32, n_masked: Int32):
+        """_blocks with intra-warpgroup overlap: S of block i is computed while P V of block i - 1 runs; O is
+        rescaled only once that GEMM is done (alpha waits in registers)."""
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        if n_blocks > 0:
+            state_k = self._scores(mma_qk, tSrQ, tSrK, acc_s, pipe_k, state_k)
+            if n_masked > 0:
+                mask_scores(acc_s, tScS, row0, (n_blocks - 1) * TILE_N, seqlen_k, offset, self.causal)
+            softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
+            r_p.store(acc_s.load().to(self.dtype))
+            for i in cutlass.range(1, n_blocks, unroll=1):
+                n_block = n_blocks - 1 - i
+                pipe_k.consumer_wait(state_k)
+                self._issue_qk(mma_qk, tSrQ, tSrK, acc_s, state_k.index)
+                pipe_v.consumer_wait(state_v)
+                self._issue_pv(mma_pv, acc_o, t_p, tOrV, state_v.index)
+                warpgroup.wait_group(1)  # S is ready; P V (the newest group) may still run
+                pipe_k.consumer_release(state_k)
+                state_k.advance()
+                if i < n_masked:
+                    mask_scores(acc_s, tScS, row0, n_block * TILE_N, seqlen_k, offset, self.causal)
+                softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
+                warpgroup.wait_group(0)  # P V is done: r_p and O are free
+                pipe_v.consumer_release(state_v)
+                state_v.advance()
+                rescale_rows(acc_o, alpha)
+                r_p.store(acc_s.load().to(self.dtype))
+            self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
+
 
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
-                         arch: str = "sm_90a", dump_dir: str | None = None) -> Any:
+                         arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
-    (except with `dump_dir`, which always compiles, to write the PTX and cubin)."""
-    return _compile_variant(FlashForwardSm90WS, KERNEL_NAME, (TILE_M, TILE_N, KV_STAGES), dtype, head_dim, causal,
-                            bottom_right, arch, dump_dir)
+    (except with `dump_dir`, which always compiles, to write the PTX and cubin). `overlap`: the
+    intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"."""
+    return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap),
+                            KERNEL_NAME + ("_overlap" if overlap else ""), (TILE_M, TILE_N, KV_STAGES), dtype,
+                            head_dim, causal, bottom_right, arch, dump_dir)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
-                 bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 bottom_right: bool = False, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
     (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
     flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. NOT VALIDATED on a GPU, not
-    routed (module docstring)."""
-    return _run(compile_flash_fwd_ws, q, k, v, scale, causal, bottom_right)
+    routed (module docstring). `overlap`: the intra-warpgroup overlap variant."""
+    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap), q, k, v, scale, causal, bottom_right)

@@ -5,6 +5,8 @@ Hopper GPU."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -29,10 +31,12 @@ SHAPES = [
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES)
-def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, overlap):
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 
-    check_forward(flash_fwd_ws, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)
+    run = functools.partial(flash_fwd_ws, overlap=overlap)
+    check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)
 
 
 def test_strided_inputs():

@@ -17,11 +17,13 @@ from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
 
 pytestmark = [pytest.mark.cute, pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}")]
 
-VARIANTS = [
-    (torch.bfloat16, 128, False, False),
-    (torch.bfloat16, 128, True, False),
-    (torch.float16, 64, True, True),
-    (torch.float16, 64, False, False),
+VARIANTS = [  # dtype, head_dim, causal, bottom_right, overlap
+    (torch.bfloat16, 128, False, False, False),
+    (torch.bfloat16, 128, True, False, False),
+    (torch.float16, 64, True, True, False),
+    (torch.float16, 64, False, False, False),
+    (torch.bfloat16, 128, True, True, True),
+    (torch.float16, 64, False, False, True),
 ]
 
 
@@ -30,13 +32,14 @@ def _private_dsl_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("FA_BACKEND_CUTE_CACHE_DIR", str(tmp_path / "dsl-cache"))
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{str(v[0])[6:]}-d{v[1]}-causal{int(v[2])}-br{int(v[3])}")
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{str(v[0])[6:]}-d{v[1]}-causal{int(v[2])}-br{int(v[3])}{'-overlap' * v[4]}")
 def compiled(request, tmp_path_factory):
     """(variant, PTX text, dump directory) of one variant, compiled once for the module's tests."""
     from fa_backend.kernels.cute import flash_fwd_ws
 
     dump = tmp_path_factory.mktemp("ws")
-    ptx = flash_fwd_ws.compile_flash_fwd_ws(*request.param, "sm_90a", str(dump)).__ptx__
+    *variant, overlap = request.param
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(*variant, "sm_90a", str(dump), overlap=overlap).__ptx__
     return request.param, ptx, dump
 
 
@@ -59,38 +62,45 @@ def test_registers_move_from_the_producer_to_the_consumers(compiled):
 def test_wgmma_shapes_and_counts(compiled):
     from fa_backend.kernels.cute import flash_fwd_ws
 
-    (dtype, d, _, _), ptx, _ = compiled
+    (dtype, d, _, _, overlap), ptx, _ = compiled
     t = "bf16" if dtype == torch.bfloat16 else "f16"
     qk = f"m64n{flash_fwd_ws.TILE_N}k16.f32.{t}.{t}"  # S = Q K^T per consumer: head_dim / 16 instructions
     pv = f"m64n{d}k16.f32.{t}.{t}"  # O += P V: TILE_N / 16 instructions
     expected = {qk: d // 16}
     expected[pv] = expected.get(pv, 0) + flash_fwd_ws.TILE_N // 16
+    if overlap:  # the first S and the last P V are peeled off the loop
+        expected = {shape: 2 * count for shape, count in expected.items()}
     assert _wgmma_counts(ptx) == expected
+    # overlap: one wait that leaves the newest group (P V) in flight while the softmax runs
+    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == int(overlap)
     # P V takes P from registers ({4 registers}) and V transposed (MN-major: last immediate 1)
     pv_lines = [line for line in ptx.splitlines() if f"aligned.{pv}" in line and "{%r" in line.split("}, ")[1]]
     assert pv_lines and all(line.rstrip().endswith("1, 1;") for line in pv_lines)
 
 
 def test_tma_loads_and_pipeline_barriers(compiled):
-    (_, d, _, _), ptx, _ = compiled
+    (_, d, _, _, overlap), ptx, _ = compiled
     # 4-D TMA loads of two Q halves, one K and one V tile; a 128-byte swizzled box row holds 64 16-bit
     # values, so each tile takes d / 64 boxes
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == 4 * (d // 64)
     assert "cp.async.bulk.tensor" not in ptx.replace("cp.async.bulk.tensor.4d.shared::cta.global", "")
     # expected bytes: Q once, then a K and a V stage per block (one elected producer lane each)
     assert ptx.count("mbarrier.arrive.expect_tx") == 3
-    # waits: consumers on Q, K full, V full; the producer on K empty, V empty
-    assert ptx.count("mbarrier.try_wait.parity") == 5
-    assert ptx.count("mbarrier.arrive.shared.b64") == 2  # consumers release a K and a V stage
+    # waits: consumers on Q, K full, V full; the producer on K empty, V empty. Overlap peels the first
+    # K stage and the last V stage off the loop: one more K and V wait and release each
+    assert ptx.count("mbarrier.try_wait.parity") == 5 + 2 * overlap
+    assert ptx.count("mbarrier.arrive.shared.b64") == 2 + 2 * overlap  # consumers release K and V stages
     assert ptx.count("elect.sync") >= 4 * (d // 64) + 3  # TMA copies and producer arrives go to one lane
 
 
 def test_softmax_exp2_count_and_no_local_memory(compiled):
     from fa_backend.kernels.cute import flash_fwd_ws
 
-    _, ptx, _ = compiled
-    # one exp2 per score a consumer thread holds, plus one rescale factor per row half
-    assert ptx.count("ex2.approx") == flash_fwd_ws.WG_M * flash_fwd_ws.TILE_N // flash_fwd_ws.WG_THREADS + 2
+    (*_, overlap), ptx, _ = compiled
+    # one exp2 per score a consumer thread holds, plus one rescale factor per row half (twice with overlap:
+    # the first block's softmax is peeled off the loop)
+    per_block = flash_fwd_ws.WG_M * flash_fwd_ws.TILE_N // flash_fwd_ws.WG_THREADS + 2
+    assert ptx.count("ex2.approx") == per_block * (2 if overlap else 1)
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
@@ -113,6 +123,8 @@ def test_variants_are_compiled_once_under_their_own_name():
     first = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True)
     assert flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True) is first
     assert len(_compile_cache.CACHE) == before + 1
+    assert flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, overlap=True) is not first
+    assert len(_compile_cache.CACHE) == before + 2
     assert flash_fwd_ws.KERNEL_NAME != "flash_fwd_sm90"
 
 
