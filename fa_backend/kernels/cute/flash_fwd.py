@@ -25,6 +25,7 @@ The softmax scale must be positive (the row maximum is taken before scaling). La
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,10 +39,13 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 from cutlass import Float32  # noqa: E402
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from ._fwd_parts import (  # noqa: E402
+    ForwardVariant, make_tiled_mmas, mask_scores, online_softmax, sdpa_views, store_rows)
 
 KERNEL_NAME = "flash_fwd_sm90"
 HEAD_DIMS = (64, 128)
@@ -52,29 +56,16 @@ _LOG2E = math.log2(math.e)
 _DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 
 
-class FlashForwardSm90:
+class FlashForwardSm90(ForwardVariant):
     """Compile-time configuration (dtype, head_dim, causal and its alignment) of one kernel variant."""
-
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool):
-        self.dtype, self.head_dim = dtype, head_dim
-        self.causal, self.bottom_right = causal, bottom_right and causal
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  scale_log2: Float32, stream: Any):
         d = self.head_dim
-        # views with the TMA/MMA-friendly mode order: (s, d, h, b) for Q, K, O; (d, s, h, b) for V (the
-        # B operand of P V, contiguous along its N = d mode); (s, h, b) for the LSE
-        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
-        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
-        v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
-        o = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[2, 3, 1, 0]))
-        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        q, k, v, o, lse = sdpa_views(mQ, mK, mV, mO, mLSE)
 
-        mma_qk = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
-                                             Float32, (1, 1, 1), (TILE_M, TILE_N))
-        mma_pv = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
-                                             Float32, (1, 1, 1), (TILE_M, d), a_source=warpgroup.OperandSource.RMEM)
+        mma_qk, mma_pv = make_tiled_mmas(self.dtype, TILE_M, TILE_N, d)
         sQ_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1),
                                 (None, None, 0))
         sK_layout = cute.slice_(sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1),
@@ -101,7 +92,6 @@ class FlashForwardSm90:
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        minus_inf = Float32(-math.inf)
 
         smem = SmemAllocator()
         bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q has landed
@@ -138,8 +128,7 @@ class FlashForwardSm90:
         acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
         acc_o.fill(0.0)
         p_layout = mma_pv.make_fragment_A(thr_pv.partition_shape_A((TILE_M, TILE_N))).layout
-        # Per thread, a wgmma accumulator holds values of two rows (r and r + 8) in groups of four: value
-        # i is in row half (i // 2) % 2. row_max is in log2 units (scores times scale_log2).
+        # two row halves per thread (_fwd_parts' accumulator convention); row_max in log2 units
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-math.inf)
@@ -169,39 +158,8 @@ class FlashForwardSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # mask: keys past seqlen_k (TMA filled them with zeros) and, when causal, keys after the diagonal
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                row = m_block * TILE_M + tScS[i][0]
-                col = n_block * TILE_N + tScS[i][1]
-                visible = col < seqlen_k
-                if cutlass.const_expr(self.causal):
-                    visible = visible & (col <= row + offset)
-                if not visible:
-                    acc_s[i] = minus_inf
-
-            # online softmax, one row half at a time; the 4 threads of a quad share rows
-            for half in cutlass.range_constexpr(2):
-                block_max = minus_inf
-                for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
-                    block_max = cute.arch.fmax(block_max, cute.arch.fmax(acc_s[i], acc_s[i + 1]))
-                block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
-                block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
-                new_max = cute.arch.fmax(row_max[half], block_max * scale_log2)
-                base = new_max
-                if new_max == minus_inf:  # nothing visible yet in this row: keep exp2 away from inf - inf
-                    base = Float32(0.0)
-                alpha = cute.math.exp2(row_max[half] - base, fastmath=True)
-                row_max[half] = new_max
-                block_sum = Float32(0.0)
-                for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
-                    for j in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(acc_s[i + j] * scale_log2 - base, fastmath=True)
-                        acc_s[i + j] = p
-                        block_sum += p
-                row_sum[half] = row_sum[half] * alpha + block_sum
-                for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
-                    acc_o[i] = acc_o[i] * alpha
-                    acc_o[i + 1] = acc_o[i + 1] * alpha
+            mask_scores(acc_s, tScS, m_block * TILE_M, n_block * TILE_N, seqlen_k, offset, self.causal)
+            online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
 
             # O += P V, P from registers: the S accumulator's value order is the A operand's
             r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
@@ -216,26 +174,7 @@ class FlashForwardSm90:
 
         # epilogue: O / l and the LSE (natural log); a row that saw no key gets O = 0 and LSE = -inf
         gO = cute.local_tile(mO[None, None, head, batch], (TILE_M, d), (m_block, 0))
-        lane = tidx % 32
-        for half in cutlass.range_constexpr(2):
-            total = row_sum[half]
-            total += cute.arch.shuffle_sync_bfly(total, offset=1)
-            total += cute.arch.shuffle_sync_bfly(total, offset=2)
-            inv = Float32(0.0)
-            lse = minus_inf
-            if total > 0.0:
-                inv = 1.0 / total
-                lse = (row_max[half] + cute.math.log2(total, fastmath=True)) * math.log(2.0)
-            for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
-                acc_o[i] = acc_o[i] * inv
-                acc_o[i + 1] = acc_o[i + 1] * inv
-            row = m_block * TILE_M + tOcO[half * 2][0]
-            if lane % 4 == 0 and row < seqlen_q:
-                mLSE[row, head, batch] = lse
-        for i in cutlass.range(cute.size(acc_o), unroll_full=True):
-            if m_block * TILE_M + tOcO[i][0] < seqlen_q:
-                gO[tOcO[i]] = acc_o[i].to(self.dtype)
-
+        store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, m_block * TILE_M, seqlen_q, head, batch, tidx % 32)
 
 def _fake_sdpa_tensor(dtype: type, shape: tuple, align: int = 16) -> Any:
     """A symbolic (b, h, s, d)-style tensor: dynamic sizes and strides (multiples of 8 elements, as TMA
@@ -251,6 +190,14 @@ def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     The compiled function takes (q, k, v, o, lse, scale * log2(e), stream). Cached per variant in
     _compile_cache.CACHE (except with `dump_dir`, which always compiles, to write the PTX and cubin).
     """
+    return _compile_variant(FlashForwardSm90, KERNEL_NAME, (TILE_M, TILE_N), dtype, head_dim, causal, bottom_right,
+                            arch, dump_dir)
+
+
+def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int,
+                     causal: bool, bottom_right: bool, arch: str, dump_dir: str | None) -> Any:
+    """compile_flash_fwd for any forward kernel class taking (dtype, head_dim, causal, bottom_right) and the
+    arguments (q, k, v, o, lse, scale_log2, stream); `kernel_name` and `tile` go into the cache key."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if dtype not in _DTYPES:
@@ -264,14 +211,14 @@ def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         v = _fake_sdpa_tensor(cdtype, (b, hkv, sk, head_dim))
         o = _fake_sdpa_tensor(cdtype, (b, hq, sq, head_dim))
         lse = make_fake_tensor(Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-        kernel = FlashForwardSm90(cdtype, head_dim, causal, bottom_right)
+        kernel = kernel_class(cdtype, head_dim, causal, bottom_right)
         return cute.compile(kernel, q, k, v, o, lse, Float32(1.0), make_fake_stream(),
                             options=compile_options(arch, dump_dir))
 
     if dump_dir is not None:
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
-    key = CompileKey(KERNEL_NAME, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_M, TILE_N), arch)
+    key = CompileKey(kernel_name, dtype, head_dim, head_dim, causal, alignment, 0, tile, arch)
     return CACHE.get_or_compile(key, build)
 
 
@@ -303,12 +250,18 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
     Converts the tensors with `from_dlpack` on every call (a few µs each); a TVM-FFI call path is to come.
     """
+    return _run(compile_flash_fwd, q, k, v, scale, causal, bottom_right)
+
+
+def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Tensor, k: torch.Tensor,
+         v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right)."""
     from cuda.bindings import driver
     from cutlass.cute.runtime import from_dlpack
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_inputs(q, k, v, scale)
-    compiled = compile_flash_fwd(q.dtype, q.shape[-1], causal, bottom_right)
+    compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]

@@ -1,0 +1,131 @@
+"""Device-side pieces shared by the sm90 forward kernels (flash_fwd, flash_fwd_ws): the tensor views, score
+masking, the online softmax step and the epilogue of one 64-row wgmma tile.
+
+Accumulator convention (wgmma m64nNk16, fp32, one warpgroup): per thread, values of two rows (r and r + 8)
+in groups of four; value i is in row half (i // 2) % 2, and the four threads of a quad share the rows.
+Row maxima are kept in log2 units (scores times scale * log2(e)); the scale must be positive.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+
+class ForwardVariant:
+    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one forward kernel variant."""
+
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool):
+        self.dtype, self.head_dim = dtype, head_dim
+        self.causal, self.bottom_right = causal, bottom_right and causal
+
+
+def make_tiled_mmas(dtype: type, tile_m: int, tile_n: int, head_dim: int) -> tuple[cute.TiledMma, cute.TiledMma]:
+    """One warpgroup's wgmma for S = Q K^T (tile_m x tile_n, both operands from shared memory, K-major) and
+    for O += P V (tile_m x head_dim, P from registers, V MN-major). Call while tracing."""
+    mma_qk = sm90.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+                                         (tile_m, tile_n))
+    mma_pv = sm90.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
+                                         (tile_m, head_dim), a_source=warpgroup.OperandSource.RMEM)
+    return mma_qk, mma_pv
+
+
+@cute.jit
+def sdpa_views(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+    """Views of SDPA-layout tensors in the TMA/MMA-friendly mode order: (s, d, h, b) for Q, K, O; (d, s, h, b)
+    for V (the B operand of P V, contiguous along its N = d mode); (s, h, b) for the LSE."""
+    q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
+    k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
+    v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
+    o = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[2, 3, 1, 0]))
+    lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+    return q, k, v, o, lse
+
+
+@cute.jit
+def mask_scores(acc_s: cute.Tensor, tScS: cute.Tensor, row0: Int32, col0: Int32, seqlen_k: Int32, offset: Int32,
+                causal: cutlass.Constexpr):
+    """-inf for keys past seqlen_k (TMA zero-filled them) and, when causal, for keys after the diagonal: key j
+    is visible to query row i when j < seqlen_k and j <= i + offset. (row0, col0): the tile's first row and key."""
+    for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+        col = col0 + tScS[i][1]
+        visible = col < seqlen_k
+        if cutlass.const_expr(causal):
+            visible = visible & (col <= row0 + tScS[i][0] + offset)
+        if not visible:
+            acc_s[i] = -Float32.inf
+
+
+@cute.jit
+def online_softmax(acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                   scale_log2: Float32):
+    """Scores in acc_s become unnormalised probabilities exp2(s * scale_log2 - max); acc_o is rescaled and the
+    running row max and row sum (two row halves each) are updated."""
+    alpha = cute.make_rmem_tensor((2,), Float32)
+    softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
+    rescale_rows(acc_o, alpha)
+
+
+@cute.jit
+def softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor,
+                   scale_log2: Float32):
+    """online_softmax without touching O: alpha gets the factor (per row half) by which O must be rescaled,
+    so that a P V GEMM still accumulating into O can run meanwhile."""
+    for half in cutlass.range_constexpr(2):
+        block_max = -Float32.inf
+        for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
+            block_max = cute.arch.fmax(block_max, cute.arch.fmax(acc_s[i], acc_s[i + 1]))
+        block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
+        block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
+        new_max = cute.arch.fmax(row_max[half], block_max * scale_log2)  # scale > 0: max commutes with it
+        base = new_max
+        if new_max == -Float32.inf:  # nothing visible yet in this row: keep exp2 away from inf - inf
+            base = Float32(0.0)
+        alpha[half] = cute.math.exp2(row_max[half] - base, fastmath=True)
+        row_max[half] = new_max
+        block_sum = Float32(0.0)
+        for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
+            for j in cutlass.range_constexpr(2):
+                p = cute.math.exp2(acc_s[i + j] * scale_log2 - base, fastmath=True)
+                acc_s[i + j] = p
+                block_sum += p
+        row_sum[half] = row_sum[half] * alpha[half] + block_sum
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
+    """acc_o's values of row half h times alpha[h]."""
+    for half in cutlass.range_constexpr(2):
+        for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
+            acc_o[i] = acc_o[i] * alpha[half]
+            acc_o[i + 1] = acc_o[i + 1] * alpha[half]
+
+
+@cute.jit
+def store_rows(acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tOcO: cute.Tensor, gO: cute.Tensor,
+               mLSE: cute.Tensor, row0: Int32, seqlen_q: Int32, head: Int32, batch: Int32, lane: Int32):
+    """Epilogue of one 64-row tile: O / l into gO and the natural-log LSE into mLSE (s, h, b), rows past seqlen_q
+    skipped; a row that saw no key (l = 0) gets O = 0 and LSE = -inf. row0: the tile's first query row."""
+    for half in cutlass.range_constexpr(2):
+        total = row_sum[half]
+        total += cute.arch.shuffle_sync_bfly(total, offset=1)
+        total += cute.arch.shuffle_sync_bfly(total, offset=2)
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if total > 0.0:
+            inv = 1.0 / total
+            lse = (row_max[half] + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+        for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
+            acc_o[i] = acc_o[i] * inv
+            acc_o[i + 1] = acc_o[i + 1] * inv
+        row = row0 + tOcO[half * 2][0]
+        if lane % 4 == 0 and row < seqlen_q:
+            mLSE[row, head, batch] = lse
+    for i in cutlass.range(cute.size(acc_o), unroll_full=True):
+        if row0 + tOcO[i][0] < seqlen_q:
+            gO[tOcO[i]] = acc_o[i].to(gO.element_type)

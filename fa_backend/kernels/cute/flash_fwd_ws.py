@@ -1,0 +1,337 @@
+"""Warp-specialised FlashAttention forward for Hopper (sm90a) in the CuTe DSL: the FA3 structure.
+
+NOT VALIDATED AND NOT ROUTED: compiled only (tests/kernels/cute, on a machine without a GPU); it has
+never run. Nothing registers it with the dispatcher.
+
+One CTA = one tile of TILE_M = 128 query rows of one (batch, head), 3 warpgroups (384 threads):
+- warpgroup 0, the producer, gives registers back (setmaxnreg.dec to PRODUCER_REGS) and one warp of it
+  issues the TMA loads: Q once (two 64-row halves on one mbarrier), then K and V of each key block into
+  KV_STAGES-deep shared-memory rings, each guarded by full/empty mbarriers (PipelineTmaAsync);
+- warpgroups 1 and 2, the consumers, take registers (setmaxnreg.inc to CONSUMER_REGS); each owns 64
+  query rows: S = Q K^T with wgmma, online softmax in fp32 (log2 domain), O += P V with wgmma taking P
+  from registers; a consumer frees a K (V) stage as soon as its S (O) GEMM is done with it.
+Key blocks are visited last to first, so the blocks that need masking (the one past seqlen_k, those on
+the causal diagonal) come first and the rest run without mask code; blocks above the diagonal are skipped.
+With overlap=True (FA3's intra-warpgroup overlap) a consumer issues block j+1's S GEMM and block j's P V
+GEMM together and runs block j+1's softmax while P V is in flight. Not done: ping-pong between the
+consumers (named barriers), a TMA-store epilogue, persistent scheduling.
+Epilogue: O / l from registers to global memory (rows past seqlen_q skipped), LSE (natural log, fp32);
+rows that see no key get O = 0 and LSE = -inf.
+
+Inputs as flash_fwd (SDPA layout, any 16-byte aligned strides with a unit head_dim stride, GQA by
+h // (hq // hkv), top-left or bottom-right causal). Shared memory: about 164 KB at d = 128, 84 KB at d = 64.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+from .flash_fwd import _compile_variant, _run  # noqa: I001 - first: sets the DSL cache before cutlass loads
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.memory import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from ._fwd_parts import (  # noqa: E402
+    ForwardVariant, make_tiled_mmas, mask_scores, online_softmax, rescale_rows, sdpa_views, softmax_scores,
+    store_rows)
+
+KERNEL_NAME = "flash_fwd_sm90_ws"
+WG_M = 64  # query rows per consumer warpgroup (the wgmma M)
+CONSUMERS = 2
+TILE_M = WG_M * CONSUMERS
+TILE_N = 128  # key rows per block: S is 64 x 128 per consumer, 64 fp32 registers per thread
+KV_STAGES = 2
+WG_THREADS = 128
+THREADS = WG_THREADS * (1 + CONSUMERS)
+# setmaxnreg: 384 threads start with 65536 / 384 = 170 registers each. The producer only walks TMA
+# coordinates and barriers, so it keeps 24; the consumers hold S (64), O (d / 2) and P (32) in registers
+# and take 240. 24 * 128 + 2 * 240 * 128 = 64512 <= 65536, the register file.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+
+
+class FlashForwardSm90WS(ForwardVariant):
+    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one warp-specialised variant.
+
+    overlap: intra-warpgroup overlap (FA3): each consumer issues block j+1's S = Q K^T and block j's
+    O += P V back to back and runs block j+1's softmax while the P V GEMM is still in flight.
+    """
+
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False):
+        super().__init__(dtype, head_dim, causal, bottom_right)
+        self.overlap = overlap
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 scale_log2: Float32, stream: Any):
+        d = self.head_dim
+        q, k, v, o, lse = sdpa_views(mQ, mK, mV, mO, mLSE)
+        mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, TILE_N, d)
+        # staged smem layouts: Q has one stage per consumer (its 64 rows), K and V KV_STAGES each
+        sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, CONSUMERS)
+        sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, KV_STAGES)
+        sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, d, TILE_N), self.dtype, KV_STAGES)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, cute.slice_(sQ_layout, (None, None, 0)), (WG_M, d))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N))
+        smem_bytes = 2 * (TILE_M + 2 * KV_STAGES * TILE_N) * d + 4 * 1024  # tiles, alignment padding, barriers
+        self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
+                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout).launch(
+            grid=(cute.ceil_div(q.shape[0], TILE_M), q.shape[2], q.shape[3]), block=(THREADS, 1, 1),
+            smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
+
+    @cute.jit
+    def _block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> tuple[Int32, Int32, Int32]:
+        """(key blocks to visit, how many of them, counted from the last, need the mask, causal offset)."""
+        offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
+        n_blocks = cute.ceil_div(seqlen_k, TILE_N)
+        # the last block is partial (1 block to mask) unless seqlen_k is a multiple of TILE_N (0)
+        n_masked = cute.ceil_div(seqlen_k % TILE_N, TILE_N)
+        if cutlass.const_expr(self.causal):
+            # skip the blocks above the diagonal: no row of this tile sees their first key
+            n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div((m_block + 1) * TILE_M + offset, TILE_N)), 0)
+            # blocks from the first one whose last key is past the tile's first row's diagonal need masking
+            first_masked = cutlass.max((m_block * TILE_M + offset + 1) // TILE_N, 0)
+            n_masked = cutlass.max(n_blocks - first_masked, n_masked)
+        return n_blocks, cutlass.min(n_masked, n_blocks), offset
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+
+        smem = SmemAllocator()
+        bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q has landed
+        bars_k = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)  # full and empty barrier per K stage
+        bars_v = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)
+        # 1024-byte alignment: the 128B swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
+        sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sV = smem.allocate_tensor(self.dtype, sV_layout.outer, byte_alignment=1024, swizzle=sV_layout.inner)
+
+        # one elected producer lane arrives per stage (with the expected bytes); a stage is free again once
+        # each of the 8 consumer warps has released it (the pipeline lets lane 0 of each warp arrive)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMERS * WG_THREADS // 32)
+        stage_bytes = TILE_N * self.head_dim * self.dtype.width // 8
+        pipe_k = pipeline.PipelineTmaAsync.create(num_stages=KV_STAGES, producer_group=producer,
+                                                  consumer_group=consumers, tx_count=stage_bytes,
+                                                  barrier_storage=bars_k, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(num_stages=KV_STAGES, producer_group=producer,
+                                                  consumer_group=consumers, tx_count=stage_bytes,
+                                                  barrier_storage=bars_v, defer_sync=True)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
+
+        n_blocks, n_masked, offset = self._block_range(m_block, seqlen_q, seqlen_k)
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            # one whole warp produces: the DSL wraps each TMA copy and pipeline arrive in elect.sync over
+            # all 32 lanes, which a single-thread branch would leave undefined
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v,
+                              m_block, head, batch, n_blocks)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, pipe_k, pipe_v, mO, mLSE, scale_log2,
+                          warpgroup_idx - 1, tidx % WG_THREADS, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset)
+
+    @cute.jit
+    def _produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                 tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                 bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, m_block: Int32, head: Int32, batch: Int32,
+                 n_blocks: Int32):
+        """The producer warp: Q's two halves on bar_q, then K and V of each key block, last block first."""
+        d = self.head_dim
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        one_cta = cute.make_layout(1)
+        gQ = cute.local_tile(mQ[None, None, head, batch], (WG_M, d), (None, 0))  # (64, d, 64-row tiles)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, blocks)
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (d, TILE_N), (0, None))  # (d, TILE_N, blocks)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_q, TILE_M * d * self.dtype.width // 8)
+        for half in cutlass.range_constexpr(CONSUMERS):
+            cute.copy(tma_q, tQgQ[None, m_block * CONSUMERS + half], tQsQ[None, half], tma_bar_ptr=bar_q)
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        for i in cutlass.range(n_blocks, unroll=1):
+            n_block = n_blocks - 1 - i
+            pipe_k.producer_acquire(state_k)  # waits until the consumers freed the stage, then expects its bytes
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state_k.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state_k))
+            state_k.advance()
+            pipe_v.producer_acquire(state_v)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state_v.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+            state_v.advance()
+
+    @cute.jit
+    def _consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
+                 sV: cute.Tensor, bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor,
+                 scale_log2: Float32, wg: Int32, wg_tidx: Int32, m_block: Int32, head: Int32, batch: Int32,
+                 seqlen_k: Int32, n_blocks: Int32, n_masked: Int32, offset: Int32):
+        """One consumer warpgroup: its 64 query rows against every visited key block, then the epilogue."""
+        d = self.head_dim
+        thr_qk, thr_pv = mma_qk.get_slice(wg_tidx), mma_pv.get_slice(wg_tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K, consumer)
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stage)
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+        # (row, col) within the 64-row tile of every accumulator value this thread holds
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((WG_M, TILE_N)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((WG_M, d)))
+        acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
+        acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
+        acc_o.fill(0.0)
+        p_layout = mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_M, TILE_N))).layout
+        row_max = cute.make_rmem_tensor((2,), Float32)  # log2 units (scores times scale_log2)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-math.inf)
+        row_sum.fill(0.0)
+        row0 = m_block * TILE_M + wg * WG_M
+
+        r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
+        t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
+        cute.arch.mbarrier_wait(bar_q, 0)
+        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        blocks = self._blocks_overlapped if cutlass.const_expr(self.overlap) else self._blocks
+        blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p, row_max, row_sum,
+               pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks, n_masked)
+
+        gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * CONSUMERS + wg, 0))
+        store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32)
+
+    @cute.jit
+    def _issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, t_p: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
+        """Issue (and commit, without waiting) O += P V on V stage `stage`."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+            cute.gemm(mma_pv, acc_o, t_p[None, None, k], tOrV[None, None, k, stage], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_qk(self, mma_qk: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor, acc_s: cute.Tensor, stage: Int32):
+        """Issue (and commit, without waiting) S = Q K^T on K stage `stage`."""
+        mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
+            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _scores(self, mma_qk: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor, acc_s: cute.Tensor, pipe_k: Any,
+                state_k: Any) -> Any:
+        """S = Q K^T for the next K stage, waited for; the stage goes back to the producer at once. Returns the
+        advanced K state."""
+        pipe_k.consumer_wait(state_k)
+        self._issue_qk(mma_qk, tSrQ, tSrK, acc_s, state_k.index)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state_k)
+        state_k.advance()
+        return state_k
+
+    @cute.jit
+    def _values(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, t_p: cute.Tensor, tOrV: cute.Tensor, pipe_v: Any,
+                state_v: Any) -> Any:
+        """O += P V for the next V stage, waited for; the stage goes back to the producer. Returns the advanced
+        V state."""
+        pipe_v.consumer_wait(state_v)
+        self._issue_pv(mma_pv, acc_o, t_p, tOrV, state_v.index)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state_v)
+        state_v.advance()
+        return state_v
+
+    @cute.jit
+    def _blocks(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor,
+                t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, pipe_k: Any, pipe_v: Any, row0: Int32,
+                seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32):
+        """The key-block loop of one consumer, last block first, each GEMM waited for before the next step."""
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        for i in cutlass.range(n_blocks, unroll=1):
+            state_k = self._scores(mma_qk, tSrQ, tSrK, acc_s, pipe_k, state_k)
+            if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
+                mask_scores(acc_s, tScS, row0, (n_blocks - 1 - i) * TILE_N, seqlen_k, offset, self.causal)
+            online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
+            r_p.store(acc_s.load().to(self.dtype))
+            state_v = self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
+
+    @cute.jit
+    def _blocks_overlapped(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                           tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor,
+                           r_p: cute.Tensor, t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                           pipe_k: Any, pipe_v: Any, row0: Int32, seqlen_k: Int32, offset: Int32, scale_log2: Float32,
+                           n_blocks: Int32, n_masked: Int32):
+        """_blocks with intra-warpgroup overlap: S of block i is computed while P V of block i - 1 runs; O is
+        rescaled only once that GEMM is done (alpha waits in registers)."""
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        if n_blocks > 0:
+            state_k = self._scores(mma_qk, tSrQ, tSrK, acc_s, pipe_k, state_k)
+            if n_masked > 0:
+                mask_scores(acc_s, tScS, row0, (n_blocks - 1) * TILE_N, seqlen_k, offset, self.causal)
+            softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
+            r_p.store(acc_s.load().to(self.dtype))
+            for i in cutlass.range(1, n_blocks, unroll=1):
+                n_block = n_blocks - 1 - i
+                pipe_k.consumer_wait(state_k)
+                self._issue_qk(mma_qk, tSrQ, tSrK, acc_s, state_k.index)
+                pipe_v.consumer_wait(state_v)
+                self._issue_pv(mma_pv, acc_o, t_p, tOrV, state_v.index)
+                warpgroup.wait_group(1)  # S is ready; P V (the newest group) may still run
+                pipe_k.consumer_release(state_k)
+                state_k.advance()
+                if i < n_masked:
+                    mask_scores(acc_s, tScS, row0, n_block * TILE_N, seqlen_k, offset, self.causal)
+                softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
+                warpgroup.wait_group(0)  # P V is done: r_p and O are free
+                pipe_v.consumer_release(state_v)
+                state_v.advance()
+                rescale_rows(acc_o, alpha)
+                r_p.store(acc_s.load().to(self.dtype))
+            self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
+
+
+def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
+                         arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False) -> Any:
+    """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
+    hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
+    flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
+    (except with `dump_dir`, which always compiles, to write the PTX and cubin). `overlap`: the
+    intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"."""
+    return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap),
+                            KERNEL_NAME + ("_overlap" if overlap else ""), (TILE_M, TILE_N, KV_STAGES), dtype,
+                            head_dim, causal, bottom_right, arch, dump_dir)
+
+
+def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
+                 bottom_right: bool = False, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
+    (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
+    flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. NOT VALIDATED on a GPU, not
+    routed (module docstring). `overlap`: the intra-warpgroup overlap variant."""
+    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap), q, k, v, scale, causal, bottom_right)

@@ -1,0 +1,62 @@
+"""The warp-specialised sm90 CuTe forward (flash_fwd_ws) on the H200: outputs and LSE against the float64
+reference (the checks of test_flash_fwd_gpu), with shapes that wrap the 2-stage K/V ring several times, leave
+the second consumer warpgroup's rows partly or wholly past seqlen_q, and give rows no key. Needs the DSL and a
+Hopper GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
+from tests.kernels.cute.test_flash_fwd_gpu import HOPPER, _qkv, check_forward
+from tests.reference import assert_within_bar, attention_math, attention_same_dtype
+
+pytestmark = [pytest.mark.gpu, pytest.mark.cute,
+              pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}"),
+              pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90) GPU")]
+
+SHAPES = [
+    (2, 4, 4, 256, 256),  # whole tiles
+    (1, 8, 2, 100, 333),  # GQA 4; the second consumer's rows 100..127 past seqlen_q; partial last key block
+    (2, 2, 1, 333, 100),  # bottom-right causal: rows that see no key
+    (1, 2, 2, 50, 1000),  # the second consumer has no row to store; 8 key blocks wrap the ring 4 times
+    (1, 3, 3, 1024, 1024),  # causal: 8 query tiles, diagonal blocks in every one
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, overlap):
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    run = functools.partial(flash_fwd_ws, overlap=overlap)
+    check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)
+
+
+def test_strided_inputs():
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    qkv = torch.randn(2, 300, 3, 4, 128, device="cuda", dtype=torch.bfloat16)  # a packed projection's output
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    out, _ = flash_fwd_ws(q, k, v)
+    ref = attention_math(q.double(), k.double(), v.double())
+    assert_within_bar("out", out, attention_same_dtype(q, k, v), ref)
+
+
+def test_matches_the_simple_kernel():
+    """Same inputs, both sm90 kernels: they differ in tiling and summation order only."""
+    from fa_backend.kernels.cute.flash_fwd import flash_fwd
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    q, k, v = _qkv(1, 4, 2, 700, 900, 128, torch.bfloat16)
+    out_ws, lse_ws = flash_fwd_ws(q, k, v, causal=True, bottom_right=True)
+    out, lse = flash_fwd(q, k, v, causal=True, bottom_right=True)
+    torch.testing.assert_close(lse_ws, lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out_ws, out, atol=2e-2, rtol=2e-2)
+

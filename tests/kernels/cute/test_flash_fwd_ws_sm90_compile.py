@@ -1,0 +1,177 @@
+"""Compile-only: the warp-specialised sm90 forward builds for sm_90a, and its PTX holds what the design says
+(register split, wgmma shapes and counts, TMA loads, the K/V pipeline's barriers, no local memory).
+
+It cannot run here (no GPU) and is not routed; numerics on an H200 are still to come.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
+
+pytestmark = [pytest.mark.cute, pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}")]
+
+VARIANTS = [  # dtype, head_dim, causal, bottom_right, overlap
+    (torch.bfloat16, 128, False, False, False),
+    (torch.bfloat16, 128, True, False, False),
+    (torch.float16, 64, True, True, False),
+    (torch.float16, 64, False, False, False),
+    (torch.bfloat16, 128, True, True, True),
+    (torch.float16, 64, False, False, True),
+]
+
+
+@pytest.fixture(autouse=True)
+def _private_dsl_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("FA_BACKEND_CUTE_CACHE_DIR", str(tmp_path / "dsl-cache"))
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{str(v[0])[6:]}-d{v[1]}-causal{int(v[2])}-br{int(v[3])}{'-overlap' * v[4]}")
+def compiled(request, tmp_path_factory):
+    """(variant, PTX text, dump directory) of one variant, compiled once for the module's tests."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    dump = tmp_path_factory.mktemp("ws")
+    *variant, overlap = request.param
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(*variant, "sm_90a", str(dump), overlap=overlap).__ptx__
+    return request.param, ptx, dump
+
+
+def _wgmma_counts(ptx: str) -> dict[str, int]:
+    return {shape: ptx.count(f"wgmma.mma_async.sync.aligned.{shape}")
+            for shape in set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx))}
+
+
+def test_registers_move_from_the_producer_to_the_consumers(compiled):
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    _, ptx, _ = compiled
+    assert re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(flash_fwd_ws.PRODUCER_REGS)]
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(flash_fwd_ws.CONSUMER_REGS)]
+    assert ".reqntid 384, 1, 1" in ptx  # 3 warpgroups
+    # what setmaxnreg hands out must fit the register file
+    assert (flash_fwd_ws.PRODUCER_REGS + 2 * flash_fwd_ws.CONSUMER_REGS) * 128 <= 65536
+
+
+def test_wgmma_shapes_and_counts(compiled):
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    (dtype, d, _, _, overlap), ptx, _ = compiled
+    t = "bf16" if dtype == torch.bfloat16 else "f16"
+    qk = f"m64n{flash_fwd_ws.TILE_N}k16.f32.{t}.{t}"  # S = Q K^T per consumer: head_dim / 16 instructions
+    pv = f"m64n{d}k16.f32.{t}.{t}"  # O += P V: TILE_N / 16 instructions
+    expected = {qk: d // 16}
+    expected[pv] = expected.get(pv, 0) + flash_fwd_ws.TILE_N // 16
+    if overlap:  # the first S and the last P V are peeled off the loop
+        expected = {shape: 2 * count for shape, count in expected.items()}
+    assert _wgmma_counts(ptx) == expected
+    # overlap: one wait that leaves the newest group (P V) in flight while the softmax runs
+    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == int(overlap)
+    # P V takes P from registers ({4 registers}) and V transposed (MN-major: last immediate 1)
+    pv_lines = [line for line in ptx.splitlines() if f"aligned.{pv}" in line and "{%r" in line.split("}, ")[1]]
+    assert pv_lines and all(line.rstrip().endswith("1, 1;") for line in pv_lines)
+
+
+def test_tma_loads_and_pipeline_barriers(compiled):
+    (_, d, _, _, overlap), ptx, _ = compiled
+    # 4-D TMA loads of two Q halves, one K and one V tile; a 128-byte swizzled box row holds 64 16-bit
+    # values, so each tile takes d / 64 boxes
+    assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == 4 * (d // 64)
+    assert "cp.async.bulk.tensor" not in ptx.replace("cp.async.bulk.tensor.4d.shared::cta.global", "")
+    # expected bytes: Q once, then a K and a V stage per block (one elected producer lane each)
+    assert ptx.count("mbarrier.arrive.expect_tx") == 3
+    # waits: consumers on Q, K full, V full; the producer on K empty, V empty. Overlap peels the first
+    # K stage and the last V stage off the loop: one more K and V wait and release each
+    assert ptx.count("mbarrier.try_wait.parity") == 5 + 2 * overlap
+    assert ptx.count("mbarrier.arrive.shared.b64") == 2 + 2 * overlap  # consumers release K and V stages
+    assert ptx.count("elect.sync") >= 4 * (d // 64) + 3  # TMA copies and producer arrives go to one lane
+
+
+def test_softmax_exp2_count_and_no_local_memory(compiled):
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    (*_, overlap), ptx, _ = compiled
+    # one exp2 per score a consumer thread holds, plus one rescale factor per row half (twice with overlap:
+    # the first block's softmax is peeled off the loop)
+    per_block = flash_fwd_ws.WG_M * flash_fwd_ws.TILE_N // flash_fwd_ws.WG_THREADS + 2
+    assert ptx.count("ex2.approx") == per_block * (2 if overlap else 1)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+def test_ptxas_allocates_without_spills(compiled):
+    _, ptx, dump = compiled
+    path = dump / "kernel.ptx"
+    path.write_text(ptx)
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(dump / "kernel.cubin")],
+                            capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    registers = int(re.search(r"Used (\d+) registers", report)[1])
+    assert registers <= 65536 // 384  # 384 threads must fit before setmaxnreg moves registers
+
+
+def test_variants_are_compiled_once_under_their_own_name():
+    from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
+
+    before = len(_compile_cache.CACHE)
+    first = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True)
+    assert flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True) is first
+    assert len(_compile_cache.CACHE) == before + 1
+    assert flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, overlap=True) is not first
+    assert len(_compile_cache.CACHE) == before + 2
+    assert flash_fwd_ws.KERNEL_NAME != "flash_fwd_sm90"
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 96), (torch.bfloat16, 256)])
+def test_unsupported_variants_are_refused(dtype, d):
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    with pytest.raises(ValueError, match="supported"):
+        flash_fwd_ws.compile_flash_fwd_ws(dtype, d, False)
+
+
+def _block_ranges(cases: list[tuple[bool, bool, int, int, int]]) -> list[tuple[int, int, int]]:
+    """FlashForwardSm90WS._block_range traced with constant arguments (it then computes in Python)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from fa_backend.kernels.cute.flash_fwd_ws import FlashForwardSm90WS
+
+    found = []
+
+    @cute.jit
+    def probe():
+        for causal, bottom_right, m_block, sq, sk in cases:
+            kernel = FlashForwardSm90WS(cutlass.BFloat16, 64, causal, bottom_right)
+            found.append(kernel._block_range(m_block, sq, sk))
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    return found
+
+
+def test_block_range_visits_what_is_visible_and_masks_only_where_needed():
+    """Against brute force over the tile's rows and keys: the visited blocks are exactly those holding a key
+    some row of the tile sees, and the masked ones (counted from the last) exactly those where some
+    (row, key) of the block is hidden."""
+    from fa_backend.kernels.cute.flash_fwd_ws import TILE_M, TILE_N
+
+    cases = [(causal, bottom_right and causal, m_block, sq, sk)
+             for causal in (False, True) for bottom_right in (False, True)
+             for sq, sk in ((1, 1), (128, 128), (300, 200), (200, 300), (100, 1000), (1000, 100), (384, 512))
+             for m_block in range((sq + TILE_M - 1) // TILE_M)]
+    for (causal, bottom_right, m_block, sq, sk), (n_blocks, n_masked, offset) in zip(cases, _block_ranges(cases)):
+        assert offset == (sk - sq if bottom_right else 0)
+        first, last = m_block * TILE_M, (m_block + 1) * TILE_M - 1
+        keys = [range(n * TILE_N, (n + 1) * TILE_N) for n in range((sk + TILE_N - 1) // TILE_N)]
+        # a key seen by some row is seen by the tile's last row; a key hidden from some row, from its first
+        wanted = [n for n, block in enumerate(keys) if any(j < sk and (not causal or j <= last + offset) for j in block)]
+        assert n_blocks == (max(wanted) + 1 if wanted else 0), (causal, bottom_right, m_block, sq, sk)
+        hidden = [n for n in range(n_blocks)
+                  if not all(j < sk and (not causal or j <= first + offset) for j in keys[n])]
+        assert hidden == list(range(n_blocks - n_masked, n_blocks)), (causal, bottom_right, m_block, sq, sk)
