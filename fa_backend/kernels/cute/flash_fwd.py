@@ -113,8 +113,12 @@ class FlashForwardSm90(ForwardVariant):
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_q, TILE_M * d * 2)
+        # warp 0 issues the loads: the DSL wraps each TMA copy in elect.sync over all 32 lanes, which a
+        # one-thread branch would leave undefined; one elected lane arrives with the expected bytes
+        producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        if producer_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_q, TILE_M * d * 2)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q)
 
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
@@ -143,8 +147,9 @@ class FlashForwardSm90(ForwardVariant):
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
 
         for n_block in cutlass.range(n_blocks, unroll=1):
-            if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * TILE_N * d * 2)
+            if producer_warp:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * TILE_N * d * 2)
                 cute.copy(tma_k, tKgK[None, n_block], tKsK, tma_bar_ptr=bar_kv)
                 cute.copy(tma_v, tVgV[None, n_block], tVsV, tma_bar_ptr=bar_kv)
             cute.arch.mbarrier_wait(bar_kv, n_block % 2)
