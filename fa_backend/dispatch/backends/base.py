@@ -13,8 +13,7 @@ from ..reasons import Reason, ReasonCode
 
 def input_reasons(call: AttentionCall) -> list[Reason]:
     """The rules every fused-kernel backend applies to the inputs themselves: plain tensors, 4-D
-    (batch, heads, seqlen, head_dim), shapes that fit together, one device. (The triton backend still
-    spells these out itself.)"""
+    (batch, heads, seqlen, head_dim), shapes that fit together, one device."""
     reasons: list[Reason] = []
     if call.subclass:
         reasons.append(Reason(ReasonCode.LAYOUT, "tensor subclass inputs (DTensor, NestedTensor, ...) are left to PyTorch"))

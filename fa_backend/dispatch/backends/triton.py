@@ -11,7 +11,7 @@ import torch
 
 from ..call import DECODE_MAX_SEQLEN_Q, AttentionCall
 from ..reasons import Reason, ReasonCode
-from .base import Backend
+from .base import Backend, input_reasons
 
 # Probed once at import: traced code (torch.compile) must only read a constant.
 TRITON_MISSING: str | None = (None if importlib.util.find_spec("triton") is not None
@@ -77,14 +77,7 @@ class TritonBackend(Backend):
         reasons: list[Reason] = []
         if TRITON_MISSING:
             reasons.append(Reason(ReasonCode.NOT_INSTALLED, TRITON_MISSING))
-        if call.subclass:
-            reasons.append(Reason(ReasonCode.LAYOUT, "tensor subclass inputs (DTensor, NestedTensor, ...) are left to PyTorch"))
-        if call.ranks != (4, 4, 4):
-            reasons.append(Reason(ReasonCode.LAYOUT, f"ranks={call.ranks} (supported: 4-D (batch, heads, seqlen, head_dim))"))
-        elif not call.shapes_consistent:
-            reasons.append(Reason(ReasonCode.LAYOUT, "query, key and value shapes do not fit together (PyTorch reports the error)"))
-        if not call.same_device:
-            reasons.append(Reason(ReasonCode.DEVICE, "query, key and value are on different devices"))
+        reasons += input_reasons(call)
         if call.device_type == "cuda":
             cap = call.capability
             if cap is not None and cap < cls.MIN_CAPABILITY:
