@@ -237,8 +237,6 @@ def peak_memory(seqlens: list[int], d: int = 64, batch: int = 2, heads: int = 16
 def _interleaved_us(variants: list[tuple], n: int, rounds: int, sync) -> dict[str, list[float]]:
     """{name: [wall µs per call, one per round]}: each variant (name, fn, context factory) timed on n calls
     back to back, the variants taken in turn round by round so that drifts of the host hit all alike."""
-    import time
-
     samples: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     for r in range(rounds + 1):
         for name, fn, context in variants:

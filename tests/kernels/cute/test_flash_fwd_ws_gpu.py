@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
-from tests.kernels.cute.test_flash_fwd_gpu import HOPPER, _qkv, check_forward
-from tests.reference import assert_within_bar, attention_math, attention_same_dtype
+from tests.kernels.cute.test_flash_fwd_gpu import HOPPER, _qkv, check_forward, check_strided
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cute,
               pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}"),
@@ -42,11 +41,7 @@ def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, 
 def test_strided_inputs():
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 
-    qkv = torch.randn(2, 300, 3, 4, 128, device="cuda", dtype=torch.bfloat16)  # a packed projection's output
-    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    out, _ = flash_fwd_ws(q, k, v)
-    ref = attention_math(q.double(), k.double(), v.double())
-    assert_within_bar("out", out, attention_same_dtype(q, k, v), ref)
+    check_strided(flash_fwd_ws, 300)
 
 
 def test_matches_the_simple_kernel():
