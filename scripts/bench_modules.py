@@ -7,8 +7,10 @@ they run through `fa_backend.integrations.mha`. Three modes per case, measured i
   on_torch   routing enabled but restricted to PyTorch's fused SDPA: isolates the cost of the
              routed module code from the kernel difference
 GPU-bound cases: CUDA events around blocks of calls, the three modes alternated block by block over
---rounds rounds, the median per mode. Host-bound (tiny) cases: wall time per call, interleaved likewise.
-Usage: python scripts/bench_modules.py [--json FILE] [--rounds R]
+--rounds rounds, the median per mode. Host-bound (tiny) cases: wall time per call, interleaved likewise
+(the order of the modes rotated round by round), the minimum per mode. The printed ratios are paired:
+the median over rounds of off / mode within each round.
+Usage: python scripts/bench_modules.py [--json FILE] [--rounds R] [--host-only]
 """
 
 from __future__ import annotations
@@ -55,8 +57,12 @@ def _switch(mode: str):
 
 
 def _summary(samples: dict[str, list[float]], pick) -> dict:
-    """{mode: pick(rounds)} plus, for the JSON, every mode's rounds (how much they spread)."""
+    """{mode: pick(rounds)}, the paired ratios off / mode (the median over rounds of each round's ratio: a
+    clock step between rounds moves both modes of a round alike, not one mode's pick), and, for the JSON,
+    every mode's rounds (how much they spread)."""
     out = {mode: pick(v) for mode, v in samples.items()}
+    for mode in ("on", "on_torch"):
+        out[f"ratio_{mode}"] = statistics.median(a / b for a, b in zip(samples["off"], samples[mode]))
     out["rounds"] = {mode: [round(x, 4) for x in v] for mode, v in samples.items()}
     return out
 
@@ -96,15 +102,15 @@ def _modes(fn):
 
 
 def _host_modes(fn, n: int = 40, rounds: int = 60):
-    """Wall time per call (µs), the modes interleaved round by round so drifts of the host hit all
-    three alike; the minimum over rounds (host noise only ever adds time)."""
+    """Wall time per call (µs), the modes interleaved round by round (their order rotated) so drifts
+    of the host hit all three alike; the minimum over rounds (host noise only ever adds time)."""
     samples = {mode: [] for mode in _MODES}
     for mode in _MODES:
         with _switch(mode):
             for _ in range(20):
                 fn()
-    for _ in range(rounds):
-        for mode in _MODES:
+    for r in range(rounds):
+        for mode in _MODES[r % 3:] + _MODES[:r % 3]:  # rotated: no mode always runs right after another
             with _switch(mode):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -126,6 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds per GPU-bound case")
+    parser.add_argument("--host-only", action="store_true", help="only the tiny host-bound cases")
     args = parser.parse_args()
     globals()["ROUNDS"] = args.rounds
     _warm_gpu()
@@ -136,10 +143,10 @@ def main() -> None:
         rec = dict(case=name, embed=embed, heads=heads, d=embed // heads, seqlen=s, batch=b, unit=unit, **times)
         records.append(rec)
         print(f"{name:<22} E={embed:<5} h={heads:<3} s={s:<5} b={b:<4} off {times['off']:9.3f}  "
-              f"on {times['on']:9.3f} ({times['off'] / times['on']:.2f}x)  on_torch {times['on_torch']:9.3f} "
-              f"({times['off'] / times['on_torch']:.2f}x) {unit}", flush=True)
+              f"on {times['on']:9.3f} ({times['ratio_on']:.3f}x)  on_torch {times['on_torch']:9.3f} "
+              f"({times['ratio_on_torch']:.3f}x) {unit}  (x: paired median of off / mode)", flush=True)
 
-    for embed, heads, s, b in _cases():
+    for embed, heads, s, b in () if args.host_only else _cases():
         mha = nn.MultiheadAttention(embed, heads, batch_first=True, device="cuda", dtype=DT).eval()
         x = torch.randn(b, s, embed, device="cuda", dtype=DT)
         with torch.no_grad():

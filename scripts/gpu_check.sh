@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels]
+#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute]
+# cute: the CuTe GPU tests and scripts/bench_cute.py; needs the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
 # env: SHARDS, TEST_TIMEOUT, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -75,5 +76,11 @@ if [[ " $steps " == *" product "* ]]; then
   python3 -m fa_backend bench --out "$OUT/product" ${PRODUCT_ARGS:---shape 2,16,2048,128 --shape 8,32,512,64 --flex} \
     > "$OUT/product.log" 2> "$OUT/product.err" || status=1
   cat "$OUT/product.log" | tail -n 30; tail -c 600 "$OUT/product.err"; ls -la "$OUT/product" || true
+fi
+if [[ " $steps " == *" cute "* ]]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute -q -p no:cacheprovider > "$OUT/cute_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/cute_tests.log"
+  python3 scripts/bench_cute.py --json "$OUT/bench_cute.json" > "$OUT/bench_cute.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/bench_cute.log"
 fi
 exit $status

@@ -109,8 +109,12 @@ def test_ptxas_allocates_without_spills(compiled):
     _, ptx, dump = compiled
     path = dump / "kernel.ptx"
     path.write_text(ptx)
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(dump / "kernel.cubin")],
-                            capture_output=True, text=True, check=True).stderr
+    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(dump / "kernel.cubin")],
+                         capture_output=True, text=True)
+    if run.returncode and "Unsupported .version" in run.stderr:
+        pytest.skip(f"this ptxas is older than the DSL's PTX: {run.stderr.strip()[:200]}")
+    assert run.returncode == 0, run.stderr
+    report = run.stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     registers = int(re.search(r"Used (\d+) registers", report)[1])
     assert registers <= 65536 // 384  # 384 threads must fit before setmaxnreg moves registers
@@ -119,6 +123,7 @@ def test_ptxas_allocates_without_spills(compiled):
 def test_variants_are_compiled_once_under_their_own_name():
     from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
 
+    _compile_cache.CACHE.clear()  # GPU tests earlier in the session may have compiled this variant
     before = len(_compile_cache.CACHE)
     first = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True)
     assert flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True) is first

@@ -1,0 +1,72 @@
+"""Forward speed of the CuTe sm90 kernels (simple, warp-specialised serial and overlap) against PyTorch's
+cuDNN and flash SDPA and fa_backend's Triton forward, in one run (bf16, batch = 16384 / seqlen, heads =
+2048 / d, the issue's sizes), plus each CuTe variant's first-call compile time.
+Usage: python scripts/bench_cute.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+
+import fa_backend
+from fa_backend.kernels.cute.flash_fwd import flash_fwd
+from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+
+def _flops(b, h, s, d, causal):
+    return 4 * b * h * s * s * d / (2 if causal else 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
+    args = parser.parse_args()
+    dt = torch.bfloat16
+    runners = {
+        "cute_simple": lambda q, k, v, c: flash_fwd(q, k, v, causal=c),
+        "cute_ws": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c),
+        "cute_ws_overlap": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, overlap=True),
+        "triton": lambda q, k, v, c: fa_backend.attention(q, k, v, is_causal=c),
+    }
+    peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    records = []
+    for d in (128, 64):
+        for causal in (False, True):
+            for s in args.seqlens:
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3))
+                row = dict(d=d, causal=causal, seqlen=s, batch=b, heads=h)
+                for name, fn in runners.items():
+                    t0 = time.perf_counter()
+                    fn(q, k, v, causal)
+                    torch.cuda.synchronize()
+                    row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 3)
+                    ms = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=50, rep=300)
+                    row[name] = _flops(b, h, s, d, causal) / ms / 1e9
+                for name, backend in peers.items():
+                    with sdpa_kernel(backend):
+                        ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                                     warmup=50, rep=300)
+                    row[name] = _flops(b, h, s, d, causal) / ms / 1e9
+                records.append(row)
+                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in (*runners, *peers))
+                print(f"d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  ws/cudnn {row['cute_ws'] / row['cudnn']:.2f} "
+                      f"overlap/cudnn {row['cute_ws_overlap'] / row['cudnn']:.2f}", flush=True)
+                del q, k, v
+    print("first-call seconds (compile + run), per variant:",
+          {k: v for r in records for k, v in r.items() if k.endswith("first_call_s") and v > 0.5})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
