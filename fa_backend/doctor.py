@@ -33,6 +33,15 @@ def _hardware() -> list[str]:
     return lines
 
 
+def _error_vs_math(out: torch.Tensor, grads, q, k, v) -> float:
+    """Max abs difference of a causal call's output and its (sum of squares) gradients from float32 math."""
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_in)
+    return max([(out.float() - ref).abs().max().item()] + [(g.float() - r).abs().max().item()
+                                                           for g, r in zip(grads, ref_grads)])
+
+
 def _check_triton() -> str:
     """Compile and run the Triton kernels once (fwd + bwd) and compare with float32 math."""
     from .dispatch.backends import triton as triton_backend
@@ -52,14 +61,36 @@ def _check_triton() -> str:
     except Exception as e:  # report, do not crash: the doctor's job is to say what is wrong
         return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     seconds = time.perf_counter() - t0
-    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True)
-    ref_grads = torch.autograd.grad(ref.square().sum(), ref_in)
-    err = max([(out.float() - ref).abs().max().item()] + [(g.float() - r).abs().max().item()
-                                                          for g, r in zip(grads, ref_grads)])
+    err = _error_vs_math(out, grads, q, k, v)
     ok = err < (5e-2 if dtype == torch.bfloat16 else 1e-2)
     return (f"{'ok' if ok else 'WRONG'}: fwd+bwd on (1, 4, 64, 64) {str(dtype).replace('torch.', '')}, max error vs "
             f"float32 math {err:.1e}; first call incl. compile {seconds:.1f} s")
+
+
+def _check_cute() -> str:
+    """Compile and run the CuTe forward once (op fa_backend::cute_flash_fwd, backward through the Triton
+    kernels) and compare with float32 math; skipped with the reason where the backend cannot run."""
+    from .dispatch.backends.cute import CuteBackend
+    from .dispatch.call import AttentionCall
+
+    if not torch.cuda.is_available():
+        return "skipped: no GPU"
+    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    reasons = CuteBackend.why_not(AttentionCall.from_tensors(q.detach(), k.detach(), v.detach(), is_causal=True))
+    if reasons:
+        return "skipped: " + "; ".join(str(r) for r in reasons)
+    from .ops.cute_flash import cute_flash_attention
+
+    t0 = time.perf_counter()
+    try:
+        out = cute_flash_attention(q, k, v, is_causal=True)[0]
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    except Exception as e:  # report, do not crash
+        return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    seconds = time.perf_counter() - t0
+    err = _error_vs_math(out, grads, q, k, v)
+    return (f"{'ok' if err < 5e-2 else 'WRONG'}: fwd (+ Triton bwd) on (1, 4, 256, 64) bfloat16, max error vs float32 "
+            f"math {err:.1e}; first call incl. compile {seconds:.1f} s")
 
 
 def _provider_status() -> str:
@@ -92,6 +123,7 @@ def report() -> str:
         status = "can run it" if not reasons else "no: " + "; ".join(str(r) for r in reasons)
         lines.append(f"  {name:7} {status}")
     lines.append(f"kernel check, triton: {_check_triton()}")
+    lines.append(f"kernel check, cute: {_check_cute()}")
     s = fa_backend.stats()["routing"]
     lines.append(f"SDPA routing: enabled process-wide: {'yes' if s['enabled'] else 'no'}; active in this thread: "
                  f"{'yes' if s['active_in_this_thread'] else 'no'}; backend restriction: {s['allowed_backends']}")

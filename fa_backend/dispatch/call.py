@@ -83,6 +83,9 @@ class AttentionCall:
     same_device: bool = True
     subclass: bool = False
     kv_last_dim_contiguous: bool = True  # key and value have stride 1 on head_dim
+    # q, k and v as TMA reads them: stride 1 on head_dim, every other stride and the storage offset a
+    # multiple of 16 bytes (the CuTe kernels' loads)
+    tma_aligned: bool = True
 
     @property
     def kind(self) -> str:
@@ -129,9 +132,10 @@ class AttentionCall:
             consistent = (b == k.shape[0] == v.shape[0] and hkv == v.shape[1] and sk == v.shape[2]
                           and d == k.shape[3])
             kv_contiguous = k.stride(3) == 1 and v.stride(3) == 1
+            tma_aligned = all(_tma_aligned(t) for t in (q, k, v))
         else:
             b = hq = hkv = sq = sk = d = dv = 0
-            consistent = kv_contiguous = False
+            consistent = kv_contiguous = tma_aligned = False
         if attn_mask is None:
             mask_kind, mask_shape, mask_dtype, mask_grad, mask_device = "none", None, None, False, True
         else:
@@ -152,8 +156,17 @@ class AttentionCall:
             mask_same_device=mask_device, dropout_p=float(dropout_p), scale=scale, enable_gqa=bool(enable_gqa),
             requires_grad=grad, ranks=ranks, shapes_consistent=consistent,
             same_dtype=q.dtype == k.dtype == v.dtype, same_device=q.device == k.device == v.device,
-            subclass=subclass, kv_last_dim_contiguous=bool(kv_contiguous),
+            subclass=subclass, kv_last_dim_contiguous=bool(kv_contiguous), tma_aligned=bool(tma_aligned),
         )
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """Stride 1 on the last dim, the other strides positive multiples of 16 bytes (a TMA descriptor's
+    rule, whatever the size), the storage offset a multiple of 16 bytes. The offset is not read while
+    torch.compile traces (storage_offset() breaks the graph): the CuTe op copies a misaligned input."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1])
+            and (torch.compiler.is_compiling() or t.storage_offset() * size % 16 == 0))
 
 
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_alignment: str = "top_left") -> None:

@@ -135,6 +135,23 @@ PREFERENCES: tuple[FasterPeer, ...] = (
 )
 
 
+# The CuTe forward (issue 7). Host-bound calls: as for "triton" above (its runner converts each tensor with
+# from_dlpack on every call). cuDNN: scripts/bench_cute.py on the H200 (torch 2.11, bf16, seqlen 2k-8k,
+# d=64/128, docs/cute.md): the CuTe forward at 0.76-0.97x cuDNN's; the backward runs our Triton kernels,
+# which cuDNN's beat (the "triton" cuDNN rule above). GQA calls stay with the CuTe forward.
+CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
+    dataclasses.replace(PREFERENCES[0], backend="cute",
+                        evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and {TINY_KV_BYTES >> 20} "
+                                 "MiB of K and V): PyTorch's C++ path costs less host time per call than our CuTe "
+                                 "runner"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
+               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward; our backward is "
+                        "the Triton one"),
+)
+PREFERENCES = PREFERENCES + CUTE_PREFERENCES
+
+
 def peer_for(backend: str, call: AttentionCall) -> FasterPeer | None:
     """The rule that passes over an eligible `backend` for this call, or None."""
     for rule in PREFERENCES:

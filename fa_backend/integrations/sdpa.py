@@ -84,6 +84,9 @@ def _passed_over(call: AttentionCall, decision: Decision) -> dict[str, tuple]:
     return passed
 
 
+_OWN_OPS = ("cute", "triton")  # backends whose ops count their runs and take autocast-cast inputs
+
+
 class _Routed:
     """A cached eager decision: what runs, and the counters one such call bumps."""
 
@@ -93,9 +96,9 @@ class _Routed:
         self.call, self.decision, self.cast = call, decision, cast
         # run(sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa): what the decision runs
         self.run = BACKENDS[decision.backend].eager_runner(call, decision.kernel)
-        # the triton ops count their own runs (compiled or not: "triton" and "triton_decode"), so routed
-        # triton calls add none here
-        self.run_key = None if decision.backend == "triton" else decision.backend
+        # our ops count their own runs (compiled or not: "cute", "triton" and "triton_decode"), so calls
+        # routed to them add none here
+        self.run_key = None if decision.backend in _OWN_OPS else decision.backend
         passed = _passed_over(call, decision)
         self.fallback_keys = tuple(f"{name}:{r.code.value}" for name, rs in passed.items() for r in rs)
         ran = decision.kernel or decision.backend
@@ -178,7 +181,7 @@ def route_sdpa(sdpa, args, kwargs) -> torch.Tensor:
     if not _is_compiling():
         entry = _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         entry.count()
-        if entry.cast is not None and entry.decision.backend == "triton":
+        if entry.cast is not None and entry.decision.backend in _OWN_OPS:
             q, k, v = (t.to(entry.cast) for t in (q, k, v))
         return entry.run(sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # traced by torch.compile: decided from metadata at trace time, the chosen op lands in the graph
@@ -187,7 +190,7 @@ def route_sdpa(sdpa, args, kwargs) -> torch.Tensor:
     decision = select(call, allowed_backends())
     _note_trace(decision.kernel or decision.backend, ",".join(
         f"{n}:{'+'.join(r.code.value for r in rs)}" for n, rs in _passed_over(call, decision).items()))
-    if decision.backend == "triton" and cast is not None:
+    if decision.backend in _OWN_OPS and cast is not None:
         q, k, v = (t.to(cast) for t in (q, k, v))
     return BACKENDS[decision.backend].run(call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 

@@ -1,4 +1,5 @@
-"""The cute backend's declared limits: one rejected case per rule, its messages, and that it routes nothing."""
+"""The cute backend's declared limits: one rejected case per rule, its messages, its measured-speed rules and
+what it routes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fa_backend.dispatch import AttentionCall, ReasonCode, select
 from fa_backend.dispatch.backends import CuteBackend
 from fa_backend.dispatch.backends import cute as cute_backend
 
-# Eligible for the declared limits: only the not_installed reason (kernels not enabled) remains.
+# Eligible where the DSL is installed (GQA: no measured rule passes it over for cuDNN).
 OK = AttentionCall(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=2, heads_q=8, heads_kv=2,
                    seqlen_q=1024, seqlen_k=2048, head_dim=128, head_dim_v=128, enable_gqa=True)
 
@@ -27,13 +28,36 @@ def _codes(**changes):
     return [r.code for r in CuteBackend.why_not(dataclasses.replace(OK, **changes))]
 
 
-def test_not_enabled_yet_even_on_an_eligible_call():
+def test_eligible_call_has_no_reason_and_is_routed(enabled):
+    assert _codes() == []
+    assert select(OK).backend == "cute"
+
+
+def test_cudnn_rule_passes_over_cute_without_gqa(enabled):
+    decision = select(dataclasses.replace(OK, heads_kv=8, enable_gqa=False))
+    assert decision.backend == "torch"
+    assert [r.code for r in decision.rejected["cute"]] == [ReasonCode.SLOWER]
+    assert "cuDNN" in decision.rejected["cute"][0].message
+
+
+def test_host_bound_rule_passes_over_cute(enabled):
+    decision = select(dataclasses.replace(OK, batch=1, seqlen_q=64, seqlen_k=64))
+    assert decision.backend == "torch"
+    assert [r.code for r in decision.rejected["cute"]] == [ReasonCode.SLOWER]
+    assert "host-bound" in decision.rejected["cute"][0].message
+
+
+def test_turned_off_routes_nothing(enabled, monkeypatch):
+    monkeypatch.setattr(cute_backend, "KERNELS_ENABLED", False)
     assert _codes() == [ReasonCode.NOT_INSTALLED]
+    assert "turned off" in CuteBackend.why_not(OK)[0].message
     assert select(OK).backend == "triton"
 
 
-def test_eligible_call_has_no_reason_once_enabled(enabled):
-    assert _codes() == []
+def test_grad_needs_the_triton_backward(enabled, monkeypatch):
+    assert _codes(requires_grad=True) == []
+    monkeypatch.setattr(cute_backend, "TRITON_MISSING", "the `triton` package is not installed (pip install triton)")
+    assert _codes(requires_grad=True) == [ReasonCode.GRAD]
 
 
 @pytest.mark.parametrize("changes,code", [
@@ -55,7 +79,10 @@ def test_eligible_call_has_no_reason_once_enabled(enabled):
     ({"ranks": (3, 3, 3)}, ReasonCode.LAYOUT),
     ({"subclass": True}, ReasonCode.LAYOUT),
     ({"shapes_consistent": False}, ReasonCode.LAYOUT),
-    ({"requires_grad": True}, ReasonCode.GRAD),
+    ({"tma_aligned": False}, ReasonCode.LAYOUT),
+    ({"seqlen_q": 0}, ReasonCode.SEQ_LEN),
+    ({"seqlen_q": 16}, ReasonCode.SEQ_LEN),  # a decode call: the split-KV decode kernel's
+    ({"batch": 0}, ReasonCode.SEQ_LEN),
 ])
 def test_each_limit_gives_its_reason(enabled, changes, code):
     assert _codes(**changes) == [code]
@@ -81,9 +108,9 @@ def test_causal_alignments_are_data(enabled, monkeypatch):
 
 
 def test_every_failing_rule_is_reported(enabled):
-    codes = _codes(dtype=torch.float32, head_dim=100, capability=(8, 0), dropout_p=0.1, requires_grad=True)
+    codes = _codes(dtype=torch.float32, head_dim=100, capability=(8, 0), dropout_p=0.1, tma_aligned=False)
     assert codes == [ReasonCode.CAPABILITY, ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.HEAD_DIM,
-                     ReasonCode.DROPOUT, ReasonCode.GRAD]
+                     ReasonCode.DROPOUT, ReasonCode.LAYOUT]
 
 
 def test_messages_name_limit_and_value(enabled):
@@ -91,7 +118,7 @@ def test_messages_name_limit_and_value(enabled):
         (r,) = CuteBackend.why_not(dataclasses.replace(OK, **changes))
         return r.message
 
-    assert message(head_dim=256, head_dim_v=256) == "head_dim=256 (supported: 64, 96, 128)"
+    assert message(head_dim=256, head_dim_v=256) == "head_dim=256 (supported: 64, 128)"
     assert message(head_dim_v=64) == "head_dim_v=64 != head_dim=128 (supported: equal head dims)"
     assert message(capability=(10, 0)) == "compute capability (10, 0) (supported: 9.x, Hopper)"
     assert message(dtype=torch.float32) == "dtype=torch.float32 (supported: torch.bfloat16, torch.float16)"
@@ -101,39 +128,51 @@ def test_messages_name_limit_and_value(enabled):
 
 def test_not_installed_message_when_dsl_missing(monkeypatch):
     monkeypatch.setattr(cute_backend, "DSL_MISSING", "nvidia-cutlass-dsl is not installed (pip install -e '.[cute]')")
-    monkeypatch.setattr(cute_backend, "KERNELS_ENABLED", True)  # enabled kernels still need the DSL
     (r,) = CuteBackend.why_not(OK)
     assert r.code is ReasonCode.NOT_INSTALLED
-    assert "nvidia-cutlass-dsl is not installed" in r.message and "pip install -e '.[cute]'" in r.message
-    assert "not enabled yet" in r.message
+    assert r.message == "nvidia-cutlass-dsl is not installed (pip install -e '.[cute]')"
 
 
-def test_not_enabled_message_when_dsl_installed(monkeypatch):
-    monkeypatch.setattr(cute_backend, "DSL_MISSING", None)
-    monkeypatch.setattr(cute_backend, "DSL_VERSION", "4.8.1")
-    (r,) = CuteBackend.why_not(OK)
-    assert r.code is ReasonCode.NOT_INSTALLED
-    assert r.message.startswith("nvidia-cutlass-dsl 4.8.1 is installed, but fa_backend's CuTe kernels are not enabled")
-
-
-def test_not_installed_comes_first_with_the_limits():
+def test_not_installed_comes_first_with_the_limits(monkeypatch):
+    monkeypatch.setattr(cute_backend, "DSL_MISSING", "nvidia-cutlass-dsl is not installed (pip install -e '.[cute]')")
     codes = _codes(device_type="cpu", capability=None, dtype=torch.float32)
     assert codes == [ReasonCode.NOT_INSTALLED, ReasonCode.DEVICE, ReasonCode.DTYPE]
 
 
-def test_run_raises():
-    with pytest.raises(RuntimeError, match="runs no call yet"):
-        CuteBackend.run(OK, None)
+@pytest.mark.skipif(cute_backend.DSL_MISSING is not None, reason="needs the CuTe DSL (the variant key)")
+def test_a_variant_that_failed_to_compile_is_reported(enabled):
+    from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
+    from fa_backend.kernels.cute.flash_fwd import variant_key
+
+    key = variant_key(flash_fwd_ws.KERNEL_NAME + "_overlap", flash_fwd_ws.TILE, torch.bfloat16, 128, False, False)
+    _compile_cache.CACHE._failed[key] = "DSLRuntimeError: boom"
+    try:
+        (r,) = CuteBackend.why_not(OK)
+        assert r.code is ReasonCode.COMPILE_FAILED and "boom" in r.message
+        assert _codes(is_causal=True) == []  # other variants are not affected
+        assert select(OK).backend == "triton"
+    finally:
+        _compile_cache.CACHE.clear()
 
 
-def test_explain_lists_every_cute_reason_while_counters_keep_one():
+def test_run_refuses_what_it_cannot_run_with_every_reason():
+    from fa_backend.dispatch.reasons import BackendUnsupportedError
+
+    q = torch.randn(1, 2, 64, 32)
+    with pytest.raises(BackendUnsupportedError) as e:
+        CuteBackend.run(AttentionCall.from_tensors(q, q, q), None, q, q, q, None, 0.0, False, None, False)
+    assert "device=cpu" in str(e.value) and "head_dim=32" in str(e.value)
+
+
+def test_explain_lists_every_cute_reason_and_counters_count_them():
     import fa_backend
 
     q = torch.empty(1, 2, 64, 32, dtype=torch.float32)
     ex = fa_backend.explain(q, q, q)
-    codes = [r.code for r in ex.reasons["cute"]]
-    assert codes == [ReasonCode.NOT_INSTALLED, ReasonCode.DEVICE, ReasonCode.DTYPE, ReasonCode.HEAD_DIM]
+    expected = ([ReasonCode.NOT_INSTALLED] if cute_backend.DSL_MISSING else []) + [
+        ReasonCode.DEVICE, ReasonCode.DTYPE, ReasonCode.HEAD_DIM]
+    assert [r.code for r in ex.reasons["cute"]] == expected
     fa_backend.reset_stats()
     with fa_backend.enabled():
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
-    assert [k for k in fa_backend.stats()["fallbacks"] if k.startswith("cute:")] == ["cute:not_installed"]
+    assert [k for k in fa_backend.stats()["fallbacks"] if k.startswith("cute:")] == [f"cute:{c.value}" for c in expected]

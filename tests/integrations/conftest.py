@@ -31,3 +31,15 @@ def no_speed_preferences(monkeypatch):
     yield
     for memo in (sdpa._CACHE, modules._DECISIONS, modules._FAST_PATH_MEMO, modules._HOST_BOUND_MEMO):
         memo.clear()
+
+
+@pytest.fixture(autouse=True)
+def cute_off(request, monkeypatch):
+    """Routing mechanics are tested with the cute backend turned off (reason `not_installed`, as where the
+    DSL is missing), so that the reasons and counters these tests expect do not depend on whether
+    nvidia-cutlass-dsl is installed. Tests marked `cute` see the backend as it is."""
+    if request.node.get_closest_marker("cute") is None:
+        from fa_backend.dispatch.backends import cute
+
+        monkeypatch.setattr(cute, "KERNELS_ENABLED", False)
+    yield

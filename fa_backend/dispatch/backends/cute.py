@@ -1,30 +1,49 @@
 """The `cute` backend: fa_backend's CuTe DSL kernels for Hopper (issue 7) and their declared limits.
 
-No CuTe kernel has passed on an H200 yet, so KERNELS_ENABLED is False and every call gets a
-not_installed reason (besides any limit it breaks): the backend routes nothing, and `run` raises.
+It runs the warp-specialised sm90 forward (op fa_backend::cute_flash_fwd), which passed its GPU tests on
+the H200 on 2026-11-30; gradients come from the Triton backward kernels until a CuTe backward exists.
+Where nvidia-cutlass-dsl is missing every call gets a not_installed reason with the install hint.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...kernels.cute._availability import DSL_MISSING, DSL_VERSION
-from ..call import CAUSAL_ALIGNMENTS, AttentionCall
+from ...kernels.cute._availability import DSL_MISSING
+from ..call import CAUSAL_ALIGNMENTS, DECODE_MAX_SEQLEN_Q, AttentionCall
 from ..reasons import Reason, ReasonCode
 from .base import Backend, input_reasons
+from .triton import TRITON_MISSING
 
-# Flipped to True once a kernel has passed its GPU tests; read as a module constant (torch.compile).
-KERNELS_ENABLED = False
+# Read as a module constant (torch.compile); False turns the backend off (every call: not_installed).
+KERNELS_ENABLED = True
+_OPS: list = []
 
 
 def _not_enabled() -> str | None:
-    """Why the backend cannot run anything at all (DSL missing, or kernels not enabled), or None."""
+    """Why the backend cannot run anything at all (DSL missing, or kernels turned off), or None."""
     if DSL_MISSING:
-        return f"{DSL_MISSING}; fa_backend's CuTe kernels are not enabled yet either"
+        return DSL_MISSING  # with the install hint
     if not KERNELS_ENABLED:
-        return (f"nvidia-cutlass-dsl {DSL_VERSION} is installed, but fa_backend's CuTe kernels are not enabled "
-                "yet (none has passed on a Hopper GPU)")
+        return "fa_backend's CuTe kernels are turned off (dispatch.backends.cute.KERNELS_ENABLED = False)"
     return None
+
+
+def _compile_failure(call: AttentionCall) -> str | None:
+    """Why the variant this call needs failed to compile earlier in this process, or None."""
+    if DSL_MISSING or call.dtype not in CuteBackend.SUPPORTED_DTYPES or call.head_dim not in CuteBackend.SUPPORTED_HEAD_DIMS:
+        return None
+    from ...kernels.cute import _compile_cache
+
+    if not _compile_cache.CACHE.failed_any():
+        return None
+    from ...kernels.cute import flash_fwd_ws
+    from ...kernels.cute.flash_fwd import variant_key
+
+    bottom_right = call.is_causal and call.causal_alignment == "bottom_right"
+    key = variant_key(flash_fwd_ws.KERNEL_NAME + "_overlap", flash_fwd_ws.TILE, call.dtype, call.head_dim,
+                      call.is_causal, bottom_right)
+    return _compile_cache.CACHE.failure(key)
 
 
 def _names(values) -> str:
@@ -38,13 +57,13 @@ class CuteBackend(Backend):
     DEVICE_TYPE = "cuda"
     CAPABILITY_MAJOR = 9  # Hopper only: the kernels are built for sm_90a (wgmma, TMA)
     SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
-    SUPPORTED_HEAD_DIMS = frozenset({64, 96, 128})
+    SUPPORTED_HEAD_DIMS = frozenset({64, 128})  # kernels/cute/flash_fwd.py HEAD_DIMS
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = False
     SUPPORTED_MASKS = frozenset({"none"})  # causal is a flag, not a mask
     CAUSAL_ALIGNMENTS = frozenset(CAUSAL_ALIGNMENTS)
     SUPPORTS_DROPOUT = False
     SUPPORTS_GQA = True
-    SUPPORTS_BACKWARD = False  # forward kernel first; calls that need gradients stay elsewhere
+    SUPPORTS_BACKWARD = True  # through the Triton backward kernels (ops/cute_flash.py)
 
     @classmethod
     def why_not(cls, call: AttentionCall) -> list[Reason]:
@@ -81,11 +100,33 @@ class CuteBackend(Backend):
                                                    f"{_names(cls.CAUSAL_ALIGNMENTS)})"))
         if call.dropout_p != 0.0 and not cls.SUPPORTS_DROPOUT:
             reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0.0)"))
-        if call.requires_grad and not cls.SUPPORTS_BACKWARD:
-            reasons.append(Reason(ReasonCode.GRAD, "inputs require grad (supported: forward only, no backward kernel yet)"))
+        if call.requires_grad and TRITON_MISSING:
+            reasons.append(Reason(ReasonCode.GRAD, f"inputs require grad and the backward runs the Triton kernels: "
+                                                   f"{TRITON_MISSING}"))
+        if call.ranks == (4, 4, 4) and call.shapes_consistent:
+            if not call.tma_aligned:
+                reasons.append(Reason(ReasonCode.LAYOUT, "query, key or value cannot be read by TMA (supported: stride 1 "
+                                                         "on head_dim, other strides and storage offsets positive "
+                                                         "multiples of 16 bytes)"))
+            if 0 < call.seqlen_q <= DECODE_MAX_SEQLEN_Q:
+                reasons.append(Reason(ReasonCode.SEQ_LEN, f"seqlen_q={call.seqlen_q} (supported: > {DECODE_MAX_SEQLEN_Q}; "
+                                                          "the CuTe forward tiles 128 query rows, decode calls go to the "
+                                                          "split-KV decode kernel)"))
+            if call.batch == 0 or call.heads_q == 0 or call.seqlen_q == 0:
+                reasons.append(Reason(ReasonCode.SEQ_LEN, f"empty query (batch={call.batch}, heads_q={call.heads_q}, "
+                                                          f"seqlen_q={call.seqlen_q}; supported: at least one row)"))
+        if not reasons:
+            failure = _compile_failure(call)
+            if failure:
+                reasons.append(Reason(ReasonCode.COMPILE_FAILED, f"the CuTe forward for this variant failed to "
+                                                                 f"compile: {failure}"))
         return reasons
 
     @classmethod
-    def run(cls, call, sdpa, *args):
-        raise RuntimeError("the cute backend runs no call yet: fa_backend's CuTe kernels are not enabled "
-                           f"(why_not: {'; '.join(str(r) for r in cls.why_not(call)) or 'no reason'})")
+    def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        if not _OPS:
+            from ...ops.cute_flash import cute_flash_attention
+
+            _OPS.append(cute_flash_attention)
+        bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
+        return _OPS[0](q, k, v, scale, bool(is_causal), bottom_right)[0]

@@ -58,6 +58,10 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
+    def failed_any(self) -> bool:
+        """Whether any variant failed to compile in this process (a cheap test before building a key)."""
+        return bool(self._failed)
+
     def failure(self, key: CompileKey) -> str | None:
         """Why `key` failed to compile in this process, or None."""
         return self._failed.get(key)

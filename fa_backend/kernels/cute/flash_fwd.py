@@ -224,9 +224,14 @@ def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...]
 
     if dump_dir is not None:
         return build()
+    return CACHE.get_or_compile(variant_key(kernel_name, tile, dtype, head_dim, causal, bottom_right, arch), build)
+
+
+def variant_key(kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int, causal: bool,
+                bottom_right: bool, arch: str = "sm_90a") -> CompileKey:
+    """The compile-cache key of one variant (what the dispatcher asks CACHE.failure about)."""
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
-    key = CompileKey(kernel_name, dtype, head_dim, head_dim, causal, alignment, 0, tile, arch)
-    return CACHE.get_or_compile(key, build)
+    return CompileKey(kernel_name, dtype, head_dim, head_dim, causal, alignment, 0, tile, arch)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
@@ -243,9 +248,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={k.shape[1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         # TMA: unit stride on head_dim, 16-byte aligned base and strides
-        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            raise ValueError(f"{name}: head_dim must be contiguous and the other strides and the data pointer "
-                             f"16-byte aligned, got strides {t.stride()}")
+        if t.stride(3) != 1 or any(s <= 0 or s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            raise ValueError(f"{name}: head_dim must be contiguous, the other strides positive and they and the "
+                             f"data pointer 16-byte aligned, got strides {t.stride()}")
     if not scale > 0:
         raise ValueError(f"scale={scale} (supported: > 0)")
 

@@ -52,6 +52,7 @@ CONSUMERS = 2
 TILE_M = WG_M * CONSUMERS
 TILE_N = 128  # key rows per block: S is 64 x 128 per consumer, 64 fp32 registers per thread
 KV_STAGES = 2
+TILE = (TILE_M, TILE_N, KV_STAGES)  # in the compile-cache key
 WG_THREADS = 128
 THREADS = WG_THREADS * (1 + CONSUMERS)
 # setmaxnreg: 384 threads start with 65536 / 384 = 170 registers each. The producer only walks TMA
@@ -325,7 +326,7 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     (except with `dump_dir`, which always compiles, to write the PTX and cubin). `overlap`: the
     intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"."""
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap),
-                            KERNEL_NAME + ("_overlap" if overlap else ""), (TILE_M, TILE_N, KV_STAGES), dtype,
+                            KERNEL_NAME + ("_overlap" if overlap else ""), TILE, dtype,
                             head_dim, causal, bottom_right, arch, dump_dir)
 
 

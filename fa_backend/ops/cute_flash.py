@@ -1,0 +1,105 @@
+"""torch.library op for the CuTe DSL forward on Hopper: fa_backend::cute_flash_fwd.
+
+The forward is the warp-specialised kernel with intra-warpgroup overlap (kernels/cute/flash_fwd_ws.py,
+the fastest of the CuTe forwards measured on the H200). There is no CuTe backward yet: the op's
+autograd formula runs the Triton backward kernels (fa_backend::triton_flash_bwd), which take the CuTe
+forward's outputs as they are (out contiguous (b, hq, sq, d), natural-log fp32 lse (b, hq, sq), the
+layout the Triton forward writes too).
+
+The op never fails on what it accepts: inputs TMA cannot read (strides, offsets) are copied to contiguous
+tensors first, and a variant that fails to compile runs the Triton forward instead (logged once by the
+compile cache; the dispatcher then reports `compile_failed` for that variant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import counters
+from ..dispatch.backends.cute import CuteBackend
+from ..dispatch.call import AttentionCall, _tma_aligned, validate
+from ..dispatch.reasons import BackendUnsupportedError, ReasonCode
+from ._library import NAMESPACE
+
+
+def check_cute_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool) -> None:
+    """ValueError for malformed input; BackendUnsupportedError listing every reason the cute backend
+    has against these inputs otherwise, except two the op handles itself: a layout TMA cannot read (it
+    copies) and a variant that failed to compile (it runs the Triton forward)."""
+    validate(q, k, v)
+    call = AttentionCall.from_tensors(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+    handled = (ReasonCode.LAYOUT, ReasonCode.COMPILE_FAILED) if call.shapes_consistent else (ReasonCode.COMPILE_FAILED,)
+    reasons = [r for r in CuteBackend.why_not(call) if r.code not in handled]
+    if reasons:
+        raise BackendUnsupportedError(call.describe(), {CuteBackend.NAME: reasons})
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """t itself when TMA can read it, else a contiguous copy (16-byte aligned from the allocator)."""
+    return t if _tma_aligned(t) and t.data_ptr() % 16 == 0 else t.contiguous()
+
+
+def _triton_forward(q, k, v, scale, is_causal, bottom_right):
+    """The Triton forward under the op's contract (contiguous out, fp32 lse), counted as a triton run."""
+    from ..kernels.triton import flash_fwd
+
+    counters.record_run("triton")
+    out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, is_causal, bottom_right)
+    return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cute_flash_fwd", mutates_args=())
+def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                   is_causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on Hopper; returns out (b, hq, sq, d) contiguous in q's dtype and the fp32
+    natural-log lse (b, hq, sq). GQA when hq is a multiple of hkv; causal top-left or bottom-right."""
+    check_cute_inputs(q, k, v, scale, is_causal)
+    from ..kernels.cute._compile_cache import CompileFailedError
+    from ..kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    bottom_right = bottom_right and is_causal
+    if scale == 0.0:  # -inf * 0 on masked keys: the kernels need a nonzero scale
+        return _triton_forward(q, k, v, scale, is_causal, bottom_right)
+    q, k, v = (_readable(t) for t in (q, k, v))
+    if scale is not None and scale < 0:  # the kernels take the row max before scaling: (-q) k^T (-scale), exact
+        q, scale = -q, -scale
+    try:
+        out, lse = flash_fwd_ws(q, k, v, scale, is_causal, bottom_right, overlap=True)
+    except CompileFailedError:  # logged once by the compile cache; the Triton forward keeps the contract
+        return _triton_forward(q, k, v, scale, is_causal, bottom_right)
+    counters.record_run("cute")
+    return out, lse
+
+
+@cute_flash_fwd.register_fake
+def _(q, k, v, scale=None, is_causal=False, bottom_right=False):
+    validate(q, k, v)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, is_causal, bottom_right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale, ctx.is_causal, ctx.bottom_right = scale, is_causal, bottom_right and is_causal
+
+
+def _backward(ctx, dout, dlse):
+    from .triton_flash import triton_flash_bwd
+
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = triton_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
+    return dq, dk, dv, None, None, None
+
+
+cute_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                         is_causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the CuTe forward, differentiable in q, k and v (Triton backward kernels)."""
+    return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right))
+
+
+__all__ = ["check_cute_inputs", "cute_flash_attention", "cute_flash_fwd"]

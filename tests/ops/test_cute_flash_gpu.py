@@ -1,0 +1,147 @@
+"""fa_backend::cute_flash_fwd on the H200: opcheck, forward and gradients (Triton backward) within the bar,
+the inputs the op copies or rewrites, the compile-failure fallback, and SDPA routing onto it (eager and
+compiled). Needs the CuTe DSL and a Hopper GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa_backend
+from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
+from tests.reference import (assert_grads_within_bar, assert_within_bar, attention_math, attention_same_dtype,
+                             check_attention)
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.cute,
+              pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}"),
+              pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90) GPU")]
+
+
+def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.bfloat16, grad=False):
+    return [torch.randn(b, h, s, d, device="cuda", dtype=dtype).requires_grad_(grad)
+            for h, s in ((hq, sq), (hkv, sk), (hkv, sk))]
+
+
+@pytest.fixture
+def clean():
+    fa_backend.disable()
+    fa_backend.reset_stats()
+    torch._dynamo.reset()
+    yield
+    fa_backend.disable()
+    torch._dynamo.reset()
+
+
+def test_opcheck():
+    from fa_backend.ops import cute_flash_fwd
+
+    q, k, v = _qkv(1, 4, 2, 200, 300, 64, grad=True)
+    torch.library.opcheck(cute_flash_fwd, (q, k, v, None, True, True))
+    torch.library.opcheck(cute_flash_fwd, (q, k, v, 0.3, False, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100)])
+def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
+    """Outputs and gradients (q, k, v of hkv heads) against float64, the project's 2x rule; the references
+    repeat K and V over each query group, so their gradients are summed back over it."""
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, dtype)
+
+    def rep(t):
+        return t.repeat_interleave(hq // hkv, dim=1)
+
+    ours = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = cute_flash_attention(*ours, None, causal, bottom_right)[0]
+    pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    pt = attention_same_dtype(pt_leaves[0], rep(pt_leaves[1]), rep(pt_leaves[2]), is_causal=causal,
+                              bottom_right=bottom_right)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attention_math(ref_leaves[0], rep(ref_leaves[1]), rep(ref_leaves[2]), is_causal=causal,
+                         bottom_right=bottom_right)
+    assert_within_bar("out", out, pt, ref)
+    assert_grads_within_bar(out, ours, pt, pt_leaves, ref, ref_leaves)
+
+
+def test_inputs_tma_cannot_read_are_copied():
+    from fa_backend.ops import cute_flash_attention
+
+    wide = torch.randn(2, 4, 200, 72, device="cuda", dtype=torch.bfloat16)
+    q = wide[..., 1:65]  # offset of one element: not 16-byte aligned
+    k, v = (torch.randn(2, 4, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_attention(lambda q, k, v: cute_flash_attention(q, k, v)[0], q, k, v, grad=False)
+
+
+def test_negative_scale_is_exact():
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(1, 2, 2, 128, 128, 64)
+    check_attention(lambda q, k, v: cute_flash_attention(q, k, v, -0.2)[0], q, k, v, scale=-0.2, grad=False)
+
+
+def test_a_variant_that_fails_to_compile_runs_the_triton_forward(clean, monkeypatch):
+    from fa_backend.dispatch import select
+    from fa_backend.dispatch.call import AttentionCall
+    from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
+    from fa_backend.kernels.cute.flash_fwd import variant_key
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(1, 8, 2, 512, 512, 128)
+    key = variant_key(flash_fwd_ws.KERNEL_NAME + "_overlap", flash_fwd_ws.TILE, torch.bfloat16, 128, False, False)
+    monkeypatch.setitem(_compile_cache.CACHE._failed, key, "DSLRuntimeError: injected by the test")
+    out = cute_flash_attention(q, k, v)[0]
+    assert fa_backend.stats()["runs"] == {"triton": 1}
+    ref = attention_math(q.double(), *(t.double().repeat_interleave(4, dim=1) for t in (k, v)))
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    decision = select(AttentionCall.from_tensors(q, k, v, enable_gqa=True))
+    assert decision.backend == "triton"
+    assert [r.code.value for r in decision.rejected["cute"]] == ["compile_failed"]
+
+
+def test_routed_gqa_call_runs_cute_and_matches_the_op(clean):
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(2, 16, 4, 2048, 2048, 128)
+    direct = cute_flash_attention(q, k, v, None, True, False)[0]
+    fa_backend.reset_stats()
+    with fa_backend.enabled():
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert fa_backend.stats()["runs"] == {"cute": 1}
+    assert torch.equal(routed, direct)
+
+
+def test_routed_plain_call_prefers_cudnn(clean):
+    q, k, v = _qkv(2, 16, 16, 2048, 2048, 128)
+    with fa_backend.enabled():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert fa_backend.stats()["runs"] == {"torch": 1}
+
+
+def test_compiled_routing_forward_and_backward(clean):
+    q, k, v = _qkv(2, 16, 4, 1024, 1024, 64, grad=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    fa_backend.enable()
+    out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    fa_backend.disable()
+    assert any("fa_backend.cute_flash_fwd" in t for t in graphs[0])
+    assert fa_backend.stats()["runs"].get("cute") == 1
+    qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (qd, kd, vd))
+    assert (out - ref).abs().max().item() < 2e-2
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 5e-2 * max(1.0, r.abs().max().item())
