@@ -276,5 +276,6 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    compiled(*(_dynamic(t) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream)
+    # detach: DLPack refuses tensors that require grad (the op's implementation still sees the flag)
+    compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream)
     return out, lse
