@@ -1,9 +1,9 @@
 """FlashAttention forward for Hopper (sm90a) in the CuTe DSL: fa_backend's first CuTe kernel.
 
-VALIDATED, NOT ROUTED: it passes tests/kernels/cute/test_flash_fwd_gpu.py on the H200 (2026-11-30: fp16
-and bf16, d 64 and 128, both causal alignments, GQA, partial tiles, strided inputs), at 0.39-0.73x of
-cuDNN's forward (scripts/bench_cute.py). Nothing registers it with the dispatcher: the `cute`
-backend keeps KERNELS_ENABLED = False until a forward is a custom op with autograd.
+The reference kernel: it passes tests/kernels/cute/test_flash_fwd_gpu.py on the H200 (2026-11-30: fp16 and
+bf16, d 64 and 128, both causal alignments, GQA, partial tiles, strided inputs), at 0.39-0.73x of cuDNN's
+forward (scripts/bench_cute.py). The dispatcher routes the warp-specialised kernel (flash_fwd_ws.py, op
+fa_backend::cute_flash_fwd), not this one.
 
 Deliberately simple, to be correct first (no warp specialisation, no pipelining, no overlap):
 - one CTA = one warpgroup (128 threads) = one tile of TILE_M = 64 query rows of one (batch, head);
@@ -258,7 +258,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the compiled kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out (b, hq, sq, d)
-    in q's dtype and the fp32 natural-log LSE (b, hq, sq). Not routed yet (module docstring).
+    in q's dtype and the fp32 natural-log LSE (b, hq, sq).
 
     Converts the tensors with `from_dlpack` on every call (a few µs each); a TVM-FFI call path is to come.
     """

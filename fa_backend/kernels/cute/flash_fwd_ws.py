@@ -1,8 +1,8 @@
 """Warp-specialised FlashAttention forward for Hopper (sm90a) in the CuTe DSL: the FA3 structure.
 
-VALIDATED, NOT ROUTED: it passes tests/kernels/cute/test_flash_fwd_ws_gpu.py on the H200 (2026-11-30), both
-variants; bf16 forward at 0.71-0.88x of cuDNN (serial) and 0.76-0.97x (overlap), scripts/bench_cute.py.
-Nothing registers it with the dispatcher yet.
+It passes tests/kernels/cute/test_flash_fwd_ws_gpu.py on the H200 (2026-11-30), both variants; bf16 forward
+at 0.71-0.88x of cuDNN (serial) and 0.76-0.97x (overlap), scripts/bench_cute.py. The overlap variant is the
+`cute` backend's forward (op fa_backend::cute_flash_fwd, ops/cute_flash.py).
 
 One CTA = one tile of TILE_M = 128 query rows of one (batch, head), 3 warpgroups (384 threads):
 - warpgroup 0, the producer, gives registers back (setmaxnreg.dec to PRODUCER_REGS) and one warp of it
@@ -334,6 +334,5 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                  bottom_right: bool = False, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
     (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
-    flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. Not routed yet (module
-    docstring). `overlap`: the intra-warpgroup overlap variant."""
+    flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap), q, k, v, scale, causal, bottom_right)
