@@ -42,7 +42,9 @@ import torch.nn.functional as F
 PEERS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 OURS = "triton"
 DEFAULT_BACKENDS = [OURS, *PEERS]
-EXTERNAL = {"flash_attn": "flash_attn"}  # backend name -> package (module) it needs; added when installed
+# backend name -> package (module) it needs; added when installed ("cute": our CuTe DSL forward, which needs
+# nvidia-cutlass-dsl and a Hopper GPU)
+EXTERNAL = {"flash_attn": "flash_attn", "cute": "cutlass"}
 
 
 class BackendUnavailable(RuntimeError):
@@ -134,6 +136,12 @@ def _runner(backend: str, causal: bool) -> tuple[Callable, contextlib.AbstractCo
         return _flex_runner(causal), contextlib.nullcontext()
     if backend == "flash_attn":
         return _flash_attn_runner(causal), contextlib.nullcontext()
+    if backend == "cute":
+        if not external_packages().get("cutlass"):
+            raise BackendUnavailable("cute needs nvidia-cutlass-dsl and a Hopper (sm90) GPU")
+        from .ops.cute_flash import cute_flash_attention
+
+        return (lambda q, k, v: cute_flash_attention(q, k, v, None, causal)[0]), contextlib.nullcontext()
     if backend not in PEERS:
         raise BackendUnavailable(f"unknown backend {backend!r}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -343,6 +351,12 @@ def external_packages() -> dict[str, str | None]:
 
     result: dict[str, str | None] = {}
     for module in EXTERNAL.values():
+        if module == "cutlass":  # the DSL's distribution, usable for our kernels on sm90 only
+            from .kernels.cute import DSL_AVAILABLE, DSL_VERSION
+
+            hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            result[module] = DSL_VERSION if DSL_AVAILABLE and hopper else None
+            continue
         if importlib.util.find_spec(module) is None:
             result[module] = None
             continue

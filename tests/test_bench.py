@@ -150,7 +150,11 @@ def test_missing_or_unknown_backend_is_unavailable():
     if importlib.util.find_spec("flash_attn") is None:
         with pytest.raises(bench.BackendUnavailable, match="flash_attn not installed"):
             bench._runner("flash_attn", True)
-        assert bench.external_packages() == {"flash_attn": None}
+        assert bench.external_packages()["flash_attn"] is None
+    if not torch.cuda.is_available():  # our CuTe forward needs a Hopper GPU besides the DSL
+        assert bench.external_packages()["cutlass"] is None
+        with pytest.raises(bench.BackendUnavailable, match="Hopper"):
+            bench._runner("cute", False)
 
 
 def _result() -> dict:
