@@ -132,7 +132,7 @@ class AttentionCall:
             consistent = (b == k.shape[0] == v.shape[0] and hkv == v.shape[1] and sk == v.shape[2]
                           and d == k.shape[3])
             kv_contiguous = k.stride(3) == 1 and v.stride(3) == 1
-            tma_aligned = all(_tma_aligned(t) for t in (q, k, v))
+            tma_aligned = all(is_tma_aligned(t) for t in (q, k, v))
         else:
             b = hq = hkv = sq = sk = d = dv = 0
             consistent = kv_contiguous = tma_aligned = False
@@ -160,7 +160,7 @@ class AttentionCall:
         )
 
 
-def _tma_aligned(t: torch.Tensor) -> bool:
+def is_tma_aligned(t: torch.Tensor) -> bool:
     """Stride 1 on the last dim, the other strides positive multiples of 16 bytes (a TMA descriptor's
     rule, whatever the size), the storage offset a multiple of 16 bytes. The offset is not read while
     torch.compile traces (storage_offset() breaks the graph): the CuTe op copies a misaligned input."""

@@ -141,9 +141,9 @@ PREFERENCES: tuple[FasterPeer, ...] = (
 # which cuDNN's beat (the "triton" cuDNN rule above). GQA calls stay with the CuTe forward.
 CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     dataclasses.replace(PREFERENCES[0], backend="cute",
-                        evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and {TINY_KV_BYTES >> 20} "
-                                 "MiB of K and V): PyTorch's C++ path costs less host time per call than our CuTe "
-                                 "runner"),
+                        evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and "
+                                 f"{TINY_KV_BYTES >> 20} MiB of K and V): PyTorch's C++ path costs less host time "
+                                 "per call than our CuTe runner"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
                evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward; our backward is "

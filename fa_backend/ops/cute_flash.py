@@ -17,7 +17,7 @@ import torch
 
 from ..dispatch import counters
 from ..dispatch.backends.cute import CuteBackend
-from ..dispatch.call import AttentionCall, _tma_aligned, validate
+from ..dispatch.call import AttentionCall, is_tma_aligned, validate
 from ..dispatch.reasons import BackendUnsupportedError, ReasonCode
 from ._library import NAMESPACE
 
@@ -36,7 +36,7 @@ def check_cute_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def _readable(t: torch.Tensor) -> torch.Tensor:
     """t itself when TMA can read it, else a contiguous copy (16-byte aligned from the allocator)."""
-    return t if _tma_aligned(t) and t.data_ptr() % 16 == 0 else t.contiguous()
+    return t if is_tma_aligned(t) and t.data_ptr() % 16 == 0 else t.contiguous()
 
 
 def _triton_forward(q, k, v, scale, is_causal, bottom_right):

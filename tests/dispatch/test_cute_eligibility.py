@@ -83,6 +83,7 @@ def test_grad_needs_the_triton_backward(enabled, monkeypatch):
     ({"seqlen_q": 0}, ReasonCode.SEQ_LEN),
     ({"seqlen_q": 16}, ReasonCode.SEQ_LEN),  # a decode call: the split-KV decode kernel's
     ({"batch": 0}, ReasonCode.SEQ_LEN),
+    ({"seqlen_k": 0}, ReasonCode.SEQ_LEN),
 ])
 def test_each_limit_gives_its_reason(enabled, changes, code):
     assert _codes(**changes) == [code]

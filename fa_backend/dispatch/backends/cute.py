@@ -31,7 +31,8 @@ def _not_enabled() -> str | None:
 
 def _compile_failure(call: AttentionCall) -> str | None:
     """Why the variant this call needs failed to compile earlier in this process, or None."""
-    if DSL_MISSING or call.dtype not in CuteBackend.SUPPORTED_DTYPES or call.head_dim not in CuteBackend.SUPPORTED_HEAD_DIMS:
+    if (DSL_MISSING or call.dtype not in CuteBackend.SUPPORTED_DTYPES
+            or call.head_dim not in CuteBackend.SUPPORTED_HEAD_DIMS):
         return None
     from ...kernels.cute import _compile_cache
 
@@ -105,16 +106,18 @@ class CuteBackend(Backend):
                                                    f"{TRITON_MISSING}"))
         if call.ranks == (4, 4, 4) and call.shapes_consistent:
             if not call.tma_aligned:
-                reasons.append(Reason(ReasonCode.LAYOUT, "query, key or value cannot be read by TMA (supported: stride 1 "
-                                                         "on head_dim, other strides and storage offsets positive "
-                                                         "multiples of 16 bytes)"))
+                reasons.append(Reason(ReasonCode.LAYOUT, "query, key or value cannot be read by TMA (supported: "
+                                                         "stride 1 on head_dim, other strides and storage offsets "
+                                                         "positive multiples of 16 bytes)"))
             if 0 < call.seqlen_q <= DECODE_MAX_SEQLEN_Q:
-                reasons.append(Reason(ReasonCode.SEQ_LEN, f"seqlen_q={call.seqlen_q} (supported: > {DECODE_MAX_SEQLEN_Q}; "
-                                                          "the CuTe forward tiles 128 query rows, decode calls go to the "
-                                                          "split-KV decode kernel)"))
-            if call.batch == 0 or call.heads_q == 0 or call.seqlen_q == 0:
-                reasons.append(Reason(ReasonCode.SEQ_LEN, f"empty query (batch={call.batch}, heads_q={call.heads_q}, "
-                                                          f"seqlen_q={call.seqlen_q}; supported: at least one row)"))
+                reasons.append(Reason(ReasonCode.SEQ_LEN, f"seqlen_q={call.seqlen_q} (supported: > "
+                                                          f"{DECODE_MAX_SEQLEN_Q}; the CuTe forward tiles 128 query "
+                                                          "rows, decode calls go to the split-KV decode kernel)"))
+            if 0 in (call.batch, call.heads_q, call.seqlen_q, call.heads_kv, call.seqlen_k):
+                # a grid or a TMA box over an empty dimension cannot be launched or encoded
+                reasons.append(Reason(ReasonCode.SEQ_LEN, f"empty inputs (batch={call.batch}, heads_q={call.heads_q}, "
+                                                          f"seqlen_q={call.seqlen_q}, heads_kv={call.heads_kv}, "
+                                                          f"seqlen_k={call.seqlen_k}; supported: none of them 0)"))
         if not reasons:
             failure = _compile_failure(call)
             if failure:
