@@ -116,14 +116,25 @@ def _apply_mask(s, ptrs, in_bounds, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed, rng_offset, bh, qi, kj, SEQ_Q, SEQ_K, dropout_p):
-    """Keep-mask of dropout: one Philox draw per (batch * heads_q + head, row, column).
-
-    The counter is the element's linear index in (b, hq, sq, sk) plus rng_offset (64 bits), so the
-    forward and both backward kernels regenerate the same mask whatever their tiling.
+def _dropout_keep(seed, rng_offset, bh, rows, col0, SEQ_Q, SEQ_K, drop_threshold, BLOCK_C: tl.constexpr):
+    """Dropout keep-mask of query rows `rows` (1-D) x keys [col0, col0 + BLOCK_C) of head bh = batch *
+    heads_q + head, shape (len(rows), BLOCK_C). col0 and BLOCK_C are multiples of 4 (the kernels' key
+    tiles are). One Philox-4x32 draw serves four neighbouring keys: key j of
+    row i uses word j % 4 of the draw at counter (bh * SEQ_Q + i) * ceil(SEQ_K / 4) + j // 4 +
+    rng_offset, so the forward and both backward kernels regenerate the same mask whatever their
+    tiling, at a quarter of the Philox work of one draw per score. An element is kept iff its 32-bit
+    word is >= drop_threshold = floor(dropout_p * 2**32) (kept with probability 1 - dropout_p to
+    within 2**-32).
     """
-    offs = (bh.to(tl.int64) * SEQ_Q + qi.to(tl.int64)) * SEQ_K + kj.to(tl.int64) + rng_offset
-    return tl.rand(seed, offs) >= dropout_p
+    BLOCK_R: tl.constexpr = rows.shape[0]
+    groups = col0 // 4 + tl.arange(0, BLOCK_C // 4)
+    row_counter = (bh.to(tl.int64) * SEQ_Q + rows.to(tl.int64)) * ((SEQ_K + 3) // 4) + rng_offset
+    r0, r1, r2, r3 = tl.randint4x(seed, row_counter[:, None] + groups[None, :])
+    thr = tl.full([], drop_threshold, tl.int64).to(tl.uint32)  # an int64 argument when >= 2**31; 1 is a constexpr
+    # join(join(w0, w2), join(w1, w3)) is indexed [.., x, y] -> word 2x + y, which the row-major reshape puts
+    # at column 4g + 2x + y: column j reads word j % 4.
+    keep = tl.join(tl.join(r0 >= thr, r2 >= thr), tl.join(r1 >= thr, r3 >= thr))
+    return tl.reshape(keep, (BLOCK_R, BLOCK_C))
 
 
 @triton.jit
@@ -148,3 +159,23 @@ def _window_lo(m0, SEQ_K, left_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     lo = (tl.minimum(tl.maximum(m0 + left_offset, 0), SEQ_K) // BLOCK_N) * BLOCK_N
     full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + left_offset, 0), BLOCK_N) * BLOCK_N
     return lo, tl.maximum(full_lo, lo)
+
+
+@triton.jit
+def _open_key_range(lo, open_lo, open_hi, hi, b_ptr, BLOCK_N: tl.constexpr, MASK_BOUNDS: tl.constexpr):
+    """A query tile's key ranges: every mask applies in [lo, open_lo) and [open_hi, hi), none in [open_lo,
+    open_hi). Takes the band's ranges (multiples of BLOCK_N but hi) and, with MASK_BOUNDS, narrows them by the
+    attn_mask's block bounds at b_ptr (kernels/triton/_mask_bounds.py: lo, open_lo, open_hi, hi of the tile).
+    Returns lo <= open_lo <= open_hi <= hi where the ranges are not empty, all multiples of BLOCK_N but hi."""
+    if MASK_BOUNDS:
+        # (x // BLOCK_N) * BLOCK_N changes no value but tells the compiler that loop starts are multiples of
+        # BLOCK_N: from a start of unknown alignment the K/V tile loads lose their 16-byte vectors (sm90: 700+
+        # bytes of register spills at 128 x 64 tiles).
+        lo = tl.maximum(lo, (tl.load(b_ptr) // BLOCK_N) * BLOCK_N)
+        open_lo = tl.maximum(open_lo, (tl.load(b_ptr + 1) // BLOCK_N) * BLOCK_N)
+        open_hi = tl.minimum(open_hi, (tl.load(b_ptr + 2) // BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, tl.load(b_ptr + 3))
+    hi_blocks = (hi // BLOCK_N) * BLOCK_N
+    open_lo = tl.minimum(tl.maximum(open_lo, lo), hi_blocks)
+    open_hi = tl.maximum(tl.minimum(open_hi, hi_blocks), open_lo)
+    return lo, open_lo, open_hi, hi

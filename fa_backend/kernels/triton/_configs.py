@@ -72,6 +72,13 @@ _GPU_BWD_CAUSAL: dict[int, BwdConfig] = {
 # a GPU. Other widths use the plain tables.
 _GPU_FWD_FEATURES: dict[int, TileConfig] = {128: TileConfig(128, 64, 8, 3)}
 _GPU_BWD_FEATURES: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 128, 8, 1), TileConfig(64, 32, 4, 2))}
+# Backward of two feature classes, timed on an H200 (scripts/tune_features.py, bf16, d=128, seqlen 8192,
+# docs/perf-log.md): an attn_mask alone with block bounds (kernels/triton/_mask_bounds.py; most tiles then run
+# the unmasked loop) and dropout. dQ 64 x 64 beat 64 x 32 in both (+11-14 %), dK/dV 32 x 64 beat 32 x 128 with
+# masks (+3-10 %) but not with dropout (-4 %). Both keep small spills (sm90 compile check: 0-128 bytes).
+_GPU_BWD_MASK_BOUNDS: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 2))}
+_GPU_BWD_DROPOUT: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 128, 8, 1), TileConfig(64, 64, 4, 2))}
+_BWD_FEATURE_TABLES = {"features": _GPU_BWD_FEATURES, "mask_bounds": _GPU_BWD_MASK_BOUNDS, "dropout": _GPU_BWD_DROPOUT}
 
 _override: dict[str, object] = {"fwd": None, "bwd": None}
 
@@ -168,12 +175,16 @@ def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int, fe
     return fwd_table(causal, seqlen_k)[width]
 
 
-def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool = False) -> BwdConfig:
+def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool | str = False) -> BwdConfig:
+    """Backward tiles; features: False for a plain call, else True / "features", "mask_bounds" (an attn_mask
+    alone, read through block bounds) or "dropout" (with or without other features)."""
     if _override["bwd"] is not None:
         return _override["bwd"]  # type: ignore[return-value]
     if q.device.type != "cuda" or _launch._INTERPRET:
         return _INTERPRETER_BWD
     width = _width(d, dv)
-    if features and width in _GPU_BWD_FEATURES:
-        return _GPU_BWD_FEATURES[width]
+    if features:
+        table = _BWD_FEATURE_TABLES["features" if features is True else features]
+        if width in table:
+            return table[width]
     return bwd_table(causal)[width]

@@ -38,6 +38,14 @@ def expand_mask(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> t
     return m
 
 
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels' integer form of dropout_p: a score is dropped iff its uniform 32-bit Philox word is below
+    floor(dropout_p * 2**32), so the drop probability is dropout_p to within 2**-32 (dropout_p < 1)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return min(int(dropout_p * 2**32), 2**32 - 1)
+
+
 _NO_FEATURE_ARGS = (None,) * 15  # Mask + 4 strides, Alibi + 3, softcap_in, left_offset, dropout's 4
 
 
@@ -92,7 +100,7 @@ def kernel_features(
     if dropout_p > 0:
         if rng is None:
             raise ValueError("dropout_p > 0 needs the RNG state (seed, offset)")
-        drop_args = (int(rng[0]), int(rng[1]), float(dropout_p), 1.0 / (1.0 - dropout_p))
+        drop_args = (int(rng[0]), int(rng[1]), dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p))
         constexprs["DROPOUT"] = True
     else:
         drop_args = (None,) * 4

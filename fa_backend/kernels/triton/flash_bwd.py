@@ -18,13 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_rows, _score_mods,
-                      _tile_ptrs, _window_lo)
+from ._common import (LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_rows, _open_key_range,
+                      _score_mods, _tile_ptrs, _window_lo)
 from ._configs import bwd_config
 from ._features import kernel_features
-from . import _launch
+from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
-from .flash_fwd import varlen_strides
+from .flash_fwd import mask_bounds_args, varlen_strides
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
@@ -62,7 +62,7 @@ def _bwd_dkdv_loop(
     stride_qm, stride_qd, stride_dom, stride_dod,
     start, end, n0, SEQ_Q, causal_offset, qk_scale,
     SEQ_K, Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, bh_q, dropout_p, dropout_scale, DROP_SEQ_Q, DROP_SEQ_K,
+    seed, rng_offset, bh_q, drop_threshold, dropout_scale, DROP_SEQ_Q, DROP_SEQ_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr = True, WINDOW_LEFT: tl.constexpr = False,
@@ -94,7 +94,7 @@ def _bwd_dkdv_loop(
             p_t = tl.math.exp2(s_t - lse[None, :])
         else:
             p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
-        if MASKED:
+        if MASKED and (CAUSAL or WINDOW_LEFT):  # MASKED alone (attn_mask bounds): no band
             if CAUSAL:
                 if WINDOW_LEFT:
                     band = (cols[:, None] <= rows[None, :] + causal_offset) & (cols[:, None] >= rows[None, :] + left_offset)
@@ -106,8 +106,8 @@ def _bwd_dkdv_loop(
         do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
             # dV sees the dropped probabilities (rescaled once at the end); dP is masked and scaled.
-            keep_t = _dropout_keep(seed, rng_offset, bh_q, rows[None, :], cols[:, None], DROP_SEQ_Q, DROP_SEQ_K,
-                                    dropout_p)
+            keep_t = tl.trans(_dropout_keep(seed, rng_offset, bh_q, rows, n0, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
+                                            BLOCK_N))
             dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv)
@@ -142,7 +142,7 @@ def _bwd_dkdv(
     NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn,
     Alibi, stride_ab, stride_ah, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, dropout_p, dropout_scale,
+    seed, rng_offset, drop_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -150,6 +150,7 @@ def _bwd_dkdv(
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
+    Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_n = pid % NUM_N_BLOCKS
@@ -241,29 +242,63 @@ def _bwd_dkdv(
             DQ_ACC_h = DQ_ACC + bh_q.to(tl.int64) * SEQ_Q * BLOCK_D
         else:
             DQ_ACC_h = DQ_ACC
-        if CAUSAL:
+        if MASK_BOUNDS:
+            # The attn_mask's query blocks for this key block (_mask_bounds.py, positions in queries):
+            # hidden outside [u_lo, u_hi), open in [u_open_lo, u_open_hi). Every mask applies in [lo, open_lo)
+            # and [open_hi, hi), none in between. Each range's length is a multiple of BLOCK_M from its start
+            # (the loops step BLOCK_M rows and must not overlap); rows a last step runs past hi see nothing.
+            b_ptr = Bounds + off_b * stride_bb + off_h * stride_bh + pid_n * stride_br
+            lo = tl.maximum(m_lo, tl.load(b_ptr))
+            open_lo = tl.maximum(m_mid, tl.load(b_ptr + 1))
+            hi = tl.minimum(m_hi, tl.load(b_ptr + 3))
+            open_hi = tl.minimum(tl.minimum(m_end, tl.load(b_ptr + 2)), hi)
+            open_lo = lo + tl.cdiv(tl.maximum(tl.minimum(open_lo, hi) - lo, 0), BLOCK_M) * BLOCK_M
+            open_hi = open_lo + (tl.maximum(open_hi - open_lo, 0) // BLOCK_M) * BLOCK_M
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                m_lo, m_diag_end, n0, seqlen_q, causal_offset, qk_scale,
+                lo, open_lo, n0, seqlen_q, causal_offset, qk_scale,
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
+                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
                 MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
-        dk, dv = _bwd_dkdv_loop(
-            dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-            m_mid, m_end, n0, seqlen_q, causal_offset, qk_scale,
-            seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-            seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
-        if WINDOW_LEFT:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                tl.maximum(m_end, m_mid), m_hi, n0, seqlen_q, causal_offset, qk_scale,
+                open_lo, open_hi, n0, seqlen_q, causal_offset, qk_scale,
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
+                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
+                0, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+            dk, dv = _bwd_dkdv_loop(
+                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+                open_hi, hi, n0, seqlen_q, causal_offset, qk_scale,
+                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
                 MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+        else:
+            if CAUSAL:
+                dk, dv = _bwd_dkdv_loop(
+                    dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+                    m_lo, m_diag_end, n0, seqlen_q, causal_offset, qk_scale,
+                    seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                    seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
+                    MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+            dk, dv = _bwd_dkdv_loop(
+                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+                m_mid, m_end, n0, seqlen_q, causal_offset, qk_scale,
+                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+            if WINDOW_LEFT:
+                dk, dv = _bwd_dkdv_loop(
+                    dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+                    tl.maximum(m_end, m_mid), m_hi, n0, seqlen_q, causal_offset, qk_scale,
+                    seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                    seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
+                    MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
 
     dk *= sm_scale
     if DROPOUT:
@@ -281,7 +316,7 @@ def _bwd_dq_loop(
     stride_kn, stride_kd, stride_vn, stride_vd,
     start, end, rows, SEQ_K, causal_offset, qk_scale,
     SEQ_Q, Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, bh, dropout_p, dropout_scale, DROP_SEQ_Q, DROP_SEQ_K,
+    seed, rng_offset, bh, drop_threshold, dropout_scale, DROP_SEQ_Q, DROP_SEQ_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -310,8 +345,8 @@ def _bwd_dq_loop(
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            keep_d = _dropout_keep(seed, rng_offset, bh, rows[:, None], cols[None, :], DROP_SEQ_Q, DROP_SEQ_K,
-                                   dropout_p)
+            keep_d = _dropout_keep(seed, rng_offset, bh, rows, start_n, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
+                                   BLOCK_N)
             dp = tl.where(keep_d, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -333,13 +368,14 @@ def _bwd_dq(
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale, sm_scale,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn,
     Alibi, stride_ab, stride_ah, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, dropout_p, dropout_scale,
+    seed, rng_offset, drop_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
     CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
+    Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_m = pid % NUM_M_BLOCKS
@@ -398,31 +434,49 @@ def _bwd_dq(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n_full, hi = _kv_bounds(m0, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    if WINDOW_LEFT:
-        lo, full_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
+    if WINDOW_LEFT or MASK_BOUNDS:
+        # As in the forward: every mask applies in [lo, open_lo) and [open_hi, hi), none in between.
+        if WINDOW_LEFT:
+            lo, open_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
+        else:
+            lo = 0
+            open_lo = 0
+        if MASK_BOUNDS:
+            b_ptr = Bounds + off_b * stride_bb + off_h * stride_bh + pid_m * stride_br
+        else:
+            b_ptr = Bounds
+        lo, open_lo, open_hi, hi = _open_key_range(lo, open_lo, n_full, hi, b_ptr, BLOCK_N, MASK_BOUNDS)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                          lo, tl.minimum(full_lo, hi), rows, seqlen_k, causal_offset, qk_scale,
+                          lo, open_lo, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                          seed, rng_offset, bh, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
+                          seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
                           MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
-        mid_lo = full_lo
-        tail_lo = tl.maximum(full_lo, n_full)
+        dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                          open_lo, open_hi, rows, seqlen_k, causal_offset, qk_scale,
+                          seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                          seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
+                          0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+        dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                          open_hi, hi, rows, seqlen_k, causal_offset, qk_scale,
+                          seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                          seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     else:
-        mid_lo = 0
-        tail_lo = n_full
-    dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                      mid_lo, n_full, rows, seqlen_k, causal_offset, qk_scale,
-                      seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                      seed, rng_offset, bh, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
-                      HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
-                      MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
-    dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-                      tail_lo, hi, rows, seqlen_k, causal_offset, qk_scale,
-                      seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                      seed, rng_offset, bh, dropout_p, dropout_scale, SEQ_Q, SEQ_K,
-                      HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                      MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+        dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                          0, n_full, rows, seqlen_k, causal_offset, qk_scale,
+                          seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                          seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+        dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                          n_full, hi, rows, seqlen_k, causal_offset, qk_scale,
+                          seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                          seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
@@ -448,6 +502,17 @@ def _bwd_dq_convert(
     dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
     tl.store(dq_ptrs, (acc * sm_scale).to(DQ.dtype.element_ty),
              mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
+
+
+def _bwd_feature_class(feat, attn_mask, b: int, hq: int, sq: int, sk: int, d: int) -> bool | str:
+    """Which backward tile table a call uses (_configs.bwd_config)."""
+    if not feat.constexprs:
+        return False
+    if "DROPOUT" in feat.constexprs:
+        return "dropout"
+    if set(feat.constexprs) == {"MASK_KIND"} and _mask_bounds.worth_it(b, hq, sq, sk, d):
+        return "mask_bounds"
+    return True
 
 
 def flash_bwd(
@@ -476,7 +541,7 @@ def flash_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
-    cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
+    cfg = bwd_config(q, d, dv_dim, feat.causal, features=_bwd_feature_class(feat, attn_mask, b, hq, sq, sk, d))
     block_d, block_dv = tile_dims(d, dv_dim)
 
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
@@ -504,6 +569,7 @@ def flash_bwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
+        **mask_bounds_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
     if atomic:
         m_blocks = cdiv(sq, pre_block)
@@ -521,6 +587,7 @@ def flash_bwd(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
+        **mask_bounds_args(attn_mask, b, hq, sq, sk, d, cfg.dq.block_m, cfg.dq.block_n),
     ))
     return dq, dk, dv
 

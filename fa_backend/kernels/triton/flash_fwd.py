@@ -15,10 +15,11 @@ import triton
 import triton.language as tl
 
 from .._layout import new_attention_output
-from ._common import LN2, LOG2E, RESCALE_LOG2, _band_keep, _dropout_keep, _kv_bounds, _load_rows, _score_mods, _tile_ptrs, _window_lo
+from ._common import (LN2, LOG2E, RESCALE_LOG2, _band_keep, _dropout_keep, _kv_bounds, _load_rows,
+                      _open_key_range, _score_mods, _tile_ptrs, _window_lo)
 from ._configs import fwd_config
-from ._features import kernel_features
-from . import _launch
+from ._features import dropout_threshold, kernel_features
+from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 
 
@@ -28,20 +29,30 @@ def _fwd_kv_loop(
     stride_kn, stride_kd, stride_vn, stride_vd,
     start, end, offs_m, SEQ_Q, SEQ_K, causal_offset, qk_scale,
     Mask, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, bh, dropout_p, DROP_SEQ_Q, DROP_SEQ_K,
+    seed, rng_offset, bh, drop_threshold, DROP_SEQ_Q, DROP_SEQ_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     DROPOUT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    gap_at=None, gap_len=None, GAP: tl.constexpr = False,
 ):
+    """Fold keys [start, end) into (acc, l_i, m_i). GAP: the keys are [start, gap_at) and
+    [gap_at + gap_len, end + gap_len) instead, in one loop (two ranges in one loop body keep the
+    register allocation of a two-loop kernel; a third loop body spills at 128 x 64 tiles on sm90)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
     v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     MODS: tl.constexpr = MASK_KIND != 0 or HAS_ALIBI or SOFTCAP
-    for start_n in range(start, end, BLOCK_N):
+    for x in range(start, end, BLOCK_N):
+        if GAP:
+            start_n = x + (x >= gap_at).to(tl.int32) * gap_len
+            k_ptrs = _tile_ptrs(K, start_n, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+            v_ptrs = _tile_ptrs(V, start_n, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
+        else:
+            start_n = x
         cols = start_n + offs_n
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
@@ -91,13 +102,14 @@ def _fwd_kv_loop(
         v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
             # The normaliser l keeps every probability; dropped ones leave only the P @ V sum.
-            keep_d = _dropout_keep(seed, rng_offset, bh, offs_m[:, None], cols[None, :], DROP_SEQ_Q, DROP_SEQ_K,
-                                   dropout_p)
+            keep_d = _dropout_keep(seed, rng_offset, bh, offs_m, start_n, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
+                                   BLOCK_N)
             p = tl.where(keep_d, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not GAP:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -121,7 +133,7 @@ def _attn_fwd(
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn,
     Alibi, stride_ab, stride_ah, alibi_offset, softcap_in, left_offset,
-    seed, rng_offset, dropout_p, dropout_scale,
+    seed, rng_offset, drop_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
@@ -129,6 +141,7 @@ def _attn_fwd(
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
+    Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
     # concurrently running programs share that head's K/V in L2.
@@ -184,35 +197,72 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     n_full, hi = _kv_bounds(m0, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    if WINDOW_LEFT:
+    if MASK_BOUNDS:
+        # The attn_mask's blocks for this tile (_mask_bounds.py): hidden outside [lo, hi), open in
+        # [open_lo, open_hi); multiples of BLOCK_N but hi. The open range, where every row of the tile sees
+        # every key (no band either), reads no mask; the keys on either side of it apply every mask.
+        if WINDOW_LEFT:
+            lo, open_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
+        else:
+            lo = 0
+            open_lo = 0
+        lo, open_lo, open_hi, hi = _open_key_range(
+            lo, open_lo, n_full, hi, Bounds + off_b * stride_bb + off_h * stride_bh + pid_m * stride_br,
+            BLOCK_N, True)
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            open_lo, open_hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
+            Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
+            0, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            lo, hi - (open_hi - open_lo), offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
+            Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE,
+            open_lo, open_hi - open_lo, True)
+    elif WINDOW_LEFT:
         # Keys before lo are left of every row's window; from full_lo on, left of no row's.
         lo, full_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             lo, tl.minimum(full_lo, hi), offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-            seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
+            seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
             MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
-        mid_lo = full_lo
-        tail_lo = tl.maximum(full_lo, n_full)
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            full_lo, n_full, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
+            Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            tl.maximum(full_lo, n_full), hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
+            Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
     else:
-        mid_lo = 0
-        tail_lo = n_full
-    acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-        mid_lo, n_full, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
-        Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-        seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
-    acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-        tail_lo, hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
-        Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-        seed, rng_offset, bh, dropout_p, SEQ_Q, SEQ_K,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-        MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            0, n_full, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
+            Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            n_full, hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
+            Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
 
     # Rows that saw no key (l = 0) output 0 with LSE = -inf, as PyTorch's math backend does.
     empty = l_i == 0.0
@@ -277,8 +327,19 @@ def flash_fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
+        **mask_bounds_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse
+
+
+def mask_bounds_args(attn_mask: torch.Tensor | None, b: int, hq: int, sq: int, sk: int, d: int, block_q: int,
+                     block_k: int, by_keys: bool = False) -> dict:
+    """Keyword arguments that let a launch skip the attn_mask's hidden blocks (see _mask_bounds.py); empty
+    when there is no mask or the call is too small for it to pay."""
+    if attn_mask is None or not _mask_bounds.worth_it(b, hq, sq, sk, d):
+        return {}
+    bounds, sb, sh, sr = _mask_bounds.block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
+    return dict(Bounds=bounds, stride_bb=sb, stride_bh=sh, stride_br=sr, MASK_BOUNDS=True)
 
 
 def varlen_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -341,14 +402,14 @@ def flash_fwd_varlen(
 
 
 @triton.jit
-def _dropout_mask_kernel(KEEP, seed, rng_offset, dropout_p, NUM_HEADS_Q, SEQ_Q, SEQ_K,
+def _dropout_mask_kernel(KEEP, seed, rng_offset, drop_threshold, NUM_HEADS_Q, SEQ_Q, SEQ_K,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     bh = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _dropout_keep(seed, rng_offset, bh, rows[:, None], cols[None, :], SEQ_Q, SEQ_K, dropout_p)
+    keep = _dropout_keep(seed, rng_offset, bh, rows, pid_n * BLOCK_N, SEQ_Q, SEQ_K, drop_threshold, BLOCK_N)
     ptrs = KEEP + (bh.to(tl.int64) * SEQ_Q + rows[:, None]) * SEQ_K + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < SEQ_Q) & (cols[None, :] < SEQ_K))
 
@@ -364,7 +425,8 @@ def dropout_keep_mask(b: int, hq: int, sq: int, sk: int, dropout_p: float, rng: 
     if keep.numel() == 0:
         return keep.bool()
     grid = (cdiv(sq, 16), cdiv(sk, 16), b * hq)
-    _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), float(dropout_p), hq, sq, sk, BLOCK_M=16, BLOCK_N=16)
+    _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), dropout_threshold(dropout_p), hq, sq, sk,
+                               BLOCK_M=16, BLOCK_N=16)
     return keep.bool()
 
 

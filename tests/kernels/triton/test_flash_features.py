@@ -186,6 +186,21 @@ def test_dropout_keep_rate(p):
     # Columns and rows are not correlated: the keep rate is right in every (b, h) slice too.
     per_head = keep.float().mean((2, 3))
     assert (per_head - (1 - p)).abs().max() < 6 * math.sqrt(p * (1 - p) / (64 * 113))
+    # Four neighbouring keys share one Philox draw (one 32-bit word each): they must still be independent.
+    k = keep[..., :112].reshape(2, 4, 64, 28, 4).float()
+    for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+        both = (k[..., a] * k[..., b]).mean().item()
+        n_pairs = k[..., a].numel()
+        q = (1 - p) ** 2
+        assert abs(both - q) < 5 * math.sqrt(q * (1 - q) / n_pairs), (a, b, both, q)
+
+
+def test_dropout_threshold():
+    from fa_backend.kernels.triton._features import dropout_threshold
+    assert dropout_threshold(0.0) == 0 and dropout_threshold(0.5) == 2**31
+    assert dropout_threshold(1 - 2**-40) == 2**32 - 1
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout_threshold(1.0)
 
 
 def test_dropout_mask_differs_between_heads_and_calls():

@@ -1,0 +1,150 @@
+"""Block ranges of an attn_mask, so the kernels skip what it hides and do not read it where it hides nothing.
+
+A mask often has structure at the scale of a tile: an explicit causal mask hides every block above the
+diagonal, a key-padding mask hides whole key blocks past each sequence's length, a document mask hides
+every block outside the diagonal documents. For each tile row of the kernel's grid, `block_bounds`
+classifies the blocks along the loop (keys for the forward and dQ kernels, queries for the dK/dV one):
+
+- hidden: every element masked (bool False, additive -inf): the block changes nothing and is skipped;
+- open: every element attended with nothing added (bool True, additive 0): the mask is not read;
+- partial: anything else; the kernel reads the mask there.
+
+The kernels get, per tile row, four loop positions (lo, open_lo, open_hi, hi): blocks outside [lo, hi)
+are hidden, blocks in [open_lo, open_hi) are open. Blocks in between are handled as partial, so the
+result is exact for any mask; the saving depends on the mask having one run of open blocks per tile
+row (true of causal, padding, sliding-window and document masks).
+
+The classification reads the mask once per launch (about sq * sk bytes for a bool mask), which is why
+launchers use it only on calls large enough for the skipped work to pay (see `worth_it`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+# Loop end for "to the end of the sequence": larger than any sequence, small enough for int32 arithmetic.
+TO_END = 2**30
+
+# Calls below this many forward FLOPs (4 * b * hq * sq * sk * d) read the mask in every block instead:
+# building the bounds costs a few small launches (tens of µs of host time), more than it saves there.
+MIN_FLOPS = 2**33
+
+
+def worth_it(b: int, hq: int, sq: int, sk: int, d: int) -> bool:
+    """Whether a masked launch of this size builds block bounds (module-level MIN_FLOPS, 0 in tests)."""
+    return 4 * b * hq * sq * sk * d >= MIN_FLOPS
+
+
+def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    m = attn_mask
+    if m.dim() < 4:
+        m = m.view((1,) * (4 - m.dim()) + tuple(m.shape))
+    return m
+
+
+def block_classes(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible, open) bool tensors of shape (mb, mh, nq, nk) for the mask's (block_q x block_k) blocks.
+
+    visible: some element of the block is not hidden; open: no element is masked or biased. mb / mh are
+    the mask's own batch / head sizes (1 when broadcast); nq is 1 when the mask's query dim is broadcast.
+    Key positions past sk count as hidden; query rows past sq count as attended with a zero bias (so a
+    last, partial query block is never classified hidden: conservative, still exact).
+    """
+    m = _mask_4d(attn_mask)
+    mb, mh, mq, mk = m.shape
+    if mk == 1:
+        m = m.expand(mb, mh, mq, sk)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+        key_pad, row_pad = 0, 1
+    else:
+        key_pad, row_pad = float("-inf"), 0.0
+    nk = -(-sk // block_k)
+    if nk * block_k != sk:
+        m = F.pad(m, (0, nk * block_k - sk), value=key_pad)
+    if mq == 1:
+        nq, rows = 1, 1
+    else:
+        nq = -(-sq // block_q)
+        rows = block_q
+        if nq * block_q != sq:
+            m = F.pad(m, (0, 0, 0, nq * block_q - sq), value=row_pad)
+    blocks = m.reshape(mb, mh, nq, rows, nk, block_k)
+    hi = blocks.amax(dim=(3, 5))
+    lo = blocks.amin(dim=(3, 5))
+    if m.dtype == torch.uint8:
+        return hi != 0, lo != 0
+    return hi != float("-inf"), (lo == 0) & (hi == 0)
+
+
+def _first(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first True along the last dim, or its length where there is none."""
+    n = x.shape[-1]
+    idx = x.to(torch.uint8).argmax(dim=-1)  # the first maximum
+    return torch.where(x.any(dim=-1), idx, torch.full_like(idx, n))
+
+
+def bounds_from_classes(visible: torch.Tensor, open_: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 (..., 4) loop positions (lo, open_lo, open_hi, hi) along the last dim of the classes, in
+    elements (multiples of block; TO_END for the end of the dim). open_hi is the end of the first run of
+    open blocks; with no visible block every position is 0."""
+    n = visible.shape[-1]
+    any_visible = visible.any(dim=-1)
+    lo = _first(visible)
+    hi = n - _first(visible.flip(-1))
+    open_lo = _first(open_)
+    idx = torch.arange(n, device=visible.device)
+    open_hi = _first((idx >= open_lo.unsqueeze(-1)) & ~open_)
+    none = torch.zeros_like(lo)
+    out = torch.stack([torch.where(any_visible, p, none) for p in (lo, open_lo, open_hi, hi)], dim=-1)
+    out = torch.where(out >= n, torch.full_like(out, TO_END // block), out) * block
+    return out.to(torch.int32)
+
+
+# Bounds of recent masks: a model passes one mask object to every layer, and the backward needs the bounds
+# again. Keyed on the mask's identity (checked through a weak reference, so a new tensor at a reused
+# address never matches) and its version counter (an in-place write makes a new entry).
+_CACHE: dict[tuple, tuple[weakref.ref, tuple]] = {}
+_CACHE_SIZE = 64
+
+
+def block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_k: int, by_keys: bool = False
+                 ) -> tuple[torch.Tensor, int, int, int]:
+    """Loop bounds of one kernel launch and their (batch, head, tile-row) strides (0 where broadcast).
+
+    by_keys=False: one row per query block (forward, dQ), positions in keys. by_keys=True: one row per
+    key block (dK/dV), positions in queries. The tensor is (mb, mh, rows, 4) int32 on the mask's device.
+    Reused for the same mask tensor while it is not written in place, except during CUDA-graph capture
+    (the graph must compute them from the mask's contents at replay time) and for inference tensors
+    (which have no version counter).
+    """
+    cacheable = not attn_mask.is_inference() and not (
+        attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+    if not cacheable:
+        return _block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
+    key = (id(attn_mask), attn_mask._version, sq, sk, block_q, block_k, by_keys)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is attn_mask:
+        return hit[1]
+    result = _block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (weakref.ref(attn_mask), result)
+    return result
+
+
+def _block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_k: int, by_keys: bool
+                  ) -> tuple[torch.Tensor, int, int, int]:
+    visible, open_ = block_classes(attn_mask, sq, sk, block_q, block_k)
+    if by_keys:
+        bounds = bounds_from_classes(visible.transpose(-1, -2), open_.transpose(-1, -2), block_q)
+    else:
+        bounds = bounds_from_classes(visible, open_, block_k)
+    bounds = bounds.contiguous()
+    mb, mh, rows, _ = bounds.shape
+    return (bounds, bounds.stride(0) if mb > 1 else 0, bounds.stride(1) if mh > 1 else 0,
+            bounds.stride(2) if rows > 1 else 0)

@@ -1,0 +1,91 @@
+"""Time tile configurations of the Triton kernels on the feature calls of `bench --features` (GPU).
+
+For each case (bench_features.case_arguments: causal_mask, key_padding, random_keys, dropout) it times the
+forward with each forward candidate, then the backward with each dK/dV candidate (dQ tile fixed) and each
+dQ candidate (dK/dV tile fixed); the two backward kernels are separate launches, so their best tiles
+combine. TFLOP/s count the full (non-causal) matrix, as bench --features does.
+
+    python scripts/tune_features.py --cases key_padding dropout --seqlens 8192 --json out/tune_features.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fa_backend  # noqa: E402
+from fa_backend.bench import _inputs, attention_flops  # noqa: E402
+from fa_backend.bench_features import CASES, case_arguments  # noqa: E402
+from fa_backend.kernels.triton import _configs  # noqa: E402
+from fa_backend.kernels.triton._configs import BwdConfig, TileConfig as T  # noqa: E402
+
+FWD = [T(128, 64, 8, 3), T(128, 128, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 3), T(128, 32, 4, 3)]
+DKDV = [T(32, 128, 8, 1), T(32, 128, 8, 2), T(64, 64, 4, 1), T(32, 64, 4, 2)]
+DQ = [T(64, 32, 4, 2), T(64, 64, 4, 2), T(128, 64, 8, 2), T(64, 32, 4, 3)]
+
+
+def _time(fn) -> float | None:
+    from triton.testing import do_bench
+    try:
+        fn()
+        return do_bench(fn, warmup=10, rep=60, return_mode="median")
+    except Exception as e:  # a tile that fails to compile or launch is reported, not fatal
+        print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        return None
+
+
+def tune_case(case: str, seqlen: int, d: int = 128, tokens: int = 16384, width: int = 2048) -> list[dict]:
+    batch, heads = max(1, tokens // seqlen), max(1, width // d)
+    kwargs = case_arguments(case, batch, seqlen)
+    q, k, v = _inputs(batch, heads, seqlen, d, torch.bfloat16)
+    flops = attention_flops(batch, heads, seqlen, seqlen, d, False)
+    rows = []
+
+    def fwd():
+        return fa_backend.attention(q, k, v, **kwargs)
+
+    for cfg in FWD:
+        with _configs.override(fwd=cfg):
+            ms = _time(fwd)
+        rows.append(dict(case=case, seqlen=seqlen, kernel="fwd", tile=str(cfg), ms=ms,
+                         tflops=None if ms is None else flops / ms * 1e-9))
+        print(f"  {case:>11} s={seqlen} fwd  {cfg}: {rows[-1]['tflops'] or 0:6.0f} TFLOP/s", flush=True)
+    out = fwd()
+    dout = torch.randn_like(out)
+
+    def bwd():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    for kernel, cands in (("dkdv", DKDV), ("dq", DQ)):
+        for cfg in cands:
+            pair = BwdConfig(cfg, DQ[0]) if kernel == "dkdv" else BwdConfig(DKDV[0], cfg)
+            with _configs.override(bwd=pair):
+                out = fwd()
+                ms = _time(bwd)
+            rows.append(dict(case=case, seqlen=seqlen, kernel=kernel, tile=str(cfg), ms=ms,
+                             tflops=None if ms is None else 2.5 * flops / ms * 1e-9))
+            print(f"  {case:>11} s={seqlen} bwd  {kernel} {cfg}: {rows[-1]['tflops'] or 0:6.0f} TFLOP/s "
+                  f"(with the other kernel's first tile)", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--seqlens", type=int, nargs="*", default=[8192])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = [r for case in args.cases for s in args.seqlens for r in tune_case(case, s)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
