@@ -2,7 +2,9 @@
 
 Cases (d=128 by default, seqlen 2k-16k, b*s = 16k tokens, h*d = 2048):
 - causal_mask: causal attention given as an explicit bool (sq, sk) mask (SDPA has to read it);
-- key_padding: a bool (b, 1, 1, sk) key-padding mask, ~10% of keys padded, read with stride 0;
+- key_padding: a bool (b, 1, 1, sk) key-padding mask, read with stride 0: sequence i of the batch has
+  its first L_i keys, L_i drawn uniformly from [sk / 2, sk] (seeded), the rest padded;
+- random_keys: a bool (b, 1, 1, sk) mask hiding a random ~10% of the keys (every tile partial);
 - dropout: dropout_p = 0.1, no mask.
 Peers are PyTorch's efficient and cuDNN SDPA backends, each with exactly the same arguments (a
 peer that refuses a case is reported with its error). FLOPs count the full (non-causal) matrix for
@@ -18,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-CASES = ("causal_mask", "key_padding", "dropout")
+CASES = ("causal_mask", "key_padding", "random_keys", "dropout")
 PEERS = {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 
 
@@ -42,6 +44,10 @@ def case_arguments(case: str, batch: int, seqlen: int, device: str = "cuda") -> 
     if case == "causal_mask":
         return {"attn_mask": torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).tril()}
     if case == "key_padding":
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        lengths = torch.randint(seqlen // 2, seqlen + 1, (batch, 1, 1, 1), generator=gen)
+        return {"attn_mask": (torch.arange(seqlen) < lengths).to(device)}
+    if case == "random_keys":
         gen = torch.Generator(device="cpu").manual_seed(0)
         keep = torch.rand(batch, 1, 1, seqlen, generator=gen) >= 0.1
         return {"attn_mask": keep.to(device)}

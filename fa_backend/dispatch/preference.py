@@ -48,6 +48,8 @@ class FasterPeer:
     evidence: str
     masks: bool = False  # also calls with an attn_mask (bool or additive)
     dropout: bool = False  # also calls with dropout_p > 0
+    dropout_only: bool = False  # only calls with dropout_p > 0
+    mask_only: bool = False  # only calls with an attn_mask
     max_fwd_flops: int | None = None  # only calls with fewer forward FLOPs (fwd_flops)
     max_kv_bytes: int | None = None  # only calls reading fewer bytes of K and V (kv_bytes)
     max_seqlen_q: int | None = None  # only calls with at most this many queries
@@ -60,6 +62,7 @@ class FasterPeer:
                 and call.dtype in self.dtypes and call.head_dim == call.head_dim_v
                 and (self.head_dims is None or call.head_dim in self.head_dims)
                 and (call.mask_kind == "none" or self.masks) and (call.dropout_p == 0.0 or self.dropout)
+                and (call.dropout_p > 0.0 or not self.dropout_only) and (call.mask_kind != "none" or not self.mask_only)
                 and (call.heads_q == call.heads_kv or self.gqa)
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
                 and call.shapes_consistent and not call.subclass
@@ -108,12 +111,25 @@ PREFERENCES: tuple[FasterPeer, ...] = (
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
                evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward"),
-    # docs/benchmarks.md, masks and dropout (d=128, seqlen 2k-16k): cuDNN 2.1-2.9x our Triton
-    # forward and 1.8-4.3x backward with a causal mask, a key-padding mask or dropout 0.1.
+    # docs/benchmarks.md, "Masks and dropout" (H200, torch 2.11, bf16, d=128, seqlen 2k-16k): with dropout 0.1
+    # cuDNN ran 1.43-1.46x our Triton forward and 2.40-2.57x our backward. Calls with only a mask are not in the
+    # rule: ours skips what the mask hides (kernels/triton/_mask_bounds.py) and ran an explicit causal mask at
+    # 1.76-2.84x cuDNN forward / 1.55-1.88x backward, a right-padding key mask at 1.34-1.87x / 0.92-1.20x; a mask
+    # without block structure (a random 10 % of the keys) ran at 0.49-0.50x / 0.55-0.58x, which metadata
+    # cannot tell apart (force cuDNN for such masks with fa_backend.sdpa_backends(['torch'])).
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
-               dropout=True, evidence="H200, torch 2.11, d=128: cuDNN 2.1-2.9x our Triton forward and 1.8-4.3x "
-                                      "backward with masks or dropout"),
+               dropout=True, dropout_only=True,
+               evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN 1.43-1.46x our Triton forward and "
+                        "2.40-2.57x backward"),
+    # Short-query calls with a mask (decode steps, sq <= 16) stay on cuDNN as before the rule above dropped
+    # masks: the block bounds are the dense kernels' (a decode step has one query block), and our split-KV
+    # decode kernel ran at 0.62-1.02x cuDNN without a mask ("Decode (KV cache)"); with one it reads the mask too.
+    FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
+               mask_only=True, gqa=True, max_seqlen_q=16,
+               evidence="H200, torch 2.11, d=128, short queries: our split-KV decode kernel 0.62-1.02x cuDNN "
+                        "without a mask"),
     # docs/benchmarks.md, "nn modules with routing on" (H200, torch 2.11, bf16, E=512 with 16 heads, d=32,
     # seqlen 128-2048, two runs): with our Triton kernel, eval 0.28-1.08x of routing off (MHA 0.37-0.57x at
     # seqlen 128-512, 0.92-1.08x at 2048; encoder layer 0.28-0.52x) and training 0.80-0.99x; restricted to
