@@ -176,4 +176,6 @@ def test_explain_lists_every_cute_reason_and_counters_count_them():
     fa_backend.reset_stats()
     with fa_backend.enabled():
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
-    assert [k for k in fa_backend.stats()["fallbacks"] if k.startswith("cute:")] == [f"cute:{c.value}" for c in expected]
+    # counters summarise a backend that is not installed by that reason alone (integrations/sdpa._passed_over)
+    counted = expected[:1] if cute_backend.DSL_MISSING else expected
+    assert [k for k in fa_backend.stats()["fallbacks"] if k.startswith("cute:")] == [f"cute:{c.value}" for c in counted]
