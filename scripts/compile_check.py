@@ -102,6 +102,7 @@ def _report(kernel, options: dict) -> str:
 FEATURES: dict[str, dict] = {
     "bool_mask": dict(Mask="ptr8", stride_mb=0, stride_mh=0, stride_mm=4096, stride_mn=1, MASK_KIND=1),
     "additive_mask": dict(Mask="ptr", stride_mb=0, stride_mh=0, stride_mm=4096, stride_mn=1, MASK_KIND=2),
+    "key_padding_mask": dict(Mask="ptr8", stride_mb=4096, stride_mh=0, stride_mm=0, stride_mn=1, MASK_KIND=3),
     "bool_mask_bounds": dict(Mask="ptr8", stride_mb=0, stride_mh=0, stride_mm=4096, stride_mn=1, MASK_KIND=1,
                              Bounds="ptri32", stride_bb=0, stride_bh=0, stride_br=4, MASK_BOUNDS=True),
     "dropout": dict(seed=2**40, rng_offset=0, drop_threshold=429496729, dropout_scale=1.1, DROPOUT=True),

@@ -112,16 +112,16 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
                evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward"),
     # docs/benchmarks.md, "Masks and dropout" (H200, torch 2.11, bf16, d=128, seqlen 2k-16k): with dropout 0.1
-    # cuDNN ran 1.43-1.46x our Triton forward and 2.40-2.57x our backward. Calls with only a mask are not in the
+    # cuDNN ran 1.42-1.46x our Triton forward and 2.42-2.55x our backward. Calls with only a mask are not in the
     # rule: ours skips what the mask hides (kernels/triton/_mask_bounds.py) and ran an explicit causal mask at
-    # 1.76-2.84x cuDNN forward / 1.55-1.88x backward, a right-padding key mask at 1.34-1.87x / 0.92-1.20x; a mask
-    # without block structure (a random 10 % of the keys) ran at 0.49-0.50x / 0.55-0.58x, which metadata
+    # 1.76-2.87x cuDNN forward / 1.55-1.86x backward, a right-padding key mask at 1.35-1.82x / 0.93-1.21x; a mask
+    # without block structure (a random 10 % of the keys) ran at 0.64-0.66x / 0.63-0.67x, which metadata
     # cannot tell apart (force cuDNN for such masks with fa_backend.sdpa_backends(['torch'])).
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
                dropout=True, dropout_only=True,
-               evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN 1.43-1.46x our Triton forward and "
-                        "2.40-2.57x backward"),
+               evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN 1.42-1.46x our Triton forward and "
+                        "2.42-2.55x backward"),
     # Short-query calls with a mask (decode steps, sq <= 16) stay on cuDNN as before the rule above dropped
     # masks: the block bounds are the dense kernels' (a decode step has one query block), and our split-KV
     # decode kernel ran at 0.62-1.02x cuDNN without a mask ("Decode (KV cache)"); with one it reads the mask too.

@@ -70,6 +70,10 @@ def _tile_ptrs(base, row0, stride_row, stride_col, BLOCK_R: tl.constexpr, BLOCK_
 MASK_NONE = tl.constexpr(0)
 MASK_BOOL = tl.constexpr(1)
 MASK_ADD = tl.constexpr(2)
+# The same two kinds for a mask whose query stride is 0 (a key-padding mask (b, 1, 1, sk), or one expanded
+# from it): the tile reads one row of the mask and broadcasts it, instead of one byte per score.
+MASK_BOOL_ROW = tl.constexpr(3)
+MASK_ADD_ROW = tl.constexpr(4)
 
 
 @triton.jit
@@ -97,7 +101,10 @@ def _score_mods(qk, qi, kj, SEQ_Q, SEQ_K, qk_scale, softcap_in, Mask, stride_mm,
     if HAS_ALIBI:
         # FlashAttention-2: bias = -slope * |i + seqlen_k - seqlen_q - j| (slope2 = slope * log2(e)).
         s -= slope2 * tl.abs((qi + alibi_offset - kj).to(tl.float32))
-    if MASK_KIND != MASK_NONE:
+    if MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_ADD_ROW:
+        # kj alone has the key axis of qk's shape: one load per key, broadcast over the query axis
+        s = _apply_mask(s, Mask + kj.to(tl.int64) * stride_mn, kj < SEQ_K, MASK_KIND - 2)
+    elif MASK_KIND != MASK_NONE:
         in_bounds = (qi < SEQ_Q) & (kj < SEQ_K)
         s = _apply_mask(s, Mask + qi.to(tl.int64) * stride_mm + kj.to(tl.int64) * stride_mn, in_bounds, MASK_KIND)
     return s, t

@@ -79,7 +79,8 @@ def kernel_features(
     if attn_mask is not None:
         mask = expand_mask(attn_mask, b, hq, sq, sk)
         mask_args = (mask, *mask.stride())
-        constexprs["MASK_KIND"] = 1 if attn_mask.dtype == torch.bool else 2
+        # 1 bool, 2 additive; 3 / 4 the same read one row per tile (no query stride: _common.MASK_BOOL_ROW)
+        constexprs["MASK_KIND"] = (1 if attn_mask.dtype == torch.bool else 2) + (2 if mask.stride(2) == 0 else 0)
     else:
         mask_args = (None,) * 5
     if alibi_slopes is not None:

@@ -55,6 +55,9 @@ def block_classes(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block
     last, partial query block is never classified hidden: conservative, still exact).
     """
     m = _mask_4d(attn_mask)
+    for dim in range(3):  # a broadcast (stride 0) batch, head or query dim holds one distinct slice
+        if m.shape[dim] > 1 and m.stride(dim) == 0:
+            m = m.narrow(dim, 0, 1)
     mb, mh, mq, mk = m.shape
     if mk == 1:
         m = m.expand(mb, mh, mq, sk)

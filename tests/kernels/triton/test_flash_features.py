@@ -248,3 +248,18 @@ def test_no_feature_values_are_unchanged():
                                softcap=0.0, alibi_slopes=None)
     assert torch.equal(plain, off)
     assert max_err(plain, attention_math(q.double(), k.double(), v.double(), is_causal=True)) < 5e-3
+
+
+@pytest.mark.parametrize("shape,dtype,kind", [((2, 1, 1, 20), torch.bool, 3), ((20,), torch.float16, 4),
+                                              ((2, 1, 17, 20), torch.bool, 1), ((17, 20), torch.float32, 2)])
+def test_mask_kind_reads_one_row_when_queries_share_it(shape, dtype, kind):
+    # A mask without a query stride (key padding, or expanded from it) is read one row per tile.
+    from fa_backend.kernels.triton._features import kernel_features
+
+    q, k, _ = _qkv(2, 2, 2, 17, 20, 16)
+    mask = torch.zeros(shape, dtype=dtype, device=DEVICE)
+    feat = kernel_features(q, k, 0.25, False, False, attn_mask=mask)
+    assert feat.constexprs["MASK_KIND"] == kind
+    if len(shape) == 4 and shape[2] == 1:  # HF's expanded key-padding mask keeps stride 0: the row kind too
+        assert kernel_features(q, k, 0.25, False, False, attn_mask=mask.expand(2, 1, 17, 20)).constexprs[
+            "MASK_KIND"] == kind
