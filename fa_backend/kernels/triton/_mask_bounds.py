@@ -110,7 +110,11 @@ def bounds_from_classes(visible: torch.Tensor, open_: torch.Tensor, block: int) 
 
 # Bounds of recent masks: a model passes one mask object to every layer, and the backward needs the bounds
 # again. Keyed on the mask's identity (checked through a weak reference, so a new tensor at a reused
-# address never matches) and its version counter (an in-place write makes a new entry).
+# address never matches) and its version counter (an in-place write makes a new entry). Writes that bypass
+# the version counter (through `.data`, or a foreign kernel writing through data_ptr) are not seen: the
+# contract autograd's saved tensors rely on too. CACHE_ENABLED = False recomputes the bounds on every launch
+# (a few small launches each).
+CACHE_ENABLED = True
 _CACHE: dict[tuple, tuple[weakref.ref, tuple]] = {}
 _CACHE_SIZE = 64
 
@@ -125,7 +129,7 @@ def block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_
     (the graph must compute them from the mask's contents at replay time) and for inference tensors
     (which have no version counter).
     """
-    cacheable = not attn_mask.is_inference() and not (
+    cacheable = CACHE_ENABLED and not attn_mask.is_inference() and not (
         attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
     if not cacheable:
         return _block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)

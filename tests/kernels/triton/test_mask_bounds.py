@@ -181,3 +181,9 @@ def test_bounds_are_reused_and_follow_in_place_writes(monkeypatch):
     mask.copy_(_structured_masks(sq, sk)["documents"].to(DEVICE))
     _check(q, k, v, mask)
     assert len(calls) > n
+    # Switched off, every launch computes them, and writes the version counter does not see are seen too.
+    monkeypatch.setattr(_mask_bounds, "CACHE_ENABLED", False)
+    n = len(calls)
+    mask.data.copy_(_structured_masks(sq, sk)["window"].to(DEVICE))  # .data: no version bump
+    _check(q, k, v, mask)
+    assert len(calls) > n
