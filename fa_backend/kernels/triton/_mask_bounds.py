@@ -29,13 +29,23 @@ import torch.nn.functional as F
 TO_END = 2**30
 
 # Calls below this many forward FLOPs (4 * b * hq * sq * sk * d) read the mask in every block instead:
-# building the bounds costs a few small launches (tens of µs of host time), more than it saves there.
+# building the bounds costs about fifteen small launches (~100 µs of host time), more than it saves there
+# (2**33 FLOPs: ~20 µs of attention on an H200). A mask whose bounds cannot be cached (an inference tensor, or
+# during CUDA-graph capture, see block_bounds) pays that on every call, so it needs a larger call (~170 µs).
 MIN_FLOPS = 2**33
+MIN_FLOPS_UNCACHED = 2**36
 
 
-def worth_it(b: int, hq: int, sq: int, sk: int, d: int) -> bool:
-    """Whether a masked launch of this size builds block bounds (module-level MIN_FLOPS, 0 in tests)."""
-    return 4 * b * hq * sq * sk * d >= MIN_FLOPS
+def cacheable(attn_mask: torch.Tensor) -> bool:
+    """Whether block_bounds may reuse this mask's bounds from an earlier call."""
+    return CACHE_ENABLED and not attn_mask.is_inference() and not (
+        attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def worth_it(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int, d: int) -> bool:
+    """Whether a masked launch of this size builds block bounds (module-level thresholds, 0 in tests)."""
+    flops = 4 * b * hq * sq * sk * d
+    return flops >= MIN_FLOPS and (cacheable(attn_mask) or flops >= MIN_FLOPS_UNCACHED)
 
 
 def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
@@ -84,28 +94,19 @@ def block_classes(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block
     return hi != float("-inf"), (lo == 0) & (hi == 0)
 
 
-def _first(x: torch.Tensor) -> torch.Tensor:
-    """Index of the first True along the last dim, or its length where there is none."""
-    n = x.shape[-1]
-    idx = x.to(torch.uint8).argmax(dim=-1)  # the first maximum
-    return torch.where(x.any(dim=-1), idx, torch.full_like(idx, n))
-
-
 def bounds_from_classes(visible: torch.Tensor, open_: torch.Tensor, block: int) -> torch.Tensor:
     """int32 (..., 4) loop positions (lo, open_lo, open_hi, hi) along the last dim of the classes, in
     elements (multiples of block; TO_END for the end of the dim). open_hi is the end of the first run of
-    open blocks; with no visible block every position is 0."""
+    open blocks; with no visible block lo = TO_END and hi = 0 (no range)."""
     n = visible.shape[-1]
-    any_visible = visible.any(dim=-1)
-    lo = _first(visible)
-    hi = n - _first(visible.flip(-1))
-    open_lo = _first(open_)
-    idx = torch.arange(n, device=visible.device)
-    open_hi = _first((idx >= open_lo.unsqueeze(-1)) & ~open_)
-    none = torch.zeros_like(lo)
-    out = torch.stack([torch.where(any_visible, p, none) for p in (lo, open_lo, open_hi, hi)], dim=-1)
-    out = torch.where(out >= n, torch.full_like(out, TO_END // block), out) * block
-    return out.to(torch.int32)
+    idx = torch.arange(n, device=visible.device, dtype=torch.int32)
+    end = torch.full((), n, device=visible.device, dtype=torch.int32)
+    lo = torch.where(visible, idx, end).amin(-1)
+    hi = torch.where(visible, idx + 1, 0).amax(-1)
+    open_lo = torch.where(open_, idx, end).amin(-1)
+    open_hi = torch.where(open_ | (idx < open_lo.unsqueeze(-1)), end, idx).amin(-1)
+    out = torch.stack((lo, open_lo, open_hi, hi), dim=-1)
+    return torch.where(out >= n, TO_END // block, out) * block
 
 
 # Bounds of recent masks: a model passes one mask object to every layer, and the backward needs the bounds
@@ -129,9 +130,7 @@ def block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_
     (the graph must compute them from the mask's contents at replay time) and for inference tensors
     (which have no version counter).
     """
-    cacheable = CACHE_ENABLED and not attn_mask.is_inference() and not (
-        attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
-    if not cacheable:
+    if not cacheable(attn_mask):
         return _block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
     key = (id(attn_mask), attn_mask._version, sq, sk, block_q, block_k, by_keys)
     hit = _CACHE.get(key)
@@ -151,7 +150,6 @@ def _block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block
         bounds = bounds_from_classes(visible.transpose(-1, -2), open_.transpose(-1, -2), block_q)
     else:
         bounds = bounds_from_classes(visible, open_, block_k)
-    bounds = bounds.contiguous()
     mb, mh, rows, _ = bounds.shape
     return (bounds, bounds.stride(0) if mb > 1 else 0, bounds.stride(1) if mh > 1 else 0,
             bounds.stride(2) if rows > 1 else 0)

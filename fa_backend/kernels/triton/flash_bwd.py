@@ -510,7 +510,7 @@ def _bwd_feature_class(feat, attn_mask, b: int, hq: int, sq: int, sk: int, d: in
         return False
     if "DROPOUT" in feat.constexprs:
         return "dropout"
-    if set(feat.constexprs) == {"MASK_KIND"} and _mask_bounds.worth_it(b, hq, sq, sk, d):
+    if set(feat.constexprs) == {"MASK_KIND"} and _mask_bounds.worth_it(attn_mask, b, hq, sq, sk, d):
         return "mask_bounds"
     return True
 

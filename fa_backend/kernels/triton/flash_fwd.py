@@ -336,7 +336,7 @@ def mask_bounds_args(attn_mask: torch.Tensor | None, b: int, hq: int, sq: int, s
                      block_k: int, by_keys: bool = False) -> dict:
     """Keyword arguments that let a launch skip the attn_mask's hidden blocks (see _mask_bounds.py); empty
     when there is no mask or the call is too small for it to pay."""
-    if attn_mask is None or not _mask_bounds.worth_it(b, hq, sq, sk, d):
+    if attn_mask is None or not _mask_bounds.worth_it(attn_mask, b, hq, sq, sk, d):
         return {}
     bounds, sb, sh, sr = _mask_bounds.block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
     return dict(Bounds=bounds, stride_bb=sb, stride_bh=sh, stride_br=sr, MASK_BOUNDS=True)

@@ -79,7 +79,7 @@ def test_structured_masks_real_size(kind, d, dtype):
     from fa_backend.kernels.triton import _mask_bounds
 
     b, hq, hkv, s = 2, 8, 2, 2560
-    assert _mask_bounds.worth_it(b, hq, s, s, d)
+    assert _mask_bounds.worth_it(torch.ones(1, dtype=torch.bool, device="cuda"), b, hq, s, s, d)
     mask = _structured_mask(kind, b, s, s, dtype)
     _check(*_qkv(b, hq, hkv, s, s, d, dtype), attn_mask=mask)
 

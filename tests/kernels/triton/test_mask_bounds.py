@@ -22,6 +22,19 @@ pytestmark = pytest.mark.usefixtures("poisoned")
 @pytest.fixture(autouse=True)
 def always_bounds(monkeypatch):
     monkeypatch.setattr(_mask_bounds, "MIN_FLOPS", 0)
+    monkeypatch.setattr(_mask_bounds, "MIN_FLOPS_UNCACHED", 0)
+
+
+def test_uncacheable_masks_need_larger_calls(monkeypatch):
+    monkeypatch.setattr(_mask_bounds, "MIN_FLOPS", 2**33)
+    monkeypatch.setattr(_mask_bounds, "MIN_FLOPS_UNCACHED", 2**36)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    with torch.inference_mode():
+        frozen = torch.ones(8, 8, dtype=torch.bool)
+    small, large = (1, 16, 2048, 2048, 128), (8, 16, 2048, 2048, 128)  # 2**35 and 2**38 FLOPs
+    assert _mask_bounds.worth_it(mask, *small) and _mask_bounds.worth_it(mask, *large)
+    assert not _mask_bounds.worth_it(frozen, *small) and _mask_bounds.worth_it(frozen, *large)
+    assert not _mask_bounds.worth_it(mask, 1, 1, 64, 64, 64)
 
 
 def _brute_classes(mask4, sq, sk, bq, bk):
