@@ -24,15 +24,19 @@ class KernelFeatures:
     constexprs: dict  # MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT (only the ones set)
 
 
+def as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    """The mask viewed with leading size-1 dims up to 4 dims (b, h, sq, sk as broadcast)."""
+    if attn_mask.dim() >= 4:
+        return attn_mask
+    return attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
 def expand_mask(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> torch.Tensor:
     """The mask as a (b, hq, sq, sk) view: broadcast dims get stride 0, nothing is copied.
 
     Bool masks are reinterpreted as uint8 (same bytes) for the kernels.
     """
-    m = attn_mask
-    if m.dim() < 4:
-        m = m.view((1,) * (4 - m.dim()) + tuple(m.shape))
-    m = m.expand(b, hq, sq, sk)
+    m = as_4d(attn_mask).expand(b, hq, sq, sk)
     if m.dtype == torch.bool:
         m = m.view(torch.uint8)
     return m

@@ -25,6 +25,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ._features import as_4d
+
 # Loop end for "to the end of the sequence": larger than any sequence, small enough for int32 arithmetic.
 TO_END = 2**30
 
@@ -48,13 +50,6 @@ def worth_it(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int, d: int)
     return flops >= MIN_FLOPS and (cacheable(attn_mask) or flops >= MIN_FLOPS_UNCACHED)
 
 
-def _mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
-    m = attn_mask
-    if m.dim() < 4:
-        m = m.view((1,) * (4 - m.dim()) + tuple(m.shape))
-    return m
-
-
 def block_classes(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(visible, open) bool tensors of shape (mb, mh, nq, nk) for the mask's (block_q x block_k) blocks.
@@ -64,7 +59,7 @@ def block_classes(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block
     Key positions past sk count as hidden; query rows past sq count as attended with a zero bias (so a
     last, partial query block is never classified hidden: conservative, still exact).
     """
-    m = _mask_4d(attn_mask)
+    m = as_4d(attn_mask)
     for dim in range(3):  # a broadcast (stride 0) batch, head or query dim holds one distinct slice
         if m.shape[dim] > 1 and m.stride(dim) == 0:
             m = m.narrow(dim, 0, 1)
@@ -153,3 +148,13 @@ def _block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block
     mb, mh, rows, _ = bounds.shape
     return (bounds, bounds.stride(0) if mb > 1 else 0, bounds.stride(1) if mh > 1 else 0,
             bounds.stride(2) if rows > 1 else 0)
+
+
+def launch_args(attn_mask: torch.Tensor | None, b: int, hq: int, sq: int, sk: int, d: int, block_q: int,
+                block_k: int, by_keys: bool = False) -> dict:
+    """Keyword arguments that let a launch skip the mask's hidden blocks (Bounds, its strides, MASK_BOUNDS);
+    empty when there is no mask or the call is too small for it to pay (worth_it)."""
+    if attn_mask is None or not worth_it(attn_mask, b, hq, sq, sk, d):
+        return {}
+    bounds, sb, sh, sr = block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
+    return dict(Bounds=bounds, stride_bb=sb, stride_bh=sh, stride_br=sr, MASK_BOUNDS=True)

@@ -24,7 +24,7 @@ from ._configs import bwd_config
 from ._features import kernel_features
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
-from .flash_fwd import mask_bounds_args, varlen_strides
+from .flash_fwd import varlen_strides
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
@@ -569,7 +569,7 @@ def flash_bwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
-        **mask_bounds_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
+        **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
     if atomic:
         m_blocks = cdiv(sq, pre_block)
@@ -587,7 +587,7 @@ def flash_bwd(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
-        **mask_bounds_args(attn_mask, b, hq, sq, sk, d, cfg.dq.block_m, cfg.dq.block_n),
+        **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dq.block_m, cfg.dq.block_n),
     ))
     return dq, dk, dv
 

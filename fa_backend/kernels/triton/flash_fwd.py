@@ -327,19 +327,10 @@ def flash_fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
-        **mask_bounds_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
+        **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse
 
-
-def mask_bounds_args(attn_mask: torch.Tensor | None, b: int, hq: int, sq: int, sk: int, d: int, block_q: int,
-                     block_k: int, by_keys: bool = False) -> dict:
-    """Keyword arguments that let a launch skip the attn_mask's hidden blocks (see _mask_bounds.py); empty
-    when there is no mask or the call is too small for it to pay."""
-    if attn_mask is None or not _mask_bounds.worth_it(attn_mask, b, hq, sq, sk, d):
-        return {}
-    bounds, sb, sh, sr = _mask_bounds.block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
-    return dict(Bounds=bounds, stride_bb=sb, stride_bh=sh, stride_br=sr, MASK_BOUNDS=True)
 
 
 def varlen_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
