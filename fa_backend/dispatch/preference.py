@@ -62,7 +62,8 @@ class FasterPeer:
                 and call.dtype in self.dtypes and call.head_dim == call.head_dim_v
                 and (self.head_dims is None or call.head_dim in self.head_dims)
                 and (call.mask_kind == "none" or self.masks) and (call.dropout_p == 0.0 or self.dropout)
-                and (call.dropout_p > 0.0 or not self.dropout_only) and (call.mask_kind != "none" or not self.mask_only)
+                and (call.dropout_p > 0.0 or not self.dropout_only)
+                and (call.mask_kind != "none" or not self.mask_only)
                 and (call.heads_q == call.heads_kv or self.gqa)
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
                 and call.shapes_consistent and not call.subclass

@@ -243,10 +243,11 @@ def _bwd_dkdv(
         else:
             DQ_ACC_h = DQ_ACC
         if MASK_BOUNDS:
-            # The attn_mask's query blocks for this key block (_mask_bounds.py, positions in queries):
-            # hidden outside [u_lo, u_hi), open in [u_open_lo, u_open_hi). Every mask applies in [lo, open_lo)
-            # and [open_hi, hi), none in between. Each range's length is a multiple of BLOCK_M from its start
-            # (the loops step BLOCK_M rows and must not overlap); rows a last step runs past hi see nothing.
+            # The attn_mask's bounds for this key block at b_ptr (_mask_bounds.py; lo, open_lo, open_hi, hi in
+            # query positions: hidden rows outside [lo, hi), open ones in [open_lo, open_hi)), narrowed by the
+            # band's m_lo / m_mid / m_end / m_hi. Every mask applies in [lo, open_lo) and [open_hi, hi), none in
+            # between. Each range's length is a multiple of BLOCK_M from its start (the loops step BLOCK_M rows
+            # and must not overlap); rows a last step runs past hi see nothing.
             b_ptr = Bounds + off_b * stride_bb + off_h * stride_bh + pid_n * stride_br
             lo = tl.maximum(m_lo, tl.load(b_ptr))
             open_lo = tl.maximum(m_mid, tl.load(b_ptr + 1))
