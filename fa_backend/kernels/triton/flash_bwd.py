@@ -242,64 +242,46 @@ def _bwd_dkdv(
             DQ_ACC_h = DQ_ACC + bh_q.to(tl.int64) * SEQ_Q * BLOCK_D
         else:
             DQ_ACC_h = DQ_ACC
+        # Three row ranges: every mask applies in the first and the last, none in the middle one (rows that see
+        # the whole key block). Without bounds: the causal diagonal, the open rows, the window's left edge.
         if MASK_BOUNDS:
             # The attn_mask's bounds for this key block at b_ptr (_mask_bounds.py; lo, open_lo, open_hi, hi in
             # query positions: hidden rows outside [lo, hi), open ones in [open_lo, open_hi)), narrowed by the
-            # band's m_lo / m_mid / m_end / m_hi. Every mask applies in [lo, open_lo) and [open_hi, hi), none in
-            # between. Each range's length is a multiple of BLOCK_M from its start (the loops step BLOCK_M rows
-            # and must not overlap); rows a last step runs past hi see nothing.
+            # band's m_lo / m_mid / m_end / m_hi. Each range's length is a multiple of BLOCK_M from its start
+            # (the loops step BLOCK_M rows and must not overlap); rows a last step runs past hi see nothing.
             b_ptr = Bounds + off_b * stride_bb + off_h * stride_bh + pid_n * stride_br
-            lo = tl.maximum(m_lo, tl.load(b_ptr))
-            open_lo = tl.maximum(m_mid, tl.load(b_ptr + 1))
-            hi = tl.minimum(m_hi, tl.load(b_ptr + 3))
-            open_hi = tl.minimum(tl.minimum(m_end, tl.load(b_ptr + 2)), hi)
-            open_lo = lo + tl.cdiv(tl.maximum(tl.minimum(open_lo, hi) - lo, 0), BLOCK_M) * BLOCK_M
-            open_hi = open_lo + (tl.maximum(open_hi - open_lo, 0) // BLOCK_M) * BLOCK_M
-            dk, dv = _bwd_dkdv_loop(
-                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                lo, open_lo, n0, seqlen_q, causal_offset, qk_scale,
-                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
-            dk, dv = _bwd_dkdv_loop(
-                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                open_lo, open_hi, n0, seqlen_q, causal_offset, qk_scale,
-                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
-                0, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
-            dk, dv = _bwd_dkdv_loop(
-                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                open_hi, hi, n0, seqlen_q, causal_offset, qk_scale,
-                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+            head_lo = tl.maximum(m_lo, tl.load(b_ptr))
+            mid_lo = tl.maximum(m_mid, tl.load(b_ptr + 1))
+            tail_hi = tl.minimum(m_hi, tl.load(b_ptr + 3))
+            mid_hi = tl.minimum(tl.minimum(m_end, tl.load(b_ptr + 2)), tail_hi)
+            mid_lo = head_lo + tl.cdiv(tl.maximum(tl.minimum(mid_lo, tail_hi) - head_lo, 0), BLOCK_M) * BLOCK_M
+            mid_hi = mid_lo + (tl.maximum(mid_hi - mid_lo, 0) // BLOCK_M) * BLOCK_M
+            head_hi = mid_lo
         else:
-            if CAUSAL:
-                dk, dv = _bwd_dkdv_loop(
-                    dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                    m_lo, m_diag_end, n0, seqlen_q, causal_offset, qk_scale,
-                    seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                    seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                    MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+            head_lo, head_hi, mid_lo, mid_hi, tail_hi = m_lo, m_diag_end, m_mid, m_end, m_hi
+        if CAUSAL or MASK_BOUNDS:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                m_mid, m_end, n0, seqlen_q, causal_offset, qk_scale,
+                head_lo, head_hi, n0, seqlen_q, causal_offset, qk_scale,
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
                 MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
-            if WINDOW_LEFT:
-                dk, dv = _bwd_dkdv_loop(
-                    dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                    tl.maximum(m_end, m_mid), m_hi, n0, seqlen_q, causal_offset, qk_scale,
-                    seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                    seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                    MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+        dk, dv = _bwd_dkdv_loop(
+            dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+            mid_lo, mid_hi, n0, seqlen_q, causal_offset, qk_scale,
+            seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
+            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+        if WINDOW_LEFT or MASK_BOUNDS:
+            dk, dv = _bwd_dkdv_loop(
+                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+                mid_hi if MASK_BOUNDS else tl.maximum(m_end, m_mid), tail_hi, n0, seqlen_q, causal_offset, qk_scale,
+                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
 
     dk *= sm_scale
     if DROPOUT:
