@@ -105,7 +105,8 @@ FEATURES: dict[str, dict] = {
     "key_padding_mask": dict(Mask="ptr8", stride_mb=4096, stride_mh=0, stride_mm=0, stride_mn=1, MASK_KIND=3),
     "bool_mask_bounds": dict(Mask="ptr8", stride_mb=0, stride_mh=0, stride_mm=4096, stride_mn=1, MASK_KIND=1,
                              Bounds="ptri32", stride_bb=0, stride_bh=0, stride_br=4, MASK_BOUNDS=True),
-    "dropout": dict(seed=2**40, rng_offset=0, drop_threshold=429496729, dropout_scale=1.1, DROPOUT=True),
+    "dropout": dict(seed=2**40, rng_offset=0, drop_threshold=6554, dropout_scale=1.1, DROPOUT=2),
+    "dropout_words": dict(seed=2**40, rng_offset=0, drop_threshold=42949673, dropout_scale=1.01, DROPOUT=1),
     "window": dict(left_offset=-256, WINDOW_LEFT=True),
     "softcap": dict(softcap_in=0.01, SOFTCAP=True),
     "alibi": dict(Alibi="ptr32", stride_ab=0, stride_ah=1, alibi_offset=0, HAS_ALIBI=True),
@@ -115,7 +116,7 @@ FEATURES: dict[str, dict] = {
     "varlen_window_dropout": dict(CuSeqQ="ptri32", CuSeqK="ptri32", TOTAL_Q=65536, VARLEN=True, stride_qb=0,
                                   stride_kb=0, stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0, stride_dvb=0,
                                   stride_dqb=0, left_offset=-256, WINDOW_LEFT=True, seed=2**40, rng_offset=0,
-                                  drop_threshold=429496729, dropout_scale=1.1, DROPOUT=True),
+                                  drop_threshold=6554, dropout_scale=1.1, DROPOUT=2),
 }
 
 

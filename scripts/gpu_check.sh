@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tune] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute]
+#   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; needs the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
 # env: SHARDS, TEST_TIMEOUT, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
@@ -22,6 +22,20 @@ if [[ " $steps " == *" tests "* ]]; then
   for i in $(seq 0 $((n - 1))); do echo "shard $i: $(tail -n 1 "$OUT/tests_$i.log")"; done
   grep -h -E "^(FAILED|ERROR)" "$OUT"/tests_*.log | head -40
   cat "$OUT"/tests_*.log > "$OUT/tests.log"; rm -f "$OUT"/tests_*.log
+fi
+if [[ " $steps " == *" feature_tests "* ]]; then
+  # the kernels' optional features only (masks, dropout, varlen, KV cache): pytest-xdist over SHARDS processes
+  timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q -p no:cacheprovider -n ${SHARDS:-6} \
+    tests/kernels/triton/test_flash_features_gpu.py tests/kernels/triton/test_varlen_gpu.py \
+    tests/kernels/triton/test_kvcache_gpu.py tests/kernels/triton/test_sdpa_decode.py \
+    tests/kernels/triton/test_flash_features.py tests/kernels/triton/test_mask_bounds.py \
+    > "$OUT/feature_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/feature_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/feature_tests.log" | head -20
+fi
+if [[ " $steps " == *" tune_features "* ]]; then
+  timeout ${TUNE_TIMEOUT:-420} python3 scripts/tune_features.py --cases ${TUNE_CASES:-random_keys key_padding dropout} \
+    --seqlens ${TUNE_SEQLENS:-8192} --json "$OUT/tune_features.json" > "$OUT/tune_features.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/tune_features.log" | tail -n 60
 fi
 if [[ " $steps " == *" tune "* ]]; then
   python3 scripts/tune_triton.py --dims ${TUNE_DIMS:-64 128 256} --seqlens ${TUNE_SEQLENS:-4096} \

@@ -74,6 +74,9 @@ MASK_ADD = tl.constexpr(2)
 # from it): the tile reads one row of the mask and broadcasts it, instead of one byte per score.
 MASK_BOOL_ROW = tl.constexpr(3)
 MASK_ADD_ROW = tl.constexpr(4)
+# A bool key mask packed 32 keys per int32 word (bit j % 32 of word j // 32: _mask_bounds.row_bits), for large
+# calls: a tile reads BLOCK_N / 32 words instead of one byte per key and column of the thread.
+MASK_BITS_ROW = tl.constexpr(5)
 
 
 @triton.jit
@@ -83,11 +86,67 @@ def _tanh(x):
 
 
 @triton.jit
-def _score_mods(qk, qi, kj, SEQ_Q, SEQ_K, qk_scale, softcap_in, Mask, stride_mm, stride_mn, slope2, alibi_offset,
+def _load_mask(qi, kj, col0, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn, MASK_KIND: tl.constexpr):
+    """The attn_mask values of scores (qi, kj) (indices that broadcast to the score tile's shape, either
+    orientation; kj in [col0, col0 + BLOCK) for the tile's first key col0, a multiple of min(BLOCK, 32)), for
+    _score_mods: uint8 / int32 for a bool mask (0 = hidden; 1 outside the sequences, but 0 for the packed kind,
+    whose words hide the keys past SEQ_K), fp32 for an additive one (0 outside). A row kind reads kj alone (one load per key, broadcast over queries); the packed kind
+    reads the tile's words and extracts a bit per key.
+
+    The kernels call this before the QK^T dot of the tile, so that the load's latency overlaps the MMA."""
+    if MASK_KIND == MASK_BITS_ROW:
+        # Every thread reads the same few words (scalar loads, issued once per tile); no per-key load whose
+        # result ptxas would have to keep in a register across the MMA (at 240+ registers it serialised the
+        # byte loads of MASK_BOOL_ROW instead: one global round trip after another).
+        BLOCK: tl.constexpr = kj.numel
+        WORDS: tl.constexpr = (BLOCK + 31) // 32
+        w0 = col0 // 32
+        if BLOCK >= 32:
+            rel = kj - col0  # col0 is a multiple of 32: the key's bit in the tile's words, loop invariant
+        else:
+            rel = kj - w0 * 32
+        word = tl.load(Mask + w0 * stride_mn, mask=w0 * 32 < SEQ_K, other=0)
+        for i in tl.static_range(1, WORDS):
+            word_i = tl.load(Mask + (w0 + i) * stride_mn, mask=(w0 + i) * 32 < SEQ_K, other=0)
+            word = tl.where(rel >= 32 * i, word_i, word)
+        return (word >> (rel % 32)) & 1
+    elif MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_ADD_ROW:
+        return _mask_values_at(Mask + kj.to(tl.int64) * stride_mn, kj < SEQ_K, MASK_KIND - 2)
+    elif MASK_KIND != MASK_NONE:
+        in_bounds = (qi < SEQ_Q) & (kj < SEQ_K)
+        return _mask_values_at(Mask + qi.to(tl.int64) * stride_mm + kj.to(tl.int64) * stride_mn, in_bounds, MASK_KIND)
+    else:
+        return 0
+
+
+@triton.jit
+def _mask_values_at(ptrs, in_bounds, MASK_KIND: tl.constexpr):
+    """attn_mask values at ptrs (MASK_BOOL: uint8, 1 outside in_bounds; MASK_ADD: fp32, 0 outside)."""
+    if MASK_KIND == MASK_BOOL:
+        return tl.load(ptrs, mask=in_bounds, other=1)
+    else:
+        return tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _masked_scores(s, mask_vals, MASK_KIND: tl.constexpr):
+    """Scores s (log2 domain) with the attn_mask values applied: -inf where a bool mask is 0, plus log2(e) *
+    an additive mask."""
+    if MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW:
+        return tl.where(mask_vals != 0, s, float("-inf"))
+    elif MASK_KIND != MASK_NONE:
+        return s + mask_vals * LOG2E
+    else:
+        return s
+
+
+@triton.jit
+def _score_mods(qk, qi, kj, qk_scale, softcap_in, mask_vals, slope2, alibi_offset,
                 MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr):
     """Scores in the log2 domain with the optional features; returns (s, t).
 
-    qi / kj are query / key indices that broadcast to qk's shape (either orientation).
+    qi / kj are query / key indices that broadcast to qk's shape (either orientation); mask_vals is
+    _load_mask's result for them.
     s = log2(e) * (softcap(scale * qk) + alibi + additive mask), -inf where a bool mask is False.
     With SOFTCAP, qk_scale is softcap * log2(e), softcap_in is scale / softcap and t = tanh(qk *
     softcap_in) (its derivative 1 - t^2 is needed by the backward); otherwise t is qk.
@@ -101,47 +160,50 @@ def _score_mods(qk, qi, kj, SEQ_Q, SEQ_K, qk_scale, softcap_in, Mask, stride_mm,
     if HAS_ALIBI:
         # FlashAttention-2: bias = -slope * |i + seqlen_k - seqlen_q - j| (slope2 = slope * log2(e)).
         s -= slope2 * tl.abs((qi + alibi_offset - kj).to(tl.float32))
-    if MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_ADD_ROW:
-        # kj alone has the key axis of qk's shape: one load per key, broadcast over the query axis
-        s = _apply_mask(s, Mask + kj.to(tl.int64) * stride_mn, kj < SEQ_K, MASK_KIND - 2)
-    elif MASK_KIND != MASK_NONE:
-        in_bounds = (qi < SEQ_Q) & (kj < SEQ_K)
-        s = _apply_mask(s, Mask + qi.to(tl.int64) * stride_mm + kj.to(tl.int64) * stride_mn, in_bounds, MASK_KIND)
-    return s, t
+    return _masked_scores(s, mask_vals, MASK_KIND), t
+
+
+# Dropout draws (the kernels' DROPOUT constexpr, chosen on the host by _features.dropout_draw):
+DROP_WORDS = tl.constexpr(1)  # one 32-bit word per key, four keys per Philox-4x32 draw
+DROP_HALVES = tl.constexpr(2)  # one 16-bit half-word per key, eight keys per draw (half the Philox work)
 
 
 @triton.jit
-def _apply_mask(s, ptrs, in_bounds, MASK_KIND: tl.constexpr):
-    """Scores s (log2 domain) with an attn_mask read at ptrs: -inf where a bool mask (uint8) is 0, or plus
-    log2(e) * an additive mask (read in fp32). Elements outside in_bounds are not read and change nothing."""
-    if MASK_KIND == MASK_BOOL:
-        m = tl.load(ptrs, mask=in_bounds, other=1)
-        s = tl.where(m != 0, s, float("-inf"))
-    else:
-        s += tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32) * LOG2E
-    return s
-
-
-@triton.jit
-def _dropout_keep(seed, rng_offset, bh, rows, col0, SEQ_Q, SEQ_K, drop_threshold, BLOCK_C: tl.constexpr):
+def _dropout_keep(seed, rng_offset, bh, rows, col0, SEQ_Q, SEQ_K, drop_threshold, BLOCK_C: tl.constexpr,
+                  DROPOUT: tl.constexpr):
     """Dropout keep-mask of query rows `rows` (1-D) x keys [col0, col0 + BLOCK_C) of head bh = batch *
-    heads_q + head, shape (len(rows), BLOCK_C). col0 and BLOCK_C are multiples of 4 (the kernels' key
-    tiles are). One Philox-4x32 draw serves four neighbouring keys: key j of
-    row i uses word j % 4 of the draw at counter (bh * SEQ_Q + i) * ceil(SEQ_K / 4) + j // 4 +
-    rng_offset, so the forward and both backward kernels regenerate the same mask whatever their
-    tiling, at a quarter of the Philox work of one draw per score. An element is kept iff its 32-bit
-    word is >= drop_threshold = floor(dropout_p * 2**32) (kept with probability 1 - dropout_p to
-    within 2**-32).
+    heads_q + head, shape (len(rows), BLOCK_C). col0 and BLOCK_C are multiples of 8 (the kernels' key
+    tiles are). With K keys per Philox-4x32 draw (4 for DROP_WORDS, 8 for DROP_HALVES), key j of row i
+    reads the draw at counter (bh * SEQ_Q + i) * ceil(SEQ_K / K) + j // K + rng_offset, so the forward
+    and both backward kernels regenerate the same mask whatever their tiling:
+    - DROP_WORDS: word j % 4 of the draw; kept iff it is >= drop_threshold = floor(p * 2**32).
+    - DROP_HALVES: word j % 4, its low 16 bits for j % 8 < 4 and its high 16 bits otherwise; kept iff
+      that half is >= drop_threshold = round(p * 2**16) (the host picks this only where p's rounding to
+      a multiple of 2**-16 changes neither p nor 1 - p by more than 2**-13 of itself).
     """
     BLOCK_R: tl.constexpr = rows.shape[0]
-    groups = col0 // 4 + tl.arange(0, BLOCK_C // 4)
-    row_counter = (bh.to(tl.int64) * SEQ_Q + rows.to(tl.int64)) * ((SEQ_K + 3) // 4) + rng_offset
+    PER_DRAW: tl.constexpr = 8 if DROPOUT == DROP_HALVES else 4
+    groups = col0 // PER_DRAW + tl.arange(0, BLOCK_C // PER_DRAW)
+    row_counter = ((bh.to(tl.int64) * SEQ_Q + rows.to(tl.int64)) * ((SEQ_K + PER_DRAW - 1) // PER_DRAW)
+                   + rng_offset)
     r0, r1, r2, r3 = tl.randint4x(seed, row_counter[:, None] + groups[None, :])
     thr = tl.full([], drop_threshold, tl.int64).to(tl.uint32)  # an int64 argument when >= 2**31; 1 is a constexpr
     # join(join(w0, w2), join(w1, w3)) is indexed [.., x, y] -> word 2x + y, which the row-major reshape puts
-    # at column 4g + 2x + y: column j reads word j % 4.
-    keep = tl.join(tl.join(r0 >= thr, r2 >= thr), tl.join(r1 >= thr, r3 >= thr))
+    # at column 2x + y of its group: column j reads word j % 4.
+    if DROPOUT == DROP_HALVES:
+        # join(lo, hi) of one word is indexed [.., z] -> half z, so the joins below index [.., z, x, y]:
+        # column 4z + 2x + y of the group reads half z of word j % 4.
+        keep = tl.join(tl.join(_halves_keep(r0, thr), _halves_keep(r2, thr)),
+                       tl.join(_halves_keep(r1, thr), _halves_keep(r3, thr)))
+    else:
+        keep = tl.join(tl.join(r0 >= thr, r2 >= thr), tl.join(r1 >= thr, r3 >= thr))
     return tl.reshape(keep, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit
+def _halves_keep(word, thr):
+    """(low 16 bits >= thr, high 16 bits >= thr) of a uint32 word, joined on a new last axis."""
+    return tl.join((word & 0xFFFF) >= thr, (word >> 16) >= thr)
 
 
 @triton.jit

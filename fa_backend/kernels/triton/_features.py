@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from ._mask_bounds import as_4d, row_bits, worth_it
+
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -22,13 +24,6 @@ class KernelFeatures:
     qk_scale: float  # multiplier of q.k into the log2 domain (softcap * log2(e) with softcap)
     args: tuple  # the kernels' feature arguments, in order (see _attn_fwd: Mask ... dropout_scale)
     constexprs: dict  # MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT (only the ones set)
-
-
-def as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
-    """The mask viewed with leading size-1 dims up to 4 dims (b, h, sq, sk as broadcast)."""
-    if attn_mask.dim() >= 4:
-        return attn_mask
-    return attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
 
 
 def expand_mask(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> torch.Tensor:
@@ -43,11 +38,31 @@ def expand_mask(attn_mask: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> t
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The kernels' integer form of dropout_p: a score is dropped iff its uniform 32-bit Philox word is below
-    floor(dropout_p * 2**32), so the drop probability is dropout_p to within 2**-32 (dropout_p < 1)."""
+    """The kernels' integer form of dropout_p for 32-bit draws: a score is dropped iff its uniform 32-bit Philox
+    word is below floor(dropout_p * 2**32), so the drop probability is dropout_p to within 2**-32 (dropout_p < 1)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return min(int(dropout_p * 2**32), 2**32 - 1)
+
+
+DROP_WORDS, DROP_HALVES = 1, 2  # the kernels' DROPOUT constexpr (_common.DROP_WORDS / DROP_HALVES)
+_HALVES_REL_ERROR = 2.0**-13
+
+
+def dropout_draw(dropout_p: float) -> tuple[int, int]:
+    """(DROPOUT, drop_threshold) of the kernels for dropout_p.
+
+    16-bit draws (DROP_HALVES: eight keys per Philox draw, half the RNG work of 32-bit ones) drop with
+    probability round(dropout_p * 2**16) / 2**16. They are used only where that changes neither dropout_p nor
+    1 - dropout_p by more than 2**-13 of itself (every p in [1/16, 15/16], and p = k / 2**16 exactly);
+    other p (e.g. 0.01) use 32-bit draws, exact to within 2**-32.
+    """
+    threshold32 = dropout_threshold(dropout_p)
+    threshold16 = round(dropout_p * 2**16)
+    error = abs(threshold16 / 2**16 - dropout_p)
+    if 0 < threshold16 < 2**16 and error <= _HALVES_REL_ERROR * min(dropout_p, 1.0 - dropout_p):
+        return DROP_HALVES, threshold16
+    return DROP_WORDS, threshold32
 
 
 _NO_FEATURE_ARGS = (None,) * 15  # Mask + 4 strides, Alibi + 3, softcap_in, left_offset, dropout's 4
@@ -82,9 +97,15 @@ def kernel_features(
     constexprs: dict = {}
     if attn_mask is not None:
         mask = expand_mask(attn_mask, b, hq, sq, sk)
-        mask_args = (mask, *mask.stride())
-        # 1 bool, 2 additive; 3 / 4 the same read one row per tile (no query stride: _common.MASK_BOOL_ROW)
-        constexprs["MASK_KIND"] = (1 if attn_mask.dtype == torch.bool else 2) + (2 if mask.stride(2) == 0 else 0)
+        # 1 bool, 2 additive; 3 / 4 the same read one row per tile (no query stride: _common.MASK_BOOL_ROW);
+        # 5 a bool row mask packed 32 keys per word, on calls large enough for the packing to pay
+        kind = (1 if attn_mask.dtype == torch.bool else 2) + (2 if mask.stride(2) == 0 else 0)
+        if kind == 3 and worth_it(attn_mask, b, hq, sq, sk, q.shape[-1]):
+            words, stride_wb, stride_wh = row_bits(attn_mask, b, hq, sk)
+            mask_args, kind = (words, stride_wb, stride_wh, 0, 1), 5
+        else:
+            mask_args = (mask, *mask.stride())
+        constexprs["MASK_KIND"] = kind
     else:
         mask_args = (None,) * 5
     if alibi_slopes is not None:
@@ -105,9 +126,15 @@ def kernel_features(
     if dropout_p > 0:
         if rng is None:
             raise ValueError("dropout_p > 0 needs the RNG state (seed, offset)")
-        drop_args = (int(rng[0]), int(rng[1]), dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p))
-        constexprs["DROPOUT"] = True
+        draw, threshold = dropout_draw(dropout_p)
+        drop_args = (int(rng[0]), int(rng[1]), threshold, 1.0 / (1.0 - dropout_p))
+        constexprs["DROPOUT"] = draw
     else:
         drop_args = (None,) * 4
+    if qk_scale == 0.0 and constexprs.get("MASK_KIND") in (1, 3, 5):
+        # The forward masks a bool mask's scores before scaling them, where -inf * 0 is NaN. 2**-126 (the
+        # smallest normal fp32) scales every finite fp16 / bf16 score (|q.k| < 2**100) below 2**-26, whose exp2
+        # rounds to 1.0 in fp32, exactly as exp2(0): the same probabilities as scale 0.
+        qk_scale = 2.0**-126
     args = (*mask_args, *alibi_args, softcap_in, left_offset, *drop_args)
     return KernelFeatures(causal, causal_offset, qk_scale, args, constexprs)

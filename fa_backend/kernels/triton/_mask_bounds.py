@@ -16,6 +16,9 @@ row (true of causal, padding, sliding-window and document masks).
 
 The classification reads the mask once per launch (about sq * sk bytes for a bool mask), which is why
 launchers use it only on calls large enough for the skipped work to pay (see `worth_it`).
+
+The same calls get a bool key mask (no query dim) packed 32 keys per int32 word (`row_bits`), which the kernels
+read a few words per tile instead of one byte per key (_common.MASK_BITS_ROW). Both are cached per mask tensor.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-
-from ._features import as_4d
 
 # Loop end for "to the end of the sequence": larger than any sequence, small enough for int32 arithmetic.
 TO_END = 2**30
@@ -36,6 +37,21 @@ TO_END = 2**30
 # during CUDA-graph capture, see block_bounds) pays that on every call, so it needs a larger call (~170 µs).
 MIN_FLOPS = 2**33
 MIN_FLOPS_UNCACHED = 2**36
+
+
+def as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    """The mask viewed with leading size-1 dims up to 4 dims (b, h, sq, sk as broadcast)."""
+    if attn_mask.dim() >= 4:
+        return attn_mask
+    return attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def _distinct(m: torch.Tensor, dims: range) -> torch.Tensor:
+    """m narrowed to one slice along each broadcast (stride 0) dim of dims."""
+    for dim in dims:
+        if m.shape[dim] > 1 and m.stride(dim) == 0:
+            m = m.narrow(dim, 0, 1)
+    return m
 
 
 def cacheable(attn_mask: torch.Tensor) -> bool:
@@ -59,10 +75,7 @@ def block_classes(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block
     Key positions past sk count as hidden; query rows past sq count as attended with a zero bias (so a
     last, partial query block is never classified hidden: conservative, still exact).
     """
-    m = as_4d(attn_mask)
-    for dim in range(3):  # a broadcast (stride 0) batch, head or query dim holds one distinct slice
-        if m.shape[dim] > 1 and m.stride(dim) == 0:
-            m = m.narrow(dim, 0, 1)
+    m = _distinct(as_4d(attn_mask), range(3))  # a broadcast batch, head or query dim holds one distinct slice
     mb, mh, mq, mk = m.shape
     if mk == 1:
         m = m.expand(mb, mh, mq, sk)
@@ -104,7 +117,7 @@ def bounds_from_classes(visible: torch.Tensor, open_: torch.Tensor, block: int) 
     return torch.where(out >= n, TO_END // block, out) * block
 
 
-# Bounds of recent masks: a model passes one mask object to every layer, and the backward needs the bounds
+# Bounds (and packed bits) of recent masks: a model passes one mask object to every layer, and the backward needs the bounds
 # again. Keyed on the mask's identity (checked through a weak reference, so a new tensor at a reused
 # address never matches) and its version counter (an in-place write makes a new entry). Writes that bypass
 # the version counter (through `.data`, or a foreign kernel writing through data_ptr) are not seen: the
@@ -115,27 +128,54 @@ _CACHE: dict[tuple, tuple[weakref.ref, tuple]] = {}
 _CACHE_SIZE = 64
 
 
+def _cached(attn_mask: torch.Tensor, key: tuple, compute):
+    """compute(), reused for the same mask tensor (and key) while it is not written in place; recomputed during
+    CUDA-graph capture (the graph must compute it from the mask's contents at replay time) and for inference
+    tensors (which have no version counter)."""
+    if not cacheable(attn_mask):
+        return compute()
+    key = (id(attn_mask), attn_mask._version) + key
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is attn_mask:
+        return hit[1]
+    result = compute()
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (weakref.ref(attn_mask), result)
+    return result
+
+
 def block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_k: int, by_keys: bool = False
                  ) -> tuple[torch.Tensor, int, int, int]:
     """Loop bounds of one kernel launch and their (batch, head, tile-row) strides (0 where broadcast).
 
     by_keys=False: one row per query block (forward, dQ), positions in keys. by_keys=True: one row per
     key block (dK/dV), positions in queries. The tensor is (mb, mh, rows, 4) int32 on the mask's device.
-    Reused for the same mask tensor while it is not written in place, except during CUDA-graph capture
-    (the graph must compute them from the mask's contents at replay time) and for inference tensors
-    (which have no version counter).
+    Cached per mask tensor (_cached).
     """
-    if not cacheable(attn_mask):
-        return _block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
-    key = (id(attn_mask), attn_mask._version, sq, sk, block_q, block_k, by_keys)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is attn_mask:
-        return hit[1]
-    result = _block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys)
-    if len(_CACHE) >= _CACHE_SIZE:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = (weakref.ref(attn_mask), result)
-    return result
+    return _cached(attn_mask, ("bounds", sq, sk, block_q, block_k, by_keys),
+                   lambda: _block_bounds(attn_mask, sq, sk, block_q, block_k, by_keys))
+
+
+def row_bits(attn_mask: torch.Tensor, b: int, hq: int, sk: int) -> tuple[torch.Tensor, int, int]:
+    """A bool mask without a query dim (key padding: (b, 1, 1, sk), or one expanded from it) packed for the
+    kernels' MASK_BITS_ROW: int32 words (mb, mh, ceil(sk / 32)), key j at bit j % 32 of word j // 32 (1 =
+    attend; keys past sk read 0: the words hide them, the kernels apply no other bound to them), and the word tensor's (batch, head) strides
+    as a (b, hq) broadcast (0 where the mask is broadcast). Cached per mask tensor (_cached)."""
+    words = _cached(attn_mask, ("row_bits", sk), lambda: _row_bits(attn_mask, sk))
+    mb, mh, _ = words.shape
+    return words, (words.stride(0) if mb > 1 else 0), (words.stride(1) if mh > 1 else 0)
+
+
+def _row_bits(attn_mask: torch.Tensor, sk: int) -> torch.Tensor:
+    m = _distinct(as_4d(attn_mask), range(3))[:, :, 0, :]
+    mb, mh, mk = m.shape
+    m = m.expand(mb, mh, sk).to(torch.int64)
+    nw = -(-sk // 32)
+    if nw * 32 != sk:
+        m = F.pad(m, (0, nw * 32 - sk), value=0)
+    words = (m.view(mb, mh, nw, 32) << torch.arange(32, device=m.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
 def _block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_k: int, by_keys: bool

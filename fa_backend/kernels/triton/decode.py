@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._common import LN2, LOG2E, _apply_mask
+from ._common import LN2, LOG2E, _mask_values_at, _masked_scores
 from ._features import expand_mask
 from ._launch import grid_1d, interpreting, pad_head_dim
 from .kv_append import _rotate
@@ -160,6 +160,9 @@ def _decode_split(
             k_off = rows_phys * stride_kn
             v_off = rows_phys * stride_vn
         k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=col_ok[:, None] & kv_mask_d, other=0.0)
+        if MASK_KIND != 0:  # read before the dot: the load's latency overlaps it (_common._load_mask)
+            mask_vals = _mask_values_at(mask_rows[:, None] + cols.to(tl.int64)[None, :] * stride_mn,
+                                        row_ok[:, None] & col_ok[None, :], MASK_KIND)
         qk = tl.dot(q, tl.trans(k))
         if SOFTCAP:
             # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1); the log2 factor comes after.
@@ -171,8 +174,7 @@ def _decode_split(
         if ALIBI is not None:
             s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
         if MASK_KIND != 0:
-            s = _apply_mask(s, mask_rows[:, None] + cols.to(tl.int64)[None, :] * stride_mn,
-                            row_ok[:, None] & col_ok[None, :], MASK_KIND)
+            s = _masked_scores(s, mask_vals, MASK_KIND)
         keep = col_ok[None, :]
         if HAS_RIGHT:
             keep = keep & (rel <= WINDOW_RIGHT)

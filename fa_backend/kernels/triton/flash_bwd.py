@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_rows, _open_key_range,
+from ._common import (LOG2E, MASK_BITS_ROW, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range,
                       _score_mods, _tile_ptrs, _window_lo)
 from ._configs import bwd_config
 from ._features import kernel_features
@@ -88,9 +88,10 @@ def _bwd_dkdv_loop(
         q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
         lse = _load_lse_log2(LSE, rows, SEQ_Q)
         if MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
-            s_t, t_t = _score_mods(tl.dot(k, tl.trans(q)), rows[None, :], cols[:, None], SEQ_Q, SEQ_K, qk_scale,
-                                   softcap_in, Mask, stride_mm, stride_mn, slope2, alibi_offset,
-                                   MASK_KIND, HAS_ALIBI, SOFTCAP)
+            mask_vals = _load_mask(rows[None, :], cols[:, None], n0, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
+                                   MASK_KIND)
+            s_t, t_t = _score_mods(tl.dot(k, tl.trans(q)), rows[None, :], cols[:, None], qk_scale, softcap_in,
+                                   mask_vals, slope2, alibi_offset, MASK_KIND, HAS_ALIBI, SOFTCAP)
             p_t = tl.math.exp2(s_t - lse[None, :])
         else:
             p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
@@ -107,7 +108,7 @@ def _bwd_dkdv_loop(
         if DROPOUT:
             # dV sees the dropped probabilities (rescaled once at the end); dP is masked and scaled.
             keep_t = tl.trans(_dropout_keep(seed, rng_offset, bh_q, rows, n0, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
-                                            BLOCK_N))
+                                            BLOCK_N, DROPOUT))
             dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv)
@@ -317,19 +318,20 @@ def _bwd_dq_loop(
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         if MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
-            s, t = _score_mods(tl.dot(q, tl.trans(k)), rows[:, None], cols[None, :], SEQ_Q, SEQ_K, qk_scale,
-                               softcap_in, Mask, stride_mm, stride_mn, slope2, alibi_offset,
-                               MASK_KIND, HAS_ALIBI, SOFTCAP)
+            mask_vals = _load_mask(rows[:, None], cols[None, :], start_n, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
+                                   MASK_KIND)
+            s, t = _score_mods(tl.dot(q, tl.trans(k)), rows[:, None], cols[None, :], qk_scale, softcap_in,
+                               mask_vals, slope2, alibi_offset, MASK_KIND, HAS_ALIBI, SOFTCAP)
             p = tl.math.exp2(s - lse[:, None])
         else:
             p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        if MASKED:
+        if MASKED and (CAUSAL or WINDOW_LEFT or MASK_KIND != MASK_BITS_ROW):  # packed row masks hide keys >= SEQ_K
             keep = _band_keep(rows[:, None], cols[None, :], SEQ_K, causal_offset, left_offset, CAUSAL, WINDOW_LEFT)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
             keep_d = _dropout_keep(seed, rng_offset, bh, rows, start_n, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
-                                   BLOCK_N)
+                                   BLOCK_N, DROPOUT)
             dp = tl.where(keep_d, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:

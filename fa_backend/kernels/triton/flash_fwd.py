@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from .._layout import new_attention_output
-from ._common import (LN2, LOG2E, RESCALE_LOG2, _band_keep, _dropout_keep, _kv_bounds, _load_rows,
+from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep, _kv_bounds, _load_mask, _load_rows,
                       _open_key_range, _score_mods, _tile_ptrs, _window_lo)
 from ._configs import fwd_config
-from ._features import dropout_threshold, kernel_features
+from ._features import dropout_draw, kernel_features
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 
@@ -46,6 +46,12 @@ def _fwd_kv_loop(
     k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
     v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     MODS: tl.constexpr = MASK_KIND != 0 or HAS_ALIBI or SOFTCAP
+    # A bool attn_mask alone: scores are masked before they are scaled, so that p = exp2(qk * scale - m) stays
+    # one FFMA (the host never passes qk_scale = 0 here, where -inf * 0 would be NaN: _features.kernel_features).
+    KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
+        and not HAS_ALIBI and not SOFTCAP
+    # The band (causal, window, keys past SEQ_K) on MASKED tiles; packed row masks hide the keys past SEQ_K.
+    BAND: tl.constexpr = MASKED and (CAUSAL or WINDOW_LEFT or MASK_KIND != MASK_BITS_ROW)
     for x in range(start, end, BLOCK_N):
         if GAP:
             start_n = x + (x >= gap_at).to(tl.int32) * gap_len
@@ -55,12 +61,30 @@ def _fwd_kv_loop(
             start_n = x
         cols = start_n + offs_n
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
+        mask_vals = _load_mask(offs_m[:, None], cols[None, :], start_n, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
+                               MASK_KIND)
         qk = tl.dot(q, tl.trans(k))
-        if MASKED or MODS:
+        if KEEP_ONLY:
+            keep = mask_vals != 0
+            if BAND:
+                keep = keep & _band_keep(offs_m[:, None], cols[None, :], SEQ_K, causal_offset, left_offset,
+                                         CAUSAL, WINDOW_LEFT)
+            if SCALE_NEG:
+                qk = tl.where(keep, qk, float("inf"))
+                m_ij = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+            else:
+                qk = tl.where(keep, qk, float("-inf"))
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # no visible key so far: avoid inf - inf
+            p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+        elif MASKED or MODS:
             if MODS:
-                s, _ = _score_mods(qk, offs_m[:, None], cols[None, :], SEQ_Q, SEQ_K, qk_scale, softcap_in,
-                                   Mask, stride_mm, stride_mn, slope2, alibi_offset, MASK_KIND, HAS_ALIBI, SOFTCAP)
-                if MASKED:
+                s, _ = _score_mods(qk, offs_m[:, None], cols[None, :], qk_scale, softcap_in, mask_vals, slope2,
+                                   alibi_offset, MASK_KIND, HAS_ALIBI, SOFTCAP)
+                if BAND:
                     keep = _band_keep(offs_m[:, None], cols[None, :], SEQ_K, causal_offset, left_offset,
                                       CAUSAL, WINDOW_LEFT)
                     s = tl.where(keep, s, float("-inf"))
@@ -103,7 +127,7 @@ def _fwd_kv_loop(
         if DROPOUT:
             # The normaliser l keeps every probability; dropped ones leave only the P @ V sum.
             keep_d = _dropout_keep(seed, rng_offset, bh, offs_m, start_n, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
-                                   BLOCK_N)
+                                   BLOCK_N, DROPOUT)
             p = tl.where(keep_d, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
@@ -394,13 +418,14 @@ def flash_fwd_varlen(
 
 @triton.jit
 def _dropout_mask_kernel(KEEP, seed, rng_offset, drop_threshold, NUM_HEADS_Q, SEQ_Q, SEQ_K,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     bh = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _dropout_keep(seed, rng_offset, bh, rows, pid_n * BLOCK_N, SEQ_Q, SEQ_K, drop_threshold, BLOCK_N)
+    keep = _dropout_keep(seed, rng_offset, bh, rows, pid_n * BLOCK_N, SEQ_Q, SEQ_K, drop_threshold, BLOCK_N,
+                         DROPOUT)
     ptrs = KEEP + (bh.to(tl.int64) * SEQ_Q + rows[:, None]) * SEQ_K + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < SEQ_Q) & (cols[None, :] < SEQ_K))
 
@@ -416,8 +441,9 @@ def dropout_keep_mask(b: int, hq: int, sq: int, sk: int, dropout_p: float, rng: 
     if keep.numel() == 0:
         return keep.bool()
     grid = (cdiv(sq, 16), cdiv(sk, 16), b * hq)
-    _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), dropout_threshold(dropout_p), hq, sq, sk,
-                               BLOCK_M=16, BLOCK_N=16)
+    draw, threshold = dropout_draw(dropout_p)
+    _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), threshold, hq, sq, sk,
+                               BLOCK_M=16, BLOCK_N=16, DROPOUT=draw)
     return keep.bool()
 
 

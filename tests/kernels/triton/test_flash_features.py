@@ -176,8 +176,9 @@ def test_dropout_with_causal_gqa_and_mask():
                   attn_mask=_bool_mask((2, 1, 1, 64), 0.8))
 
 
-@pytest.mark.parametrize("p", [0.1, 0.3, 0.75])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.75, 0.01])
 def test_dropout_keep_rate(p):
+    from fa_backend.kernels.triton._features import DROP_HALVES, dropout_draw
     n = 2 * 4 * 64 * 113
     keep = dropout_keep_mask(2, 4, 64, 113, p, tuple(new_rng_state().tolist()), DEVICE)
     rate = keep.float().mean().item()
@@ -186,9 +187,12 @@ def test_dropout_keep_rate(p):
     # Columns and rows are not correlated: the keep rate is right in every (b, h) slice too.
     per_head = keep.float().mean((2, 3))
     assert (per_head - (1 - p)).abs().max() < 6 * math.sqrt(p * (1 - p) / (64 * 113))
-    # Four neighbouring keys share one Philox draw (one 32-bit word each): they must still be independent.
-    k = keep[..., :112].reshape(2, 4, 64, 28, 4).float()
-    for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+    # Neighbouring keys share one Philox draw (a 32-bit word or a 16-bit half-word each): they must still be
+    # independent, within a word's two halves too.
+    per_draw = 8 if dropout_draw(p)[0] == DROP_HALVES else 4
+    k = keep[..., :112].reshape(2, 4, 64, 112 // per_draw, per_draw).float()
+    pairs = ((0, 1), (1, 2), (2, 3), (0, 3)) + (((0, 4), (3, 7), (1, 6)) if per_draw == 8 else ())
+    for a, b in pairs:
         both = (k[..., a] * k[..., b]).mean().item()
         n_pairs = k[..., a].numel()
         q = (1 - p) ** 2
@@ -201,6 +205,17 @@ def test_dropout_threshold():
     assert dropout_threshold(1 - 2**-40) == 2**32 - 1
     with pytest.raises(ValueError, match="dropout_p"):
         dropout_threshold(1.0)
+
+
+def test_dropout_draw_width():
+    """16-bit draws only where rounding p to a multiple of 2**-16 keeps p and 1 - p to 2**-13 of themselves."""
+    from fa_backend.kernels.triton._features import DROP_HALVES, DROP_WORDS, dropout_draw
+    for p in (0.0625, 0.1, 0.2, 0.5, 0.9, 0.9375, 3 / 2**16, 1 - 5 / 2**16):
+        kind, thr = dropout_draw(p)
+        assert kind == DROP_HALVES and abs(thr / 2**16 - p) <= 2**-13 * min(p, 1 - p), p
+    for p in (0.01, 1e-6, 1 - 1e-5, 0.99):
+        kind, thr = dropout_draw(p)
+        assert kind == DROP_WORDS and abs(thr / 2**32 - p) <= 2**-32, p
 
 
 def test_dropout_mask_differs_between_heads_and_calls():

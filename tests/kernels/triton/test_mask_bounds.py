@@ -13,6 +13,7 @@ import torch
 
 import fa_backend
 from fa_backend.kernels.triton import _mask_bounds
+from fa_backend.kernels.triton._features import kernel_features
 from tests.conftest import DEVICE
 from tests.reference import check_features
 
@@ -200,3 +201,75 @@ def test_bounds_are_reused_and_follow_in_place_writes(monkeypatch):
     mask.data.copy_(_structured_masks(sq, sk)["window"].to(DEVICE))  # .data: no version bump
     _check(q, k, v, mask)
     assert len(calls) > n
+
+
+# ------------------------------------------------------------------ packed key masks (MASK_BITS_ROW)
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 70), (1, 2, 1, 64), (3, 2, 1, 33), (97,)])
+def test_row_bits_match_the_mask(shape):
+    mask = torch.rand(shape, device=DEVICE) < 0.6
+    m4 = _mask_bounds.as_4d(mask)
+    b, hq, sk = 3, 2, shape[-1]
+    words, sb, sh = _mask_bounds.row_bits(mask, b, hq, sk)
+    assert words.dtype == torch.int32 and words.shape == (m4.shape[0], m4.shape[1], -(-sk // 32))
+    assert sb == (words.stride(0) if m4.shape[0] > 1 else 0) and sh == (words.stride(1) if m4.shape[1] > 1 else 0)
+    bits = (words.unsqueeze(-1).long() >> torch.arange(32, device=DEVICE)) & 1  # (mb, mh, nw, 32)
+    bits = bits.flatten(-2)
+    assert torch.equal(bits[..., :sk].bool(), m4[:, :, 0, :])
+    assert not bits[..., sk:].any()  # keys past sk are hidden by the words themselves
+
+
+def _row_masks(b, sk, p_hidden, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, 1, 1, sk, generator=gen) >= p_hidden
+    keep[0, ..., :3] = False  # a hidden run at the start of a tile
+    return keep.to(DEVICE)
+
+
+@pytest.mark.parametrize("sk", [70, 64, 129])
+@pytest.mark.parametrize("form", ["key_mask", "expanded"])
+def test_packed_key_mask_forward_backward(sk, form):
+    # A scattered key mask: every tile is partial, so every tile reads the packed words; sk not a multiple of
+    # 32 puts keys past the end in the last word. "expanded": the (b, hq, sq, sk) stride-0 view Hugging Face
+    # builds from a key-padding mask.
+    sq = 45
+    mask = _row_masks(2, sk, 0.3)
+    if form == "expanded":
+        mask = mask.expand(2, 4, sq, sk)
+    feat = kernel_features(torch.empty(2, 4, sq, 16), torch.empty(2, 2, sk, 16), 0.25, False, False, mask)
+    assert feat.constexprs["MASK_KIND"] == 5
+    _check(*_qkv(2, 4, 2, sq, sk), mask)
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(window=(20, 4))])
+def test_packed_key_mask_with_band(kw):
+    sq, sk = 64, 96
+    _check(*_qkv(2, 2, 1, sq, sk), _row_masks(2, sk, 0.25, seed=1), **kw)
+
+
+@pytest.mark.parametrize("tiles", ["narrow", "wide"])
+def test_packed_key_mask_tile_widths(tiles):
+    # 16-key tiles read half a word (at bit 0 or 16); 64-key tiles read two words.
+    from fa_backend.kernels.triton import _configs
+    from fa_backend.kernels.triton._configs import BwdConfig, TileConfig
+
+    fwd = TileConfig(16, 16, 4, 1) if tiles == "narrow" else TileConfig(16, 64, 4, 1)
+    bwd = (BwdConfig(TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 1)) if tiles == "narrow"
+           else BwdConfig(TileConfig(16, 64, 4, 1), TileConfig(16, 64, 4, 1)))
+    sq, sk = 40, 150
+    with _configs.override(fwd=fwd, bwd=bwd):
+        _check(*_qkv(2, 2, 2, sq, sk), _row_masks(2, sk, 0.4, seed=2))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+@pytest.mark.parametrize("mask_form", ["key_mask", "full"])
+def test_bool_mask_with_zero_or_negative_scale(scale, mask_form):
+    # The bool-mask forward masks scores before scaling them: a scale of 0 (uniform over the attended keys)
+    # and a negative one must still be exact.
+    sq, sk = 33, 80
+    q, k, v = _qkv(2, 2, 2, sq, sk)
+    mask = _row_masks(2, sk, 0.3, seed=3) if mask_form == "key_mask" else torch.rand(sq, sk, device=DEVICE) < 0.7
+
+    def fn(q, k, v):
+        return fa_backend.attention(q, k, v, attn_mask=mask, scale=scale)
+    check_features(fn, q, k, v, attn_mask=mask, scale=scale)
