@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, MASK_BITS_ROW, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range,
+from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range,
                       _score_mods, _tile_ptrs, _window_lo)
 from ._configs import bwd_config
 from ._features import kernel_features
@@ -81,13 +81,19 @@ def _bwd_dkdv_loop(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     cols = n0 + tl.arange(0, BLOCK_N)
+    KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
+        and not HAS_ALIBI and not SOFTCAP  # a bool attn_mask is the only score feature
     q_ptrs = _tile_ptrs(Q, start, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
     do_ptrs = _tile_ptrs(DO, start, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
         lse = _load_lse_log2(LSE, rows, SEQ_Q)
-        if MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
+        if KEEP_ONLY:  # a bool mask alone: masked after the exp2, so qk * scale - lse stays one FFMA
+            keep_t = _load_mask(rows[None, :], cols[:, None], n0, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
+                                MASK_KIND) != 0
+            p_t = tl.where(keep_t, tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :]), 0.0)
+        elif MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
             mask_vals = _load_mask(rows[None, :], cols[:, None], n0, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
                                    MASK_KIND)
             s_t, t_t = _score_mods(tl.dot(k, tl.trans(q)), rows[None, :], cols[:, None], qk_scale, softcap_in,
@@ -308,6 +314,8 @@ def _bwd_dq_loop(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
 ):
     """Accumulate dQ of one query block over keys [start, end)."""
+    KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
+        and not HAS_ALIBI and not SOFTCAP  # a bool attn_mask is the only score feature
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -317,7 +325,11 @@ def _bwd_dq_loop(
         cols = start_n + offs_n
         k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
-        if MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
+        if KEEP_ONLY:  # a bool mask alone: masked after the exp2, so qk * scale - lse stays one FFMA
+            keep = _load_mask(rows[:, None], cols[None, :], start_n, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
+                              MASK_KIND) != 0
+            p = tl.where(keep, tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)
+        elif MASK_KIND != 0 or HAS_ALIBI or SOFTCAP:
             mask_vals = _load_mask(rows[:, None], cols[None, :], start_n, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
                                    MASK_KIND)
             s, t = _score_mods(tl.dot(q, tl.trans(k)), rows[:, None], cols[None, :], qk_scale, softcap_in,
