@@ -172,32 +172,44 @@ DROP_HALVES = tl.constexpr(2)  # one 16-bit half-word per key, eight keys per dr
 def _dropout_keep(seed, rng_offset, bh, rows, col0, SEQ_Q, SEQ_K, drop_threshold, BLOCK_C: tl.constexpr,
                   DROPOUT: tl.constexpr):
     """Dropout keep-mask of query rows `rows` (1-D) x keys [col0, col0 + BLOCK_C) of head bh = batch *
-    heads_q + head, shape (len(rows), BLOCK_C). col0 and BLOCK_C are multiples of 8 (the kernels' key
-    tiles are). With K keys per Philox-4x32 draw (4 for DROP_WORDS, 8 for DROP_HALVES), key j of row i
-    reads the draw at counter (bh * SEQ_Q + i) * ceil(SEQ_K / K) + j // K + rng_offset, so the forward
+    heads_q + head, shape (len(rows), BLOCK_C). col0 is a multiple of BLOCK_C, itself a multiple of 16
+    (the kernels' key tiles are). Each key reads a fixed piece of a fixed Philox-4x32 draw, so the forward
     and both backward kernels regenerate the same mask whatever their tiling:
-    - DROP_WORDS: word j % 4 of the draw; kept iff it is >= drop_threshold = floor(p * 2**32).
-    - DROP_HALVES: word j % 4, its low 16 bits for j % 8 < 4 and its high 16 bits otherwise; kept iff
-      that half is >= drop_threshold = round(p * 2**16) (the host picks this only where p's rounding to
-      a multiple of 2**-16 changes neither p nor 1 - p by more than 2**-13 of itself).
+    - DROP_WORDS: key j of row i reads word j % 4 of the draw at counter (bh * SEQ_Q + i) * ceil(SEQ_K / 4)
+      + j // 4 + rng_offset; kept iff it is >= drop_threshold = floor(p * 2**32).
+    - DROP_HALVES: key j = 32a + 8w + 2p + h (h, p, w < 2, 4, 4) of row i reads half h (low 16 bits for 0)
+      of word w of the draw at counter (bh * SEQ_Q + i) * 4 * ceil(SEQ_K / 32) + 4a + p + rng_offset; kept
+      iff that half is >= drop_threshold = round(p * 2**16) (the host picks this only where p's rounding to
+      a multiple of 2**-16 changes neither p nor 1 - p by more than 2**-13 of itself). A thread of an MMA
+      accumulator holds keys 2p + {0, 1} + 8k of its rows for one p (sm80 / sm90 fragments): its keys come
+      from its own draws, so the bits need no exchange between threads.
     """
     BLOCK_R: tl.constexpr = rows.shape[0]
-    PER_DRAW: tl.constexpr = 8 if DROPOUT == DROP_HALVES else 4
-    groups = col0 // PER_DRAW + tl.arange(0, BLOCK_C // PER_DRAW)
-    row_counter = ((bh.to(tl.int64) * SEQ_Q + rows.to(tl.int64)) * ((SEQ_K + PER_DRAW - 1) // PER_DRAW)
-                   + rng_offset)
-    r0, r1, r2, r3 = tl.randint4x(seed, row_counter[:, None] + groups[None, :])
     thr = tl.full([], drop_threshold, tl.int64).to(tl.uint32)  # an int64 argument when >= 2**31; 1 is a constexpr
-    # join(join(w0, w2), join(w1, w3)) is indexed [.., x, y] -> word 2x + y, which the row-major reshape puts
-    # at column 2x + y of its group: column j reads word j % 4.
     if DROPOUT == DROP_HALVES:
-        # join(lo, hi) of one word is indexed [.., z] -> half z, so the joins below index [.., z, x, y]:
-        # column 4z + 2x + y of the group reads half z of word j % 4.
-        keep = tl.join(tl.join(_halves_keep(r0, thr), _halves_keep(r2, thr)),
-                       tl.join(_halves_keep(r1, thr), _halves_keep(r3, thr)))
+        A: tl.constexpr = (BLOCK_C + 31) // 32  # 32-key blocks of the tile (one for a 16-key tile)
+        row_counter = ((bh.to(tl.int64) * SEQ_Q + rows.to(tl.int64)) * (((SEQ_K + 31) // 32) * 4)
+                       + rng_offset)
+        draws = tl.reshape((col0 // 32 + tl.arange(0, A))[:, None] * 4 + tl.arange(0, 4)[None, :], (A * 4,))
+        r0, r1, r2, r3 = tl.randint4x(seed, row_counter[:, None] + draws[None, :])
+        # _halves_keep(r) is (R, A, 4 [p], 2 [h]); the joins below add [x, y] for word w = 2x + y.
+        keep = tl.join(tl.join(_halves_keep(tl.reshape(r0, (BLOCK_R, A, 4)), thr),
+                               _halves_keep(tl.reshape(r2, (BLOCK_R, A, 4)), thr)),
+                       tl.join(_halves_keep(tl.reshape(r1, (BLOCK_R, A, 4)), thr),
+                               _halves_keep(tl.reshape(r3, (BLOCK_R, A, 4)), thr)))
+        keep = tl.reshape(tl.permute(keep, (0, 1, 4, 5, 2, 3)), (BLOCK_R, A * 32))  # column 32a + 16x + 8y + 2p + h
+        if BLOCK_C < 32:  # a 16-key tile: the half of its 32-key block at col0
+            lo, hi = tl.split(tl.permute(tl.reshape(keep, (BLOCK_R, 2, 16)), (0, 2, 1)))
+            keep = tl.where(col0 % 32 == 0, lo, hi)
+        return keep
     else:
+        groups = col0 // 4 + tl.arange(0, BLOCK_C // 4)
+        row_counter = (bh.to(tl.int64) * SEQ_Q + rows.to(tl.int64)) * ((SEQ_K + 3) // 4) + rng_offset
+        r0, r1, r2, r3 = tl.randint4x(seed, row_counter[:, None] + groups[None, :])
+        # join(join(w0, w2), join(w1, w3)) is indexed [.., x, y] -> word 2x + y, which the row-major reshape puts
+        # at column 2x + y of its group: column j reads word j % 4.
         keep = tl.join(tl.join(r0 >= thr, r2 >= thr), tl.join(r1 >= thr, r3 >= thr))
-    return tl.reshape(keep, (BLOCK_R, BLOCK_C))
+        return tl.reshape(keep, (BLOCK_R, BLOCK_C))
 
 
 @triton.jit

@@ -187,16 +187,54 @@ def test_dropout_keep_rate(p):
     # Columns and rows are not correlated: the keep rate is right in every (b, h) slice too.
     per_head = keep.float().mean((2, 3))
     assert (per_head - (1 - p)).abs().max() < 6 * math.sqrt(p * (1 - p) / (64 * 113))
-    # Neighbouring keys share one Philox draw (a 32-bit word or a 16-bit half-word each): they must still be
-    # independent, within a word's two halves too.
-    per_draw = 8 if dropout_draw(p)[0] == DROP_HALVES else 4
-    k = keep[..., :112].reshape(2, 4, 64, 112 // per_draw, per_draw).float()
-    pairs = ((0, 1), (1, 2), (2, 3), (0, 3)) + (((0, 4), (3, 7), (1, 6)) if per_draw == 8 else ())
+    # Keys that share one Philox draw (a 32-bit word or a 16-bit half-word each) must still be independent,
+    # within a word's two halves too. 32-bit words: keys 4g .. 4g + 3 share draw g. Halves: keys 32a + 8w + 2p + h
+    # share draw 4a + p (word w, half h); viewed as (.., a, w, p, h) and gathered per draw as (.., a, p, 8).
+    if dropout_draw(p)[0] == DROP_HALVES:
+        k = keep[..., :96].reshape(2, 4, 64, 3, 4, 4, 2).permute(0, 1, 2, 3, 5, 4, 6).reshape(2, 4, 64, 12, 8)
+        pairs = ((0, 1), (0, 2), (1, 2), (0, 7), (3, 6), (5, 6))  # (w, h) = 2w + h within the draw
+    else:
+        k = keep[..., :112].reshape(2, 4, 64, 28, 4)
+        pairs = ((0, 1), (1, 2), (2, 3), (0, 3))
+    k = k.float()
     for a, b in pairs:
         both = (k[..., a] * k[..., b]).mean().item()
         n_pairs = k[..., a].numel()
         q = (1 - p) ** 2
         assert abs(both - q) < 5 * math.sqrt(q * (1 - q) / n_pairs), (a, b, both, q)
+
+
+def _philox4x32_10(counter: int, seed: int) -> tuple[int, int, int, int]:
+    """Philox-4x32-10 as tl.randint4x computes it for a 64-bit counter (c0, c1 = its halves) and seed."""
+    M = 0xFFFFFFFF
+    c0, c1, c2, c3 = counter & M, (counter >> 32) & M, 0, 0
+    k0, k1 = seed & M, (seed >> 32) & M
+    for _ in range(10):
+        p0, p2 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((p2 >> 32) ^ c1 ^ k0) & M, p2 & M, ((p0 >> 32) ^ c3 ^ k1) & M, p0 & M
+        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    return c0, c1, c2, c3
+
+
+@pytest.mark.parametrize("p", [0.3, 0.01])
+def test_dropout_mask_follows_the_documented_draws(p):
+    """Each key reads the piece of the Philox draw _common._dropout_keep documents (a pure-Python Philox)."""
+    from fa_backend.kernels.triton._features import DROP_HALVES, dropout_draw
+    b, hq, sq, sk = 1, 2, 3, 70
+    seed, offset = (int(x) for x in new_rng_state().tolist())
+    keep = dropout_keep_mask(b, hq, sq, sk, p, (seed, offset), DEVICE).cpu()
+    kind, thr = dropout_draw(p)
+    for bh in range(b * hq):
+        for i in range(sq):
+            for j in range(sk):
+                if kind == DROP_HALVES:
+                    a, w, pair, h = j // 32, (j % 32) // 8, (j % 8) // 2, j % 2
+                    counter = (bh * sq + i) * 4 * -(-sk // 32) + 4 * a + pair + offset
+                    piece = (_philox4x32_10(counter, seed)[w] >> (16 * h)) & 0xFFFF
+                else:
+                    counter = (bh * sq + i) * -(-sk // 4) + j // 4 + offset
+                    piece = _philox4x32_10(counter, seed)[j % 4]
+                assert bool(keep[0, bh, i, j]) == (piece >= thr), (bh, i, j)
 
 
 def test_dropout_threshold():
