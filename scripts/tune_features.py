@@ -26,7 +26,7 @@ from fa_backend.kernels.triton import _configs  # noqa: E402
 from fa_backend.kernels.triton._configs import BwdConfig, TileConfig as T  # noqa: E402
 
 FWD = [T(128, 64, 8, 3), T(128, 128, 8, 2), T(128, 64, 8, 2), T(64, 64, 4, 3), T(128, 32, 4, 3)]
-DKDV = [T(32, 128, 8, 1), T(32, 128, 8, 2), T(64, 64, 4, 1), T(32, 64, 4, 2)]
+DKDV = [T(32, 128, 8, 1), T(32, 128, 8, 2), T(64, 64, 4, 1), T(32, 64, 4, 2), T(64, 128, 8, 1)]
 DQ = [T(64, 32, 4, 2), T(64, 64, 4, 2), T(128, 64, 8, 2), T(64, 32, 4, 3)]
 
 

@@ -508,7 +508,7 @@ def _bwd_feature_class(feat, attn_mask, b: int, hq: int, sq: int, sk: int, d: in
     if "DROPOUT" in feat.constexprs:
         return "dropout"
     if set(feat.constexprs) == {"MASK_KIND"} and _mask_bounds.worth_it(attn_mask, b, hq, sq, sk, d):
-        return "mask_bounds"
+        return "mask_rows" if feat.constexprs["MASK_KIND"] == MASK_BITS_ROW.value else "mask_bounds"
     return True
 
 
