@@ -152,7 +152,8 @@ def _bwd_example(d, causal, cfg, extra=None):
 
 def check_dkdv(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
     atomic = dict(DQ_ACC="ptr32", ATOMIC_DQ=True) if cfg.atomic_dq else {}
-    return _compile(_bwd_dkdv, _bwd_example(d, causal, cfg, {**atomic, **(extra or {})}), cfg, dtype)
+    tma = dict(USE_TMA=True) if cfg.tma and not (extra or {}).get("VARLEN") else {}
+    return _compile(_bwd_dkdv, _bwd_example(d, causal, cfg, {**atomic, **tma, **(extra or {})}), cfg, dtype)
 
 
 def check_dq(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:

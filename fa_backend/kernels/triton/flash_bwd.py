@@ -14,13 +14,16 @@ never used under torch.use_deterministic_algorithms.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range,
+from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
+                      _load_lse_log2, _load_mask, _load_rows, _open_key_range,
                       _score_mods, _tile_ptrs, _window_lo)
-from ._configs import bwd_config
+from ._configs import BwdConfig, bwd_config
 from ._features import kernel_features
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
@@ -67,7 +70,7 @@ def _bwd_dkdv_loop(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr = True, WINDOW_LEFT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    DROPOUT: tl.constexpr = False, DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end).
 
@@ -83,11 +86,22 @@ def _bwd_dkdv_loop(
     cols = n0 + tl.arange(0, BLOCK_N)
     KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
         and not HAS_ALIBI and not SOFTCAP  # a bool attn_mask is the only score feature
-    q_ptrs = _tile_ptrs(Q, start, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
-    do_ptrs = _tile_ptrs(DO, start, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
+    if USE_TMA:
+        # Q and dO tiles by TMA (Hopper): straight to shared memory, rows past SEQ_Q and columns past the head
+        # dim zero-filled by the copy; no per-thread addresses, so pipelining them costs no registers.
+        q_desc = tl.make_tensor_descriptor(Q, shape=[SEQ_Q, HEAD_DIM], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(DO, shape=[SEQ_Q, HEAD_DIM_V], strides=[stride_dom, 1],
+                                            block_shape=[BLOCK_M, BLOCK_DV])
+    else:
+        q_ptrs = _tile_ptrs(Q, start, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
+        do_ptrs = _tile_ptrs(DO, start, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
-        q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+        if USE_TMA:
+            q = q_desc.load([start_m, 0])
+        else:
+            q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
         lse = _load_lse_log2(LSE, rows, SEQ_Q)
         if KEEP_ONLY:  # a bool mask alone: masked after the exp2, so qk * scale - lse stays one FFMA
             keep_t = _load_mask(rows[None, :], cols[:, None], n0, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
@@ -110,7 +124,10 @@ def _bwd_dkdv_loop(
             else:
                 band = cols[:, None] >= rows[None, :] + left_offset
             p_t = tl.where(band, p_t, 0.0)
-        do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+        if USE_TMA:
+            do = do_desc.load([start_m, 0])
+        else:
+            do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
             # dV sees the dropped probabilities (rescaled once at the end); dP is masked and scaled.
             keep_t = tl.trans(_dropout_keep(seed, rng_offset, bh_q, rows, n0, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
@@ -130,8 +147,9 @@ def _bwd_dkdv_loop(
             dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)  # (BLOCK_M, BLOCK_D); padded columns of k are 0
             tl.atomic_add(DQ_ACC + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], dq_part,
                           mask=rows[:, None] < SEQ_Q, sem="relaxed")
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+        if not USE_TMA:
+            q_ptrs += BLOCK_M * stride_qm
+            do_ptrs += BLOCK_M * stride_dom
     return dk, dv
 
 
@@ -158,6 +176,7 @@ def _bwd_dkdv(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_n = pid % NUM_N_BLOCKS
@@ -273,14 +292,14 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA)
         dk, dv = _bwd_dkdv_loop(
             dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
             mid_lo, mid_hi, n0, seqlen_q, causal_offset, qk_scale,
             seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
-            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA)
         if WINDOW_LEFT or MASK_BOUNDS:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -288,7 +307,7 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA)
 
     dk *= sm_scale
     if DROPOUT:
@@ -501,6 +520,38 @@ def _bwd_dq_convert(
              mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the dK/dV kernel may read these (b, h, s, d) tensors by TMA: sm90+, the head dim contiguous,
+    every other stride and the base address 16-byte aligned (TMA's rules), and an allocator for the
+    descriptors, which the kernel builds in global memory (set for the launching thread: Triton keeps it in a
+    context variable, and autograd runs the backward in its own thread)."""
+    t0 = tensors[0]
+    if not _launch._INTERPRET and not (t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] >= 9):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any((st * size) % 16 or (st == 0 and n > 1)
+                                                        for st, n in zip(t.stride()[:3], t.shape[:3])):
+            return False  # (a broadcast gradient, e.g. of out.sum(), has stride-0 dims: pointer loads)
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_descriptor_memory)
+    return True
+
+
+def _descriptor_memory(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _launch._INTERPRET else "cuda")
+
+
+def _without_tma(cfg: BwdConfig, use_tma: bool) -> BwdConfig:
+    """A TMA dK/dV tile for a launch that cannot use TMA: the same tile with one stage (its pointer loads gain
+    nothing from a second one, which costs registers: the table's choice before TMA)."""
+    if cfg.dkdv.tma and not use_tma:
+        return dataclasses.replace(cfg, dkdv=dataclasses.replace(cfg.dkdv, num_stages=1, tma=False))
+    return cfg
+
+
 def _bwd_feature_class(feat, attn_mask, b: int, hq: int, sq: int, sk: int, d: int) -> bool | str:
     """Which backward tile table a call uses (_configs.bwd_config)."""
     if not feat.constexprs:
@@ -555,6 +606,8 @@ def flash_bwd(
     # dQ through atomics in the dK/dV kernel (a tile-config option): never under
     # torch.use_deterministic_algorithms, since the order of the fp32 additions varies from run to run
     atomic = cfg.dkdv.atomic_dq and not torch.are_deterministic_algorithms_enabled()
+    use_tma = cfg.dkdv.tma and _tma_ok(q, dout)
+    cfg = _without_tma(cfg, use_tma)
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
@@ -566,6 +619,7 @@ def flash_bwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
+        **({"USE_TMA": True} if use_tma else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
     if atomic:
@@ -615,6 +669,7 @@ def flash_bwd_varlen(
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
     cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
+    cfg = _without_tma(cfg, False)  # packed sequences: pointer loads
     block_d, block_dv = tile_dims(d, dv_dim)
 
     # delta = rowsum(dO * O) needs no sequence structure: the dense preprocess on (1, hq, total_q, dv)
