@@ -176,7 +176,7 @@ def test_dropout_with_causal_gqa_and_mask():
                   attn_mask=_bool_mask((2, 1, 1, 64), 0.8))
 
 
-@pytest.mark.parametrize("p", [0.1, 0.3, 0.75, 0.01])
+@pytest.mark.parametrize("p", [0.1, 0.75, 0.01])
 def test_dropout_keep_rate(p):
     from fa_backend.kernels.triton._features import DROP_HALVES, dropout_draw
     n = 2 * 4 * 64 * 113

@@ -25,8 +25,8 @@ def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16):
             torch.randn(b, hkv, sk, d, dtype=dtype, device=DEVICE))
 
 
-@pytest.mark.parametrize("d", [16, 40, 64] + ([128] if DEVICE == "cuda" else []))
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,causal", [(16, True), (40, False)] if DEVICE == "cpu"
+                         else [(d, c) for d in (16, 40, 64, 128) for c in (False, True)])
 def test_tma_dkdv_gradients(d, causal):
     # sq not a multiple of the tile (rows past the end come zero-filled from the copy), d = 40 padded to 64
     # columns (zero-filled too), GQA (the Q / dO descriptors of every query head of a group).
