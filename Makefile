@@ -10,7 +10,7 @@ demo: install
 	$(PYTHON) -m fa_backend demo
 
 test: install
-	$(PYTHON) -m pytest tests -q
+	$(PYTHON) -m pytest tests -q -n 2
 
 bench:
 	$(PYTHON) -m fa_backend bench --memory --json bench.json

@@ -89,11 +89,14 @@ def _tanh(x):
 def _load_mask(qi, kj, col0, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn, MASK_KIND: tl.constexpr):
     """The attn_mask values of scores (qi, kj) (indices that broadcast to the score tile's shape, either
     orientation; kj in [col0, col0 + BLOCK) for the tile's first key col0, a multiple of min(BLOCK, 32)), for
-    _score_mods: uint8 / int32 for a bool mask (0 = hidden; 1 outside the sequences, but 0 for the packed kind,
-    whose words hide the keys past SEQ_K), fp32 for an additive one (0 outside). A row kind reads kj alone (one load per key, broadcast over queries); the packed kind
-    reads the tile's words and extracts a bit per key.
+    _score_mods: uint8 / int32 for a bool mask (0 = hidden; 1 outside the sequences, but 0 for the packed
+    kind, whose words hide the keys past SEQ_K), fp32 for an additive one (0 outside). A row kind reads kj
+    alone (one load per key, broadcast over queries); the packed kind reads the tile's words and extracts a
+    bit per key.
 
-    The kernels call this before the QK^T dot of the tile, so that the load's latency overlaps the MMA."""
+    The kernels call this before the tile's QK^T dot. ptxas may still wait for byte loads only after the
+    MMA, one after another when registers are short (seen at 249 registers on sm90): the packed kind has
+    no per-key load."""
     if MASK_KIND == MASK_BITS_ROW:
         # Every thread reads the same few words (scalar loads, issued once per tile); no per-key load whose
         # result ptxas would have to keep in a register across the MMA (at 240+ registers it serialised the
@@ -114,7 +117,8 @@ def _load_mask(qi, kj, col0, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn, MASK_KIND
         return _mask_values_at(Mask + kj.to(tl.int64) * stride_mn, kj < SEQ_K, MASK_KIND - 2)
     elif MASK_KIND != MASK_NONE:
         in_bounds = (qi < SEQ_Q) & (kj < SEQ_K)
-        return _mask_values_at(Mask + qi.to(tl.int64) * stride_mm + kj.to(tl.int64) * stride_mn, in_bounds, MASK_KIND)
+        return _mask_values_at(Mask + qi.to(tl.int64) * stride_mm + kj.to(tl.int64) * stride_mn, in_bounds,
+                               MASK_KIND)
     else:
         return 0
 

@@ -117,11 +117,11 @@ def bounds_from_classes(visible: torch.Tensor, open_: torch.Tensor, block: int) 
     return torch.where(out >= n, TO_END // block, out) * block
 
 
-# Bounds (and packed bits) of recent masks: a model passes one mask object to every layer, and the backward needs the bounds
-# again. Keyed on the mask's identity (checked through a weak reference, so a new tensor at a reused
+# Bounds (and packed bits) of recent masks: a model passes one mask object to every layer, and the backward
+# needs them again. Keyed on the mask's identity (checked through a weak reference, so a new tensor at a reused
 # address never matches) and its version counter (an in-place write makes a new entry). Writes that bypass
 # the version counter (through `.data`, or a foreign kernel writing through data_ptr) are not seen: the
-# contract autograd's saved tensors rely on too. CACHE_ENABLED = False recomputes the bounds on every launch
+# contract autograd's saved tensors rely on too. CACHE_ENABLED = False recomputes them on every launch
 # (a few small launches each).
 CACHE_ENABLED = True
 _CACHE: dict[tuple, tuple[weakref.ref, tuple]] = {}
@@ -160,8 +160,9 @@ def block_bounds(attn_mask: torch.Tensor, sq: int, sk: int, block_q: int, block_
 def row_bits(attn_mask: torch.Tensor, b: int, hq: int, sk: int) -> tuple[torch.Tensor, int, int]:
     """A bool mask without a query dim (key padding: (b, 1, 1, sk), or one expanded from it) packed for the
     kernels' MASK_BITS_ROW: int32 words (mb, mh, ceil(sk / 32)), key j at bit j % 32 of word j // 32 (1 =
-    attend; keys past sk read 0: the words hide them, the kernels apply no other bound to them), and the word tensor's (batch, head) strides
-    as a (b, hq) broadcast (0 where the mask is broadcast). Cached per mask tensor (_cached)."""
+    attend; keys past sk read 0: the words hide them, the kernels apply no other bound to them), and the
+    word tensor's (batch, head) strides as a (b, hq) broadcast (0 where the mask is broadcast). Cached per
+    mask tensor (_cached)."""
     words = _cached(attn_mask, ("row_bits", sk), lambda: _row_bits(attn_mask, sk))
     mb, mh, _ = words.shape
     return words, (words.stride(0) if mb > 1 else 0), (words.stride(1) if mh > 1 else 0)

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .._layout import new_attention_output
-from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep, _kv_bounds, _load_mask, _load_rows,
-                      _open_key_range, _score_mods, _tile_ptrs, _window_lo)
+from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep,
+                      _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_ptrs, _window_lo)
 from ._configs import fwd_config
 from ._features import dropout_draw, kernel_features
 from . import _launch, _mask_bounds

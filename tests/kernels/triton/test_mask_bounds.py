@@ -229,8 +229,8 @@ def _row_masks(b, sk, p_hidden, seed=0):
 @pytest.mark.parametrize("sk,form", [(70, "key_mask"), (129, "expanded")])
 def test_packed_key_mask_forward_backward(sk, form):
     # A scattered key mask: every tile is partial, so every tile reads the packed words; sk not a multiple of
-    # 32 puts keys past the end in the last word (a multiple of 32 is test_packed_key_mask_with_band's). "expanded": the (b, hq, sq, sk) stride-0 view Hugging Face
-    # builds from a key-padding mask.
+    # 32 puts keys past the end in the last word (a multiple of 32: test_packed_key_mask_with_band). "expanded":
+    # the (b, hq, sq, sk) stride-0 view Hugging Face builds from a key-padding mask.
     sq = 45
     mask = _row_masks(2, sk, 0.3)
     if form == "expanded":
@@ -289,3 +289,26 @@ def test_backward_tile_class_of_masked_calls(monkeypatch):
     small = kernel_features(q[:1, :1, :64], k[:1, :1, :64], 0.1, False, False, key_mask[:1, ..., :64])
     assert small.constexprs["MASK_KIND"] == 3  # below the threshold: the byte mask, no packing
     assert _bwd_feature_class(small, key_mask[:1, ..., :64], 1, 1, 64, 64, d) is True
+
+
+def test_packed_key_mask_with_other_features():
+    # The packed kind next to softcap and ALiBi (scores through _score_mods, not the bool-only path) and dropout.
+    from fa_backend.kernels.triton import dropout_keep_mask
+    from fa_backend.ops import new_rng_state, triton_flash_attention
+
+    sq, sk = 24, 40
+    mask = _row_masks(2, sk, 0.3, seed=4)
+    slopes = torch.rand(2, device=DEVICE) * 0.3
+    q, k, v = _qkv(2, 2, 1, sq, sk)
+
+    def fn(q, k, v):
+        return fa_backend.attention(q, k, v, attn_mask=mask, is_causal=True, causal_alignment="bottom_right",
+                                    softcap=3.0, alibi_slopes=slopes)
+    check_features(fn, q, k, v, attn_mask=mask, is_causal=True, bottom_right=True, softcap=3.0, alibi_slopes=slopes)
+
+    rng, p = new_rng_state(), 0.2
+    keep = dropout_keep_mask(2, 2, sq, sk, p, tuple(rng.tolist()), DEVICE)
+
+    def dropped(q, k, v):
+        return triton_flash_attention(q, k, v, None, False, False, dropout_p=p, rng_state=rng, attn_mask=mask)[0]
+    check_features(dropped, q, k, v, attn_mask=mask, dropout_keep=keep, dropout_p=p)

@@ -21,7 +21,8 @@ TMA_BWD = (BwdConfig(TileConfig(16, 32, 4, 1, tma=True), TileConfig(16, 16, 4, 1
 
 
 def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16):
-    return (torch.randn(b, hq, sq, d, dtype=dtype, device=DEVICE), torch.randn(b, hkv, sk, d, dtype=dtype, device=DEVICE),
+    return (torch.randn(b, hq, sq, d, dtype=dtype, device=DEVICE),
+            torch.randn(b, hkv, sk, d, dtype=dtype, device=DEVICE),
             torch.randn(b, hkv, sk, d, dtype=dtype, device=DEVICE))
 
 
@@ -33,8 +34,9 @@ def test_tma_dkdv_gradients(d, causal):
     q, k, v = _qkv(2, 4, 2, 45 if DEVICE == "cpu" else 1000, 70 if DEVICE == "cpu" else 1100, d)
     assert _tma_ok(q, q)
     with _configs.override(bwd=TMA_BWD):
-        check_attention(lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal, causal_alignment="bottom_right"),
-                        q, k, v, is_causal=causal, bottom_right=True)
+        check_attention(
+            lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal, causal_alignment="bottom_right"),
+            q, k, v, is_causal=causal, bottom_right=True)
 
 
 def test_tma_needs_aligned_strides():
