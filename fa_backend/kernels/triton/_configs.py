@@ -26,7 +26,7 @@ class TileConfig:
     num_stages: int = 2
     lazy_rescale: bool = False  # forward only: see _common.RESCALE_LOG2 (candidates only until timed)
     atomic_dq: bool = False  # dK/dV only: dQ added there with atomics (flash_bwd.py; candidates only until timed)
-    tma: bool = False  # dK/dV only: Q and dO tiles by TMA on sm90 where strides allow (flash_bwd._tma_ok)
+    tma: bool = False  # backward: dK/dV reads Q and dO, dQ reads K and V by TMA on sm90 where strides allow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +159,13 @@ def _plain_dkdv_candidates(width: int) -> list[TileConfig]:
 
 
 def dq_candidates(width: int) -> list[TileConfig]:
+    """dQ tiles worth timing, and TMA variants (K and V by TMA) of those up to width 128 with 2-3 stages."""
+    plain = _plain_dq_candidates(width)
+    tma = [dataclasses.replace(c, tma=True) for c in plain if width <= 128 and c.num_stages >= 2]
+    return plain + tma
+
+
+def _plain_dq_candidates(width: int) -> list[TileConfig]:
     if width <= 64:
         return [TileConfig(64, 64, 4, s) for s in (1, 2, 3)] + [
             TileConfig(128, 64, 8, s) for s in (1, 2)] + [TileConfig(128, 32, 4, 2), TileConfig(128, 128, 8, 2)]

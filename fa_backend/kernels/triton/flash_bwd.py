@@ -330,20 +330,31 @@ def _bwd_dq_loop(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
-    """Accumulate dQ of one query block over keys [start, end)."""
+    """Accumulate dQ of one query block over keys [start, end). USE_TMA: K and V tiles by TMA (keys past SEQ_K
+    and padded head-dim columns zero-filled by the copy), as the dK/dV kernel reads Q and dO."""
     KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
         and not HAS_ALIBI and not SOFTCAP  # a bool attn_mask is the only score feature
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
-    v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(K, shape=[SEQ_K, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V, shape=[SEQ_K, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+        v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
-        v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
+            v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         if KEEP_ONLY:  # a bool mask alone: masked after the exp2, so qk * scale - lse stays one FFMA
             keep = _load_mask(rows[:, None], cols[None, :], start_n, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
                               MASK_KIND) != 0
@@ -368,8 +379,9 @@ def _bwd_dq_loop(
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not USE_TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return dq
 
 
@@ -392,6 +404,7 @@ def _bwd_dq(
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_m = pid % NUM_M_BLOCKS
@@ -467,32 +480,32 @@ def _bwd_dq(
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           open_lo, open_hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
-                          0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+                          0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           open_hi, hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
     else:
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           0, n_full, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           n_full, hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
@@ -544,11 +557,14 @@ def _descriptor_memory(size: int, alignment: int, stream: int | None) -> torch.T
     return torch.empty(size, dtype=torch.int8, device="cpu" if _launch._INTERPRET else "cuda")
 
 
-def _without_tma(cfg: BwdConfig, use_tma: bool) -> BwdConfig:
-    """A TMA dK/dV tile for a launch that cannot use TMA: the same tile with one stage (its pointer loads gain
-    nothing from a second one, which costs registers: the table's choice before TMA)."""
+def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False) -> BwdConfig:
+    """The tiles of a launch that cannot use TMA where they ask for it: a dK/dV tile with one stage (its pointer
+    loads gain nothing from a second one, which costs registers: the table's choice before TMA), a dQ tile
+    with pointer loads."""
     if cfg.dkdv.tma and not use_tma:
-        return dataclasses.replace(cfg, dkdv=dataclasses.replace(cfg.dkdv, num_stages=1, tma=False))
+        cfg = dataclasses.replace(cfg, dkdv=dataclasses.replace(cfg.dkdv, num_stages=1, tma=False))
+    if cfg.dq.tma and not use_tma_dq:
+        cfg = dataclasses.replace(cfg, dq=dataclasses.replace(cfg.dq, tma=False))
     return cfg
 
 
@@ -607,7 +623,8 @@ def flash_bwd(
     # torch.use_deterministic_algorithms, since the order of the fp32 additions varies from run to run
     atomic = cfg.dkdv.atomic_dq and not torch.are_deterministic_algorithms_enabled()
     use_tma = cfg.dkdv.tma and _tma_ok(q, dout)
-    cfg = _without_tma(cfg, use_tma)
+    use_tma_dq = cfg.dq.tma and _tma_ok(k, v)
+    cfg = _without_tma(cfg, use_tma, use_tma_dq)
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
@@ -638,6 +655,7 @@ def flash_bwd(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
+        **({"USE_TMA": True} if use_tma_dq else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dq.block_m, cfg.dq.block_n),
     ))
     return dq, dk, dv
@@ -669,7 +687,7 @@ def flash_bwd_varlen(
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
     cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
-    cfg = _without_tma(cfg, False)  # packed sequences: pointer loads
+    cfg = _without_tma(cfg, False, False)  # packed sequences: pointer loads
     block_d, block_dv = tile_dims(d, dv_dim)
 
     # delta = rowsum(dO * O) needs no sequence structure: the dense preprocess on (1, hq, total_q, dv)

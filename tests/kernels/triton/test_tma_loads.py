@@ -1,6 +1,6 @@
-"""The dK/dV kernel's TMA loads of Q and dO (TileConfig.tma; kernels/triton/flash_bwd.py), under the
-interpreter here and on sm90 in the GPU suite: gradients within the 2x rule, and the fallback to pointer
-loads where TMA's alignment rules do not hold."""
+"""The backward kernels' TMA loads (TileConfig.tma; kernels/triton/flash_bwd.py): Q and dO in the dK/dV
+kernel, K and V in the dQ kernel, under the interpreter here and on sm90 in the GPU suite: gradients within
+the 2x rule, and the fallback to pointer loads where TMA's alignment rules do not hold."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tests.reference import check_attention
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
-TMA_BWD = (BwdConfig(TileConfig(16, 32, 4, 1, tma=True), TileConfig(16, 16, 4, 1)) if DEVICE == "cpu"
-           else BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 2)))
+TMA_BWD = (BwdConfig(TileConfig(16, 32, 4, 1, tma=True), TileConfig(16, 16, 4, 1, tma=True)) if DEVICE == "cpu"
+           else BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 2, tma=True)))
 
 
 def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16):
@@ -59,3 +59,5 @@ def test_tma_tile_falls_back_to_one_stage():
     cfg = BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 2))
     assert _without_tma(cfg, True) == cfg
     assert _without_tma(cfg, False) == BwdConfig(TileConfig(64, 128, 8, 1), TileConfig(64, 64, 4, 2))
+    both = BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 3, tma=True))
+    assert _without_tma(both, True, False) == BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 3))
