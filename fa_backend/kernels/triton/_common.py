@@ -45,6 +45,17 @@ def _load_rows(ptrs, rows, n_rows, cols, n_cols, MASK_ROWS: tl.constexpr, MASK_C
 
 
 @triton.jit
+def _tile_descs(A, B, n_rows, stride_a, stride_b, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """TMA descriptors (Hopper) of two (n_rows, DIM) tensors with unit column stride, read in BLOCK_R-row tiles
+    of BLOCK_A / BLOCK_B columns: rows past n_rows and columns past DIM come zero-filled, and the tiles go
+    straight to shared memory without per-thread addresses, so pipelining them costs no registers. The host
+    checks TMA's alignment rules (flash_bwd._tma_ok)."""
+    return (tl.make_tensor_descriptor(A, shape=[n_rows, DIM_A], strides=[stride_a, 1], block_shape=[BLOCK_R, BLOCK_A]),
+            tl.make_tensor_descriptor(B, shape=[n_rows, DIM_B], strides=[stride_b, 1], block_shape=[BLOCK_R, BLOCK_B]))
+
+
+@triton.jit
 def _load_lse_log2(LSE_ptr, rows, n_rows):
     """Row LSE (natural log, as stored by the forward) converted to log2 units for exp2.
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
-                      _load_lse_log2, _load_mask, _load_rows, _open_key_range,
+                      _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
                       _score_mods, _tile_ptrs, _window_lo)
 from ._configs import BwdConfig, bwd_config
 from ._features import kernel_features
@@ -86,13 +86,9 @@ def _bwd_dkdv_loop(
     cols = n0 + tl.arange(0, BLOCK_N)
     KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
         and not HAS_ALIBI and not SOFTCAP  # a bool attn_mask is the only score feature
-    if USE_TMA:
-        # Q and dO tiles by TMA (Hopper): straight to shared memory, rows past SEQ_Q and columns past the head
-        # dim zero-filled by the copy; no per-thread addresses, so pipelining them costs no registers.
-        q_desc = tl.make_tensor_descriptor(Q, shape=[SEQ_Q, HEAD_DIM], strides=[stride_qm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        do_desc = tl.make_tensor_descriptor(DO, shape=[SEQ_Q, HEAD_DIM_V], strides=[stride_dom, 1],
-                                            block_shape=[BLOCK_M, BLOCK_DV])
+    if USE_TMA:  # Q and dO tiles by TMA
+        q_desc, do_desc = _tile_descs(Q, DO, SEQ_Q, stride_qm, stride_dom, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D,
+                                      BLOCK_DV)
     else:
         q_ptrs = _tile_ptrs(Q, start, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
         do_ptrs = _tile_ptrs(DO, start, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
@@ -339,11 +335,9 @@ def _bwd_dq_loop(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if USE_TMA:
-        k_desc = tl.make_tensor_descriptor(K, shape=[SEQ_K, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V, shape=[SEQ_K, HEAD_DIM_V], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
+    if USE_TMA:  # K and V tiles by TMA
+        k_desc, v_desc = _tile_descs(K, V, SEQ_K, stride_kn, stride_vn, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
+                                     BLOCK_DV)
     else:
         k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
         v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
