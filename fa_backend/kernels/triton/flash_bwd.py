@@ -19,6 +19,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
                       _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
@@ -528,10 +529,10 @@ def _bwd_dq_convert(
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the dK/dV kernel may read these (b, h, s, d) tensors by TMA: sm90+, the head dim contiguous,
-    every other stride and the base address 16-byte aligned (TMA's rules), and an allocator for the
-    descriptors, which the kernel builds in global memory (set for the launching thread: Triton keeps it in a
-    context variable, and autograd runs the backward in its own thread)."""
+    """Whether a backward kernel may read these (b, h, s, d) tensors by TMA (dK/dV: Q and dO; dQ: K and V):
+    sm90+, the head dim contiguous, every other stride and the base address 16-byte aligned (TMA's rules), no
+    broadcast dim; and an allocator for the descriptors, which the kernel builds in global memory (set for the
+    launching thread: Triton keeps it in a context variable, and autograd runs the backward in its own thread)."""
     t0 = tensors[0]
     if not _launch._INTERPRET and not (t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] >= 9):
         return False
@@ -540,8 +541,6 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
         if t.stride(3) != 1 or t.data_ptr() % 16 or any((st * size) % 16 or (st == 0 and n > 1)
                                                         for st, n in zip(t.stride()[:3], t.shape[:3])):
             return False  # (a broadcast gradient, e.g. of out.sum(), has stride-0 dims: pointer loads)
-    from triton.runtime import _allocation
-
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_descriptor_memory)
     return True
