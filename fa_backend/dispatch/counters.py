@@ -20,12 +20,40 @@ def record_run(backend: str) -> None:
     _RUNS[backend] += 1
 
 
-def record_call(backend: str | None, fallback_keys: tuple[str, ...]) -> None:
-    """One routed call: its backend's run (None: counted elsewhere) and its "backend:reason" keys."""
+def record_call(backend: str | None, fallback_keys: tuple[str, ...], n: int = 1) -> None:
+    """n routed calls: their backend's runs (None: counted elsewhere) and their "backend:reason" keys."""
     if backend is not None:
-        _RUNS[backend] += 1
+        _RUNS[backend] += n
     for key in fallback_keys:
-        _FALLBACKS[key] += 1
+        _FALLBACKS[key] += n
+
+
+# Tallies that count calls on a cached decision (an object with `run_key`, `fallback_keys` and an int
+# `calls`): bumping one int per call instead of a Counter entry per reason; folded in when read.
+_TALLIES: dict[int, object] = {}
+
+
+def defer(tally) -> None:
+    """Count `tally.calls` into the counters whenever they are read, until `release(tally)`."""
+    _TALLIES[id(tally)] = tally
+
+
+def fold() -> None:
+    """Move the deferred calls into the counters."""
+    for tally in list(_TALLIES.values()):
+        n = tally.calls
+        if n:
+            tally.calls -= n
+            record_call(tally.run_key, tally.fallback_keys, n)
+
+
+def release(tallies) -> None:
+    """Fold these tallies' calls in and stop tracking them (their cache is being dropped)."""
+    for tally in tallies:
+        if _TALLIES.pop(id(tally), None) is not None and tally.calls:
+            n = tally.calls
+            tally.calls -= n
+            record_call(tally.run_key, tally.fallback_keys, n)
 
 
 def record_traced(backend: str, skipped: str) -> None:
@@ -38,6 +66,7 @@ def stats() -> dict:
     from ..integrations import provider
     from .state import ROUTING, allowed_backends, routing_active
 
+    fold()
     return {
         "runs": dict(_RUNS),
         "fallbacks": dict(_FALLBACKS),
@@ -52,6 +81,7 @@ def reset_stats() -> None:
     from ..integrations import provider
 
     provider.reset_stats()
+    fold()
     _RUNS.clear()
     _FALLBACKS.clear()
     _TRACED.clear()

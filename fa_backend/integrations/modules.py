@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
+from ..dispatch import counters as _stats
 from ..dispatch.call import AttentionCall, device_capability
 from ..dispatch.preference import TINY_FWD_FLOPS, TINY_KV_BYTES
 from ..dispatch.select import select
@@ -90,6 +91,7 @@ def _torch_decision(call: AttentionCall | None):
     entry = _DECISIONS.get(key)
     if entry is None:
         if len(_DECISIONS) >= 1024:
+            _stats.release([e for e in _DECISIONS.values() if e])
             _DECISIONS.clear()
         try:
             decision = select(call, allowed)

@@ -16,6 +16,7 @@ which computes the common form itself with the attention routed (eager and compi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -28,6 +29,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from .. import _logging
 from ..dispatch import counters as _stats
 from ..dispatch.backends import BACKENDS, pytorch_choice
+from ..dispatch.backends.pytorch import direct_runner
 from ..dispatch.call import AttentionCall, precompute_capabilities
 from ..dispatch.reasons import ReasonCode
 from ..dispatch.select import Decision, faster_peer, select
@@ -42,6 +44,7 @@ _ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention
 _ATEN_SDPA_DEFAULT = torch.ops.aten.scaled_dot_product_attention.default
 _MHA = F.multi_head_attention_forward
 _LOG = _logging.DISPATCH_LOGGER
+_LOG_DEBUG = functools.partial(_LOG.isEnabledFor, logging.DEBUG)
 
 
 def _bind_sdpa(args, kwargs):
@@ -88,14 +91,19 @@ _OWN_OPS = ("cute", "triton")  # backends whose ops count their runs and take au
 
 
 class _Routed:
-    """A cached eager decision: what runs, and the counters one such call bumps."""
+    """A cached eager decision: what runs, and the counters one such call bumps (tallied in `calls`, folded
+    into the counters when they are read)."""
 
-    __slots__ = ("call", "decision", "cast", "run_key", "fallback_keys", "run")
+    __slots__ = ("call", "decision", "cast", "run_key", "fallback_keys", "run", "calls")
 
-    def __init__(self, call: AttentionCall, decision: Decision, cast):
+    def __init__(self, call: AttentionCall, decision: Decision, cast, q=None, k=None, v=None, is_causal=False,
+                 scale=None):
         self.call, self.decision, self.cast = call, decision, cast
         # run(sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa): what the decision runs
-        self.run = BACKENDS[decision.backend].eager_runner(call, decision.kernel)
+        direct = (direct_runner(call, q, k, v, is_causal, scale) if decision.backend == "torch" and not cast
+                  and q is not None else None)
+        self.run = direct or BACKENDS[decision.backend].eager_runner(call, decision.kernel)
+        self.calls = 0
         # our ops count their own runs (compiled or not: "cute", "triton" and "triton_decode"), so calls
         # routed to them add none here
         self.run_key = None if decision.backend in _OWN_OPS else decision.backend
@@ -109,17 +117,28 @@ class _Routed:
                        call.heads_kv)
                 _logging.log_once(key, _LOG, logging.INFO, "%s skipped for %s: %s; ran %s", name, call.shape_class(),
                                   "; ".join(str(r) for r in reasons), ran)
+        _stats.defer(self)
 
     def count(self) -> None:
-        _stats.record_call(self.run_key, self.fallback_keys)
-        if _LOG.isEnabledFor(logging.DEBUG):
-            _LOG.debug("routed %s to %s", self.call.describe(), self.decision.backend)
+        self.calls += 1
+        if _LOG_DEBUG():
+            self.log()
+
+    def log(self) -> None:
+        _LOG.debug("routed %s to %s", self.call.describe(), self.decision.backend)
 
 
-# Eager decisions keyed on everything the eligibility rules read; bounded, cleared when full.
+# Eager decisions keyed on everything the eligibility rules (and PyTorch's kernel checks, for direct runners)
+# read; bounded, cleared when full.
 _CACHE: dict = {}
 _CACHE_LIMIT = 4096
 _UNIT = (1,)
+_C = torch._C
+
+
+def _clear_cache() -> None:
+    _stats.release([e for e in _CACHE.values() if e])  # count the cached decisions' calls before they go
+    _CACHE.clear()
 
 
 def _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast):
@@ -155,9 +174,11 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     allowed = _LOCAL_STATE.allowed  # allowed_backends(), without the call
     mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.requires_grad)
     key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
-           v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, torch._C._get_cudnn_sdp_enabled(),
+           v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, _C._get_cudnn_sdp_enabled(),
+           _C._get_mem_efficient_sdp_enabled(), _C._get_flash_sdp_enabled(),
            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-           k.stride()[-1:] == _UNIT and v.stride()[-1:] == _UNIT)
+           (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # cheaper; implies the next but for
+           or (q.stride()[-1:] == _UNIT and k.stride()[-1:] == _UNIT and v.stride()[-1:] == _UNIT))  # a size-1 dim
     entry = _CACHE.get(key)
     if entry is None:
         call = _describe(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, cast)
@@ -165,9 +186,9 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if allowed is None and _preferred_kernel_refuses(decision, call, q, k, v, attn_mask, dropout_p, is_causal,
                                                          scale, enable_gqa):
             decision = select(call, allowed, preferences=False)
-        entry = _Routed(call, decision, cast)
+        entry = _Routed(call, decision, cast, q, k, v, is_causal, scale)
         if len(_CACHE) >= _CACHE_LIMIT:
-            _CACHE.clear()
+            _clear_cache()
         _CACHE[key] = entry
     return entry
 
@@ -180,7 +201,9 @@ def route_sdpa(sdpa, args, kwargs) -> torch.Tensor:
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind_sdpa(args, kwargs)
     if not _is_compiling():
         entry = _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        entry.count()
+        entry.calls += 1  # entry.count(), inlined: this path is a tiny call's host time
+        if _LOG_DEBUG():
+            entry.log()
         if entry.cast is not None and entry.decision.backend in _OWN_OPS:
             q, k, v = (t.to(entry.cast) for t in (q, k, v))
         return entry.run(sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -251,7 +274,7 @@ def enable() -> None:
     """
     precompute_capabilities()
     _modules.install()
-    _CACHE.clear()
+    _clear_cache()
     ROUTING["enabled"] = True
     if _own_router_on_stack() is None:
         SDPARouter().__enter__()
@@ -263,7 +286,7 @@ def enable() -> None:
 def disable() -> None:
     """Stop routing (idempotent). Routers left in other threads' mode stacks become inert."""
     ROUTING["enabled"] = False
-    _CACHE.clear()
+    _clear_cache()
     stack = _get_current_function_mode_stack()
     if stack and isinstance(stack[-1], SDPARouter) and not stack[-1].scoped:
         stack[-1].__exit__(None, None, None)

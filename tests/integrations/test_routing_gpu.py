@@ -116,6 +116,40 @@ def test_host_bound_call_runs_pytorchs_fused_kernel(d):
     torch.testing.assert_close(out, forced, atol=2e-2, rtol=2e-2)
 
 
+def _aten_ops(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, {e.name for e in prof.events() if e.name.startswith("aten::") and "attention" in e.name}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiny_forward_runs_pytorchs_efficient_kernel_directly(dtype, causal):
+    # A host-bound forward call (dispatch/backends/pytorch.py, direct_runner): the efficient kernel's own op, whose
+    # host cost is the lowest of PyTorch's kernels; the result is SDPA's on that kernel, bit for bit.
+    q, k, v = _qkv(b=1, h=2, s=16, d=64, dtype=dtype)
+    k, v = k[:, :, :13], v[:, :, :13]
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
+    with fa_backend.enabled():
+        out, ops = _aten_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
+        assert ops == {"aten::_scaled_dot_product_efficient_attention"}, ops
+        assert torch.equal(out, ref)
+        assert fa_backend.stats()["runs"] == {"torch": 1}
+        # PyTorch's own restriction is kept: the math kernel, through SDPA
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+            out, ops = _aten_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
+        assert "aten::scaled_dot_product_attention" in ops and "aten::_scaled_dot_product_efficient_attention" not in ops
+        # with grad (or a mask, or a larger call) SDPA picks as before
+        q.requires_grad_()
+        out, ops = _aten_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
+        assert "aten::scaled_dot_product_attention" in ops
+        torch.testing.assert_close(out, ref)
+        big = _qkv(b=1, h=8, s=512, d=64, dtype=dtype)
+        _, ops = _aten_ops(lambda: F.scaled_dot_product_attention(*big))
+        assert "aten::scaled_dot_product_attention" in ops
+
+
 def test_tiny_module_keeps_pytorchs_fast_path():
     m = nn.MultiheadAttention(64, 2, batch_first=True, device="cuda", dtype=torch.bfloat16).eval()
     x = torch.randn(1, 16, 64, device="cuda", dtype=torch.bfloat16)

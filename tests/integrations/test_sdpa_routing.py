@@ -125,6 +125,38 @@ def test_reset_stats():
     assert fa_backend.stats()["runs"] == {} and fa_backend.stats()["fallbacks"] == {}
 
 
+def test_counts_survive_dropped_decisions(monkeypatch):
+    # Routed calls are tallied on their cached decision; dropping the cache (full, enable/disable) folds them in.
+    from fa_backend.integrations import sdpa
+
+    monkeypatch.setattr(sdpa, "_CACHE_LIMIT", 2)
+    q = torch.randn(1, 2, 24, 16, dtype=torch.float32, device=DEVICE)  # a dtype only PyTorch runs: counted here
+    with fa_backend.enabled():
+        for s in (8, 9, 10, 11, 8):  # five calls, four shapes: the cache is dropped twice
+            F.scaled_dot_product_attention(q[:, :, :s], q[:, :, :s], q[:, :, :s])
+    fa_backend.enable()
+    F.scaled_dot_product_attention(q, q, q)
+    fa_backend.disable()  # drops the cache
+    fa_backend.enable()
+    F.scaled_dot_product_attention(q, q, q)
+    fa_backend.disable()
+    stats = fa_backend.stats()
+    assert stats["runs"] == {"torch": 7}
+    assert all(n == 7 for key, n in stats["fallbacks"].items() if key.startswith("triton:")), stats["fallbacks"]
+    fa_backend.reset_stats()
+    assert fa_backend.stats()["runs"] == {}
+
+
+def test_cpu_calls_routed_to_pytorch_go_through_sdpa():
+    # The direct efficient-kernel runner is for CUDA calls only; on CPU it saved no host time.
+    q = torch.randn(1, 2, 16, 16, dtype=torch.float32)
+    with fa_backend.enabled():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = F.scaled_dot_product_attention(q, q, q)
+    assert "aten::scaled_dot_product_attention" in {e.name for e in prof.events()}
+    assert torch.equal(out, F.scaled_dot_product_attention(q, q, q))
+
+
 # --- restricting and forcing ---------------------------------------------------------------------
 
 def test_restriction_picks_and_nests():

@@ -54,19 +54,21 @@ SHORT_SEQLEN = 1024
 _GPU_FWD_CAUSAL_SHORT: dict[int, TileConfig] = {
     **_GPU_FWD_CAUSAL, **{w: TileConfig(64, 32, 4, 3) for w in (16, 32, 64, 128)}}
 
+# TMA tiles read their streamed operand (dK/dV: Q and dO; dQ: K and V) by TMA where strides allow, else by pointer
+# loads (a dK/dV tile then runs one stage, as fast as two without TMA). Timed on the H200
+# (scripts/tune_triton.py, s=4096; docs/perf-log.md): dK/dV at d=128 +4 %; dQ +2-3 % (d=64), +3 % (d=128).
 _GPU_BWD: dict[int, BwdConfig] = {
     16: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3)),
     32: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3)),
-    64: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3)),
-    # Q and dO by TMA in two stages (where strides allow, else pointer loads, as fast as one stage): +4 % on the
-    # H200 (scripts/tune_triton.py --kernels dkdv --dims 128, s=4096; docs/perf-log.md)
-    128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 2)),
+    64: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3, tma=True)),
+    128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 2, tma=True)),
     256: BwdConfig(TileConfig(32, 32, 4, 1), TileConfig(64, 32, 4, 1)),
 }
 _GPU_BWD_CAUSAL: dict[int, BwdConfig] = {
     **_GPU_BWD,
-    **{w: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3)) for w in (16, 32, 64)},
-    128: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2)),
+    **{w: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3)) for w in (16, 32)},
+    64: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3, tma=True)),
+    128: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2, tma=True)),
 }
 
 # Calls with optional features (mask, dropout, window, softcap, ALiBi) need more registers per score
