@@ -127,7 +127,7 @@ def check_fwd(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16
                    **_strides("m", "o"), NUM_HEADS_Q=16, GROUP=1, SEQ_Q=4096, SEQ_K=4096, NUM_M_BLOCKS=32,
                    causal_offset=0, qk_scale=0.1, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=cfg.block_m,
                    BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, CAUSAL=causal, SCALE_NEG=False,
-                   LAZY_RESCALE=cfg.lazy_rescale)
+                   LAZY_RESCALE=cfg.lazy_rescale, USE_TMA=cfg.tma and not (extra or {}).get("VARLEN"))
     example.update(extra or {})
     return _compile(_attn_fwd, example, cfg, dtype)
 
@@ -152,7 +152,7 @@ def _bwd_example(d, causal, cfg, extra=None):
 
 def check_dkdv(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
     atomic = dict(DQ_ACC="ptr32", ATOMIC_DQ=True) if cfg.atomic_dq else {}
-    tma = dict(USE_TMA=True) if cfg.tma and not (extra or {}).get("VARLEN") else {}
+    tma = dict(USE_TMA=2 if cfg.atomic_dq else True) if cfg.tma and not (extra or {}).get("VARLEN") else {}
     return _compile(_bwd_dkdv, _bwd_example(d, causal, cfg, {**atomic, **tma, **(extra or {})}), cfg, dtype)
 
 

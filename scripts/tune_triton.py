@@ -19,18 +19,22 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _jobs(dims: list[int], kernels: list[str]):
+def _jobs(dims: list[int], kernels: list[str], match: list[str] | None = None):
+    """(kernel, d, causal, tile) to time: the table's tile first, then the candidates (those whose repr holds
+    every string of `match`, when given)."""
     from fa_backend.kernels.triton import _configs as C
 
     jobs = []
     for d in dims:
         for causal in (False, True):
             base = C.bwd_table(causal)[d]
-            plan = {"fwd": [C.fwd_table(causal)[d]] + C.fwd_candidates(d),
-                    "dkdv": [base.dkdv] + C.dkdv_candidates(d),
-                    "dq": [base.dq] + C.dq_candidates(d)}
+            plan = {"fwd": (C.fwd_table(causal)[d], C.fwd_candidates(d)),
+                    "dkdv": (base.dkdv, C.dkdv_candidates(d)),
+                    "dq": (base.dq, C.dq_candidates(d))}
             for kind in kernels:
-                jobs.extend((kind, d, causal, cfg) for cfg in dict.fromkeys(plan[kind]))
+                table, candidates = plan[kind]
+                chosen = [c for c in candidates if not match or all(m in repr(c) for m in match)]
+                jobs.extend((kind, d, causal, cfg) for cfg in dict.fromkeys([table] + chosen))
     return jobs
 
 
@@ -85,6 +89,7 @@ def main() -> int:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096])
     parser.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"])
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--match", nargs="+", help="only candidates whose repr holds these strings, e.g. tma=True")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -93,7 +98,7 @@ def main() -> int:
 
     from fa_backend.bench import attention_flops
 
-    jobs = _jobs(args.dims, args.kernels)
+    jobs = _jobs(args.dims, args.kernels, args.match)
     t0 = time.time()
     chunks = [jobs[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:

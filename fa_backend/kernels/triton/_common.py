@@ -50,7 +50,7 @@ def _tile_descs(A, B, n_rows, stride_a, stride_b, DIM_A: tl.constexpr, DIM_B: tl
     """TMA descriptors (Hopper) of two (n_rows, DIM) tensors with unit column stride, read in BLOCK_R-row tiles
     of BLOCK_A / BLOCK_B columns: rows past n_rows and columns past DIM come zero-filled, and the tiles go
     straight to shared memory without per-thread addresses, so pipelining them costs no registers. The host
-    checks TMA's alignment rules (flash_bwd._tma_ok)."""
+    checks TMA's alignment rules (_tma.tma_ok)."""
     return (tl.make_tensor_descriptor(A, shape=[n_rows, DIM_A], strides=[stride_a, 1], block_shape=[BLOCK_R, BLOCK_A]),
             tl.make_tensor_descriptor(B, shape=[n_rows, DIM_B], strides=[stride_b, 1], block_shape=[BLOCK_R, BLOCK_B]))
 

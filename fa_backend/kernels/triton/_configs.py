@@ -26,7 +26,7 @@ class TileConfig:
     num_stages: int = 2
     lazy_rescale: bool = False  # forward only: see _common.RESCALE_LOG2 (candidates only until timed)
     atomic_dq: bool = False  # dK/dV only: dQ added there with atomics (flash_bwd.py; candidates only until timed)
-    tma: bool = False  # backward: dK/dV reads Q and dO, dQ reads K and V by TMA on sm90 where strides allow
+    tma: bool = False  # TMA reads on sm90 where strides allow: forward and dQ K and V, dK/dV Q and dO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,11 @@ _GPU_FWD_CAUSAL: dict[int, TileConfig] = {**_GPU_FWD, 128: TileConfig(128, 64, 8
 SHORT_SEQLEN = 1024
 _GPU_FWD_CAUSAL_SHORT: dict[int, TileConfig] = {
     **_GPU_FWD_CAUSAL, **{w: TileConfig(64, 32, 4, 3) for w in (16, 32, 64, 128)}}
+# Causal calls with long keys (seqlen_k >= LONG_SEQLEN) at width 128: 128 x 128 tiles with K and V by TMA (the
+# pointer-load 128 x 128 tile needs 254 registers, the TMA one 190). H200, s=8192: 450.8 against 428.9 TFLOP/s;
+# at s=2048 they lose (341.7 against 361.6): scripts/tune_triton.py --kernels fwd, docs/perf-log.md.
+LONG_SEQLEN = 8192
+_GPU_FWD_CAUSAL_LONG: dict[int, TileConfig] = {**_GPU_FWD_CAUSAL, 128: TileConfig(128, 128, 8, 3, tma=True)}
 
 # TMA tiles read their streamed operand (dK/dV: Q and dO; dQ: K and V) by TMA where strides allow, else by pointer
 # loads (a dK/dV tile then runs one stage, as fast as two without TMA). Timed on the H200
@@ -106,6 +111,8 @@ def override(fwd: TileConfig | None = None, bwd: BwdConfig | None = None) -> Ite
 def fwd_table(causal: bool, seqlen_k: int | None = None) -> dict[int, TileConfig]:
     if causal and seqlen_k is not None and seqlen_k <= SHORT_SEQLEN:
         return _GPU_FWD_CAUSAL_SHORT
+    if causal and seqlen_k is not None and seqlen_k >= LONG_SEQLEN:
+        return _GPU_FWD_CAUSAL_LONG
     return _GPU_FWD_CAUSAL if causal else _GPU_FWD
 
 
@@ -117,7 +124,10 @@ def fwd_candidates(width: int) -> list[TileConfig]:
     """Forward tiles worth timing for a padded head dim (no register spills on sm90 at bf16), and the
     lazy-rescale variant of the table's tiles."""
     lazy = [dataclasses.replace(t[width], lazy_rescale=True) for t in (_GPU_FWD, _GPU_FWD_CAUSAL) if width in t]
-    return list(dict.fromkeys(_plain_fwd_candidates(width) + lazy))
+    plain = _plain_fwd_candidates(width)
+    # K and V by TMA (no per-thread addresses in the pipelined loads) on the 8-warp tiles
+    tma = [dataclasses.replace(c, tma=True) for c in plain if width <= 128 and c.num_warps == 8]
+    return list(dict.fromkeys(plain + lazy + tma))
 
 
 def _plain_fwd_candidates(width: int) -> list[TileConfig]:
@@ -145,7 +155,14 @@ def dkdv_candidates(width: int) -> list[TileConfig]:
     # TMA loads free the registers of the Q / dO tile addresses: deeper pipelines of the large tiles (sm90 compile
     # check, d=128 64 x 128 x 8 warps: 2 stages spill 4 bytes instead of 36, causal 24 instead of 124)
     tma = [dataclasses.replace(c, tma=True) for c in table + plain if c.num_warps == 8 and c.block_n == 128]
-    return list(dict.fromkeys(plain + atomic + tma))
+    # dQ by TMA bulk reduce-add (no per-element atomics) on tiles that leave registers for the dQ tile
+    tma_atomic = [dataclasses.replace(c, tma=True, atomic_dq=True) for c in table + plain + _TMA_ATOMIC_EXTRA
+                  if width <= 128 and c.block_m * (c.block_n if width <= 64 else 128) <= 64 * 128
+                  and (width <= 64 or c.num_warps == 8)]
+    return list(dict.fromkeys(plain + atomic + tma + tma_atomic))
+
+
+_TMA_ATOMIC_EXTRA = [TileConfig(64, 128, 8, 1), TileConfig(32, 128, 8, 3), TileConfig(64, 64, 8, 3)]
 
 
 def _plain_dkdv_candidates(width: int) -> list[TileConfig]:
@@ -192,6 +209,14 @@ def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int, fe
     if features and width in _GPU_FWD_FEATURES:
         return _GPU_FWD_FEATURES[width]
     return fwd_table(causal, seqlen_k)[width]
+
+
+def fwd_without_tma(cfg: TileConfig, causal: bool, d: int, dv: int) -> TileConfig:
+    """The forward tile of a launch that cannot read K / V by TMA although `cfg` asks for it: the plain table's
+    pointer-load tile (for a pinned tile: the same tile with pointer loads)."""
+    if _override["fwd"] is not None:
+        return dataclasses.replace(cfg, tma=False)
+    return fwd_table(causal)[_width(d, dv)]
 
 
 def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool | str = False) -> BwdConfig:

@@ -19,7 +19,6 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
                       _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
@@ -28,6 +27,7 @@ from ._configs import BwdConfig, bwd_config
 from ._features import kernel_features
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
+from ._tma import tma_ok as _tma_ok
 from .flash_fwd import varlen_strides
 
 
@@ -79,7 +79,10 @@ def _bwd_dkdv_loop(
     dots. Key rows past SEQ_K hold zeros and produce values that are never stored. Query rows
     past SEQ_Q get LSE = +inf, hence P = 0. MASKED applies the causal / window band.
     ATOMIC_DQ: also add dS K, this block's share of dQ, into the fp32 (SEQ_Q, BLOCK_D) rows at DQ_ACC
-    with atomics (one GEMM here instead of the dQ kernel's three; not bitwise reproducible).
+    with atomics (one GEMM here instead of the dQ kernel's three; not bitwise reproducible); with USE_TMA
+    the tile goes by one TMA bulk reduce-add (sm90 `cp.reduce.async.bulk.tensor ... add`, FA3's dQ path;
+    rows past SEQ_Q are dropped by the copy) instead of one atomic per element. USE_TMA: 1 (or True) for the
+    Q / dO loads, 2 for the loads and the dQ reduce (Triton's interpreter has no TMA reduce: 1 there).
     """
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -93,6 +96,9 @@ def _bwd_dkdv_loop(
     else:
         q_ptrs = _tile_ptrs(Q, start, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
         do_ptrs = _tile_ptrs(DO, start, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
+    if ATOMIC_DQ and USE_TMA == 2:
+        dq_desc = tl.make_tensor_descriptor(DQ_ACC, shape=[SEQ_Q, BLOCK_D], strides=[BLOCK_D, 1],
+                                            block_shape=[BLOCK_M, BLOCK_D])
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         if USE_TMA:
@@ -142,8 +148,11 @@ def _bwd_dkdv_loop(
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
         if ATOMIC_DQ:
             dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)  # (BLOCK_M, BLOCK_D); padded columns of k are 0
-            tl.atomic_add(DQ_ACC + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], dq_part,
-                          mask=rows[:, None] < SEQ_Q, sem="relaxed")
+            if USE_TMA == 2:
+                dq_desc.atomic_add([start_m, 0], dq_part)
+            else:
+                tl.atomic_add(DQ_ACC + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], dq_part,
+                              mask=rows[:, None] < SEQ_Q, sem="relaxed")
         if not USE_TMA:
             q_ptrs += BLOCK_M * stride_qm
             do_ptrs += BLOCK_M * stride_dom
@@ -528,28 +537,6 @@ def _bwd_dq_convert(
              mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether a backward kernel may read these (b, h, s, d) tensors by TMA (dK/dV: Q and dO; dQ: K and V):
-    sm90+, the head dim contiguous, every other stride and the base address 16-byte aligned (TMA's rules), no
-    broadcast dim; and an allocator for the descriptors, which the kernel builds in global memory (set for the
-    launching thread: Triton keeps it in a context variable, and autograd runs the backward in its own thread)."""
-    t0 = tensors[0]
-    if not _launch._INTERPRET and not (t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] >= 9):
-        return False
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(3) != 1 or t.data_ptr() % 16 or any((st * size) % 16 or (st == 0 and n > 1)
-                                                        for st, n in zip(t.stride()[:3], t.shape[:3])):
-            return False  # (a broadcast gradient, e.g. of out.sum(), has stride-0 dims: pointer loads)
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_descriptor_memory)
-    return True
-
-
-def _descriptor_memory(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cpu" if _launch._INTERPRET else "cuda")
-
-
 def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False) -> BwdConfig:
     """The tiles of a launch that cannot use TMA where they ask for it: a dK/dV tile with one stage (its pointer
     loads gain nothing from a second one, which costs registers: the table's choice before TMA), a dQ tile
@@ -629,7 +616,7 @@ def flash_bwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
-        **({"USE_TMA": True} if use_tma else {}),
+        **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True} if use_tma else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
     if atomic:

@@ -16,10 +16,12 @@ import triton.language as tl
 
 from .._layout import new_attention_output
 from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep,
-                      _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_ptrs, _window_lo)
-from ._configs import fwd_config
+                      _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_descs, _tile_ptrs,
+                      _window_lo)
+from ._configs import fwd_config, fwd_without_tma
 from ._features import dropout_draw, kernel_features
 from . import _launch, _mask_bounds
+from ._tma import tma_ok
 from ._launch import cdiv, grid_1d, tile_dims
 
 
@@ -35,16 +37,22 @@ def _fwd_kv_loop(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     DROPOUT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    gap_at=None, gap_len=None, GAP: tl.constexpr = False,
+    gap_at=None, gap_len=None, GAP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """Fold keys [start, end) into (acc, l_i, m_i). GAP: the keys are [start, gap_at) and
     [gap_at + gap_len, end + gap_len) instead, in one loop (two ranges in one loop body keep the
-    register allocation of a two-loop kernel; a third loop body spills at 128 x 64 tiles on sm90)."""
+    register allocation of a two-loop kernel; a third loop body spills at 128 x 64 tiles on sm90).
+    USE_TMA: K and V tiles by TMA (rows past SEQ_K and padded head-dim columns come zero-filled, as the
+    masked pointer loads give them)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
-    v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
+    if USE_TMA:
+        k_desc, v_desc = _tile_descs(K, V, SEQ_K, stride_kn, stride_vn, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
+                                     BLOCK_DV)
+    else:
+        k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+        v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     MODS: tl.constexpr = MASK_KIND != 0 or HAS_ALIBI or SOFTCAP
     # A bool attn_mask alone: scores are masked before they are scaled, so that p = exp2(qk * scale - m) stays
     # one FFMA (the host never passes qk_scale = 0 here, where -inf * 0 would be NaN: _features.kernel_features).
@@ -55,12 +63,16 @@ def _fwd_kv_loop(
     for x in range(start, end, BLOCK_N):
         if GAP:
             start_n = x + (x >= gap_at).to(tl.int32) * gap_len
-            k_ptrs = _tile_ptrs(K, start_n, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
-            v_ptrs = _tile_ptrs(V, start_n, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
+            if not USE_TMA:
+                k_ptrs = _tile_ptrs(K, start_n, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+                v_ptrs = _tile_ptrs(V, start_n, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
         else:
             start_n = x
         cols = start_n + offs_n
-        k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+        else:
+            k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         mask_vals = _load_mask(offs_m[:, None], cols[None, :], start_n, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
                                MASK_KIND)
         qk = tl.dot(q, tl.trans(k))
@@ -123,7 +135,10 @@ def _fwd_kv_loop(
                 alpha = tl.math.exp2(m_i - m_ij)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]
-        v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
             # The normaliser l keeps every probability; dropped ones leave only the P @ V sum.
             keep_d = _dropout_keep(seed, rng_offset, bh, offs_m, start_n, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
@@ -131,7 +146,7 @@ def _fwd_kv_loop(
             p = tl.where(keep_d, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
-        if not GAP:
+        if not GAP and not USE_TMA:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
@@ -166,6 +181,7 @@ def _attn_fwd(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
     # concurrently running programs share that head's K/V in L2.
@@ -239,7 +255,7 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            0, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+            0, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             lo, hi - (open_hi - open_lo), offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
@@ -247,7 +263,7 @@ def _attn_fwd(
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
             MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE,
-            open_lo, open_hi - open_lo, True)
+            open_lo, open_hi - open_lo, True, USE_TMA)
     elif WINDOW_LEFT:
         # Keys before lo are left of every row's window; from full_lo on, left of no row's.
         lo, full_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
@@ -257,21 +273,21 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             full_lo, n_full, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             tl.maximum(full_lo, n_full), hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
     else:
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -279,14 +295,14 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             n_full, hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
 
     # Rows that saw no key (l = 0) output 0 with LSE = -inf, as PyTorch's math backend does.
     empty = l_i == 0.0
@@ -340,6 +356,8 @@ def flash_fwd(
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
     cfg = fwd_config(q, d, dv, feat.causal, sk, features=bool(feat.constexprs))
+    if cfg.tma and not tma_ok(k, v):
+        cfg = fwd_without_tma(cfg, feat.causal, d, dv)
     num_m_blocks = cdiv(sq, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
     _launch.launch(_attn_fwd, grid_1d(num_m_blocks * b * hq), (
@@ -351,6 +369,7 @@ def flash_fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
+        **({"USE_TMA": True} if cfg.tma else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse
@@ -400,6 +419,8 @@ def flash_fwd_varlen(
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
     cfg = fwd_config(q, d, dv, feat.causal, max_seqlen_k, features=bool(feat.constexprs))
+    if cfg.tma:  # packed sequences: pointer loads
+        cfg = fwd_without_tma(cfg, feat.causal, d, dv)
     num_m_blocks = cdiv(max_seqlen_q, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
     _launch.launch(_attn_fwd, grid_1d(num_m_blocks * b * hq), (

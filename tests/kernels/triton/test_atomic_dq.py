@@ -53,6 +53,25 @@ def test_atomic_dq_gradients_within_bar(launched, dtype, causal, bottom_right, h
     assert "_bwd_dq_convert" in launched and "_bwd_dq" not in launched
 
 
+# dQ by TMA bulk reduce-add, Q and dO by TMA (the interpreter: TMA loads, dQ by pointer atomics)
+TMA_DKDV = TileConfig(32, 128, 8, 2, atomic_dq=True, tma=True) if GPU else TileConfig(16, 16, 4, 1, atomic_dq=True,
+                                                                                     tma=True)
+
+
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("hq,hkv,sq,sk,d", [(2, 2, 70, 70, 64), (4, 2, 37, 83, 40), (2, 1, 96, 48, 128)])
+def test_tma_reduce_dq_gradients_within_bar(launched, causal, bottom_right, hq, hkv, sq, sk, d):
+    dtype = torch.bfloat16 if GPU else torch.float16
+    if GPU:
+        sq, sk = sq * 8, sk * 8
+    q, k, v = _qkv(2, hq, hkv, sq, sk, d, dtype)
+    alignment = "bottom_right" if bottom_right else "top_left"
+    with _configs.override(bwd=BwdConfig(TMA_DKDV, DQ)):
+        check_attention(lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal, causal_alignment=alignment),
+                        q, k, v, is_causal=causal, bottom_right=bottom_right)
+    assert "_bwd_dq_convert" in launched and "_bwd_dq" not in launched
+
+
 @pytest.mark.parametrize("feature", ["bool_mask", "window", "softcap"])
 def test_atomic_dq_with_features(launched, feature):
     q, k, v = _qkv(1, 2, 2, 48, 64, 32, torch.float16)

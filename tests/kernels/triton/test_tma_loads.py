@@ -1,6 +1,6 @@
-"""The backward kernels' TMA loads (TileConfig.tma; kernels/triton/flash_bwd.py): Q and dO in the dK/dV
-kernel, K and V in the dQ kernel, under the interpreter here and on sm90 in the GPU suite: gradients within
-the 2x rule, and the fallback to pointer loads where TMA's alignment rules do not hold."""
+"""The kernels' TMA loads (TileConfig.tma): K and V in the forward, Q and dO in the dK/dV kernel, K and V in the
+dQ kernel, under the interpreter here and on sm90 in the GPU suite: results within the 2x rule, and the fallback
+to pointer loads where TMA's alignment rules do not hold."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import fa_backend
-from fa_backend.kernels.triton import _configs
+from fa_backend.kernels.triton import _configs, _launch
 from fa_backend.kernels.triton.flash_bwd import _tma_ok
 from fa_backend.kernels.triton._configs import BwdConfig, TileConfig
 from tests.conftest import DEVICE
-from tests.reference import check_attention
+from tests.reference import check_attention, check_features
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
@@ -39,6 +39,26 @@ def test_tma_dkdv_gradients(d, causal):
             q, k, v, is_causal=causal, bottom_right=True)
 
 
+@pytest.mark.parametrize("tile", [TileConfig(16, 16, 4, 1, tma=True)] if DEVICE == "cpu"
+                         else [TileConfig(128, 128, 8, 3, tma=True), TileConfig(128, 64, 8, 3, tma=True)], ids=str)
+@pytest.mark.parametrize("d,causal,window", [(16, True, (-1, -1)), (40, False, (7, -1))] if DEVICE == "cpu"
+                         else [(d, c, (-1, -1)) for d in (64, 128) for c in (False, True)] + [(128, True, (300, 0))])
+def test_tma_forward(monkeypatch, tile, d, causal, window):
+    # keys not a multiple of the tile (rows past the end come zero-filled from the copy), d = 40 padded to 64
+    # columns, GQA (one K / V descriptor per KV head), a window's masked left edge
+    kwargs = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch",
+                        lambda kernel, grid, args, kw: kwargs.append(kw) or real(kernel, grid, args, kw))
+    q, k, v = _qkv(2, 4, 2, 45 if DEVICE == "cpu" else 1000, 70 if DEVICE == "cpu" else 1100, d)
+    with _configs.override(fwd=tile):
+        check_features(
+            lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal, causal_alignment="bottom_right",
+                                                 window_size=window),
+            q, k, v, is_causal=causal, bottom_right=True, window=window, grad=False)
+    assert kwargs[0].get("USE_TMA") is True
+
+
 def test_tma_needs_aligned_strides():
     q, k, v = _qkv(1, 2, 2, 33, 33, 24)
     assert _tma_ok(q, q)
@@ -61,3 +81,28 @@ def test_tma_tile_falls_back_to_one_stage():
     assert _without_tma(cfg, False) == BwdConfig(TileConfig(64, 128, 8, 1), TileConfig(64, 64, 4, 2))
     both = BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 3, tma=True))
     assert _without_tma(both, True, False) == BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 3))
+
+
+def test_long_causal_table_tile_and_its_pointer_fallback():
+    long = _configs.fwd_table(True, _configs.LONG_SEQLEN)[128]
+    assert long.tma and not _configs.fwd_table(True, _configs.LONG_SEQLEN - 1)[128].tma
+    assert _configs.fwd_without_tma(long, True, 128, 128) == _configs._GPU_FWD_CAUSAL[128]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the table's tiles run on the GPU")
+@pytest.mark.parametrize("aligned", [True, False])
+def test_long_causal_forward_on_the_table_tile(monkeypatch, aligned):
+    # seqlen_k >= LONG_SEQLEN, causal, d=128: the TMA tile; K / V rows 264 bytes apart: its pointer-load fallback
+    kwargs = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch",
+                        lambda kernel, grid, args, kw: kwargs.append(kw) or real(kernel, grid, args, kw))
+    s = _configs.LONG_SEQLEN + 100
+    q = torch.randn(1, 2, s, 128, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (torch.randn(1, 2, s, 128 if aligned else 132, dtype=torch.bfloat16, device=DEVICE)[..., :128]
+            for _ in range(2))
+    check_attention(lambda q, k, v: fa_backend.attention(q, k, v, is_causal=True), q, k, v, is_causal=True,
+                    grad=False)
+    assert (kwargs[0].get("USE_TMA") is True) == aligned
+    assert (kwargs[0]["BLOCK_N"], kwargs[0]["num_stages"]) == ((128, 3) if aligned else (64, 3))
