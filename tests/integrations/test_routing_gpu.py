@@ -122,6 +122,11 @@ def _aten_ops(fn):
     return out, {e.name for e in prof.events() if e.name.startswith("aten::") and "attention" in e.name}
 
 
+def _direct(ops) -> bool:
+    """The efficient kernel's op ran without SDPA around it."""
+    return "aten::_scaled_dot_product_efficient_attention" in ops and "aten::scaled_dot_product_attention" not in ops
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tiny_forward_runs_pytorchs_efficient_kernel_directly(dtype, causal):
@@ -132,23 +137,22 @@ def test_tiny_forward_runs_pytorchs_efficient_kernel_directly(dtype, causal):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
     with fa_backend.enabled():
         out, ops = _aten_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
-        assert "aten::_scaled_dot_product_efficient_attention" in ops
-        assert "aten::scaled_dot_product_attention" not in ops
+        assert _direct(ops)
         assert torch.equal(out, ref)
         assert fa_backend.stats()["runs"] == {"torch": 1}
-        # PyTorch's own restriction is kept: the math kernel, through SDPA
-        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        # Not taken (the call goes through SDPA, or to our kernel where PyTorch would not run the preferred one):
+        # without PyTorch's efficient kernel, with grad, for a larger call
+        SDPBackend = torch.nn.attention.SDPBackend
+        with torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
             out, ops = _aten_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
-        assert "aten::scaled_dot_product_attention" in ops
-        assert "aten::_scaled_dot_product_efficient_attention" not in ops
-        # with grad (or a mask, or a larger call) SDPA picks as before
+        assert not _direct(ops) and "aten::_scaled_dot_product_efficient_attention" not in ops
         q.requires_grad_()
         out, ops = _aten_ops(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
-        assert "aten::scaled_dot_product_attention" in ops
-        torch.testing.assert_close(out, ref)
+        assert not _direct(ops)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)  # another kernel may run it
         big = _qkv(b=1, h=8, s=512, d=64, dtype=dtype)
         _, ops = _aten_ops(lambda: F.scaled_dot_product_attention(*big))
-        assert "aten::scaled_dot_product_attention" in ops
+        assert not _direct(ops)
 
 
 def test_tiny_module_keeps_pytorchs_fast_path():
