@@ -4,9 +4,10 @@ Backends: ours (`triton`), PyTorch's SDPA kernels (`flash`, `cudnn`, `efficient`
 with `--flex` (`torch.compile(flex_attention)`, causal through a block mask), and FlashAttention-2's
 `flash_attn_func` (`flash_attn`) when that package is installed. Shapes: the standard sweep
 (batch = 16384 / seqlen, heads = 2048 / d, over --dims x --seqlens) or exactly the shapes given
-with --shape B,H,S,D. Prints, on stdout, per shape and backend: ms, TFLOP/s, the first call's time
-and the ratio of TFLOP/s to the best peer (the fastest backend other than ours on that shape);
-progress goes to stderr.
+with --shape B,H,S,D; --kv-heads N makes every shape GQA (N key/value heads; PyTorch's backends are
+called with enable_gqa=True, FLOPs are those of the query heads). Prints, on stdout, per shape and
+backend: ms, TFLOP/s, the first call's time and the ratio of TFLOP/s to the best peer (the fastest
+backend other than ours on that shape); progress goes to stderr.
 --out DIR writes DIR/bench.json (environment: GPU, clocks, driver, CUDA/cuDNN/torch/triton
 versions; records) and DIR/bench.png (needs matplotlib).
 
@@ -75,6 +76,7 @@ class Record:
     bwd_first_ms: float | None = None
     error: str | None = None
     fwd_timing: str = "eager"  # "eager": calls from Python (host overhead overlaps); "graph": CUDA-graph replays
+    heads_kv: int | None = None  # GQA: key/value heads (None: as many as the query heads)
 
 
 def attention_flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
@@ -86,7 +88,7 @@ def attention_flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bo
 _FLEX: dict = {}  # the compiled flex_attention and its causal block masks, built once per process
 
 
-def _flex_runner(causal: bool) -> Callable:
+def _flex_runner(causal: bool, gqa: bool = False) -> Callable:
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError as e:
@@ -111,7 +113,7 @@ def _flex_runner(causal: bool) -> Callable:
             if key not in _FLEX:
                 _FLEX[key] = create_block_mask(causal_mod, None, None, key[0], key[1], device=q.device)
             mask = _FLEX[key]
-        return _FLEX["fn"](q, k, v, block_mask=mask)
+        return _FLEX["fn"](q, k, v, block_mask=mask, enable_gqa=gqa) if gqa else _FLEX["fn"](q, k, v, block_mask=mask)
 
     return run
 
@@ -126,14 +128,15 @@ def _flash_attn_runner(causal: bool) -> Callable:
                                            causal=causal).transpose(1, 2)
 
 
-def _runner(backend: str, causal: bool) -> tuple[Callable, contextlib.AbstractContextManager]:
-    """The call to time for `backend` and the context to run it in; BackendUnavailable if it cannot run here."""
+def _runner(backend: str, causal: bool, gqa: bool = False) -> tuple[Callable, contextlib.AbstractContextManager]:
+    """The call to time for `backend` and the context to run it in (`gqa`: fewer key/value heads than query
+    heads); BackendUnavailable if it cannot run here."""
     if backend == OURS:
         import fa_backend
 
         return (lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal)), contextlib.nullcontext()
     if backend == "flex":
-        return _flex_runner(causal), contextlib.nullcontext()
+        return _flex_runner(causal, gqa), contextlib.nullcontext()
     if backend == "flash_attn":
         return _flash_attn_runner(causal), contextlib.nullcontext()
     if backend == "cute":
@@ -147,13 +150,15 @@ def _runner(backend: str, causal: bool) -> tuple[Callable, contextlib.AbstractCo
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     ctx = sdpa_kernel(getattr(SDPBackend, PEERS[backend]))
+    if gqa:
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)), ctx
     return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), ctx
 
 
-def _inputs(batch: int, heads: int, seqlen: int, d: int, dtype: torch.dtype):
+def _inputs(batch: int, heads: int, seqlen: int, d: int, dtype: torch.dtype, heads_kv: int | None = None):
     # (b, s, h, d) memory viewed as (b, h, s, d): the layout a model's projections produce.
-    return [torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
-            for _ in range(3)]
+    return [torch.randn(batch, seqlen, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+            for h in (heads, heads_kv or heads, heads_kv or heads)]
 
 
 def _first_call_ms(fn: Callable):
@@ -172,8 +177,9 @@ def standard_shape(seqlen: int, d: int, tokens: int = 16384, width: int = 2048) 
 
 def bench_one(backend: str, d: int, causal: bool, seqlen: int, dtype: torch.dtype, backward: bool,
               tokens: int = 16384, width: int = 2048, batch: int | None = None,
-              heads: int | None = None, graph: bool = False) -> Record:
-    """Times one backend on one shape (GPU). batch/heads default to the standard sweep's.
+              heads: int | None = None, graph: bool = False, heads_kv: int | None = None) -> Record:
+    """Times one backend on one shape (GPU). batch/heads default to the standard sweep's; heads_kv (GQA)
+    to heads.
 
     The first forward (and first backward) call is timed alone, then steady state is the median
     of do_bench samples. With `graph`, the forward's steady state is timed as CUDA-graph replays of
@@ -185,11 +191,13 @@ def bench_one(backend: str, d: int, causal: bool, seqlen: int, dtype: torch.dtyp
 
     sb, sh = standard_shape(seqlen, d, tokens, width)
     batch, heads = batch or sb, heads or sh
-    rec = Record(backend, d, causal, seqlen, batch, heads, str(dtype).replace("torch.", ""))
+    gqa = heads_kv is not None and heads_kv != heads
+    rec = Record(backend, d, causal, seqlen, batch, heads, str(dtype).replace("torch.", ""),
+                 heads_kv=heads_kv if gqa else None)
     flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
     try:
-        fn, ctx = _runner(backend, causal)
-        q, k, v = _inputs(batch, heads, seqlen, d, dtype)
+        fn, ctx = _runner(backend, causal, gqa)
+        q, k, v = _inputs(batch, heads, seqlen, d, dtype, heads_kv if gqa else None)
         with ctx:
             out, rec.fwd_first_ms = _first_call_ms(lambda: fn(q, k, v))
             repeat = calls_per_sample(seqlen)
@@ -450,12 +458,13 @@ def format_table(records: list[Record], direction: str) -> list[str]:
     TFLOP/s, the first call's ms, and the ratio of TFLOP/s to the best peer (the fastest backend
     other than ours in that shape; named on our row)."""
     lines = [f"  batch heads seqlen  {'backend':10} {'ms':>8} {'TFLOP/s':>8} {'first ms':>9}  vs best peer"]
-    shapes = sorted({(r.seqlen, r.batch, r.heads) for r in records})
-    for s, b, h in shapes:
-        rows = [r for r in records if (r.seqlen, r.batch, r.heads) == (s, b, h)]
+    shapes = sorted({(r.seqlen, r.batch, r.heads, r.heads_kv or r.heads) for r in records})
+    for s, b, h, hkv in shapes:
+        rows = [r for r in records if (r.seqlen, r.batch, r.heads, r.heads_kv or r.heads) == (s, b, h, hkv)]
         best = best_peer(rows, direction)
         for i, r in enumerate(rows):
-            shape = f"{b:7d} {h:5d} {s:6d}" if i == 0 else " " * 20
+            heads = f"{h}" if hkv == h else f"{h}:{hkv}"  # query:key/value heads (GQA)
+            shape = f"{b:7d} {heads:>5} {s:6d}" if i == 0 else " " * 20
             if r.error:
                 lines.append(f"{shape}  {r.backend:10} error: {r.error[:70]}")
                 continue
@@ -536,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=parse_shape, action="append", metavar="B,H,S,D",
                         help="run exactly this shape (batch, heads, seqlen, head dim) instead of the standard "
                              "sweep over --dims x --seqlens; repeatable")
+    parser.add_argument("--kv-heads", type=int, metavar="N",
+                        help="GQA: N key/value heads for every shape (must divide its query heads)")
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     parser.add_argument("--backends", nargs="+",
                         help=f"default: {' '.join(DEFAULT_BACKENDS)}, plus {', '.join(EXTERNAL)} when installed; "
@@ -558,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
                              "mask, key padding, dropout 0.1, against the efficient and cuDNN backends "
                              "(default dims 128, seqlens 2k-16k)")
     args = parser.parse_args(argv)
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    shapes = sweep(args.dims, args.seqlens, causals, args.shape)
+    if args.kv_heads is not None and any(args.kv_heads < 1 or h % args.kv_heads for _, h, _, _, _ in shapes):
+        parser.error(f"--kv-heads {args.kv_heads} must divide the query heads of every shape "
+                     f"({', '.join(map(str, sorted({h for _, h, _, _, _ in shapes})))})")
     if args.overhead_only:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         for name, us in host_overhead(device).items():
@@ -580,17 +596,16 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"environment": environment(), "features": [dataclasses.asdict(r) for r in feats]}, f,
                           indent=1)
         return 0
-    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     env = environment()
     backends = available_backends(args.backends, args.flex, env["external_packages"])
     print(json.dumps(env))
-    todo = [(backend, shape) for shape in sweep(args.dims, args.seqlens, causals, args.shape) for backend in backends]
+    todo = [(backend, shape) for shape in shapes for backend in backends]
     progress = Progress(len(todo))
     records = []
     for backend, (batch, heads, s, d, causal) in todo:
         progress.step(f"{backend} d={d} {'causal' if causal else 'non-causal'} b={batch} h={heads} s={s}")
         rec = bench_one(backend, d, causal, s, dtype, backward=not args.fwd_only, batch=batch, heads=heads,
-                        graph=args.graph)
+                        graph=args.graph, heads_kv=args.kv_heads)
         torch.cuda.empty_cache()
         records.append(rec)
     progress.close()

@@ -257,3 +257,32 @@ def test_graph_option_parses():
 def test_graph_timed_forward_on_gpu(backend):
     rec = bench.bench_one(backend, 64, False, 512, torch.bfloat16, backward=True, batch=2, heads=2, graph=True)
     assert rec.error is None and rec.fwd_timing == "graph" and rec.fwd_ms > 0 and rec.bwd_ms > 0
+
+
+def test_kv_heads_must_divide_the_query_heads(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--shape", "2,32,4096,128", "--shape", "2,12,4096,128", "--kv-heads", "8"])
+    assert e.value.code == 2
+    assert "--kv-heads 8 must divide the query heads of every shape (12, 32)" in capsys.readouterr().err
+
+
+def test_gqa_rows_show_query_and_key_value_heads():
+    mha = _records()[:2]
+    gqa = [dataclasses.replace(r, heads_kv=r.heads // 4, fwd_tflops=r.fwd_tflops * 0.9) for r in mha]
+    out = io.StringIO()
+    bench.print_table(mha + gqa, out=out)
+    fwd = out.getvalue().split("bwd TFLOP/s")[0]
+    h = mha[0].heads
+    gqa_row = next(line for line in fwd.splitlines() if f" {h}:{h // 4} " in line)
+    mha_row = next(line for line in fwd.splitlines() if f" {h} " in line and ":" not in line and "triton" in line)
+    assert "triton" in gqa_row and "1.20x (flash)" in gqa_row and "1.20x (flash)" in mha_row  # each vs its own peers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flash", "cudnn"])
+def test_gqa_bench_on_gpu(backend):
+    rec = bench.bench_one(backend, 128, True, 512, torch.bfloat16, backward=True, batch=2, heads=8, heads_kv=2)
+    assert rec.heads_kv == 2
+    assert rec.error is None or backend == "cudnn", rec.error  # cuDNN may refuse GQA on some versions
+    if rec.error is None:
+        assert rec.fwd_ms > 0 and rec.bwd_ms > 0
