@@ -159,10 +159,17 @@ def dkdv_candidates(width: int) -> list[TileConfig]:
     tma_atomic = [dataclasses.replace(c, tma=True, atomic_dq=True) for c in table + plain + _TMA_ATOMIC_EXTRA
                   if width <= 128 and c.block_m * (c.block_n if width <= 64 else 128) <= 64 * 128
                   and (width <= 64 or c.num_warps == 8)]
-    return list(dict.fromkeys(plain + atomic + tma + tma_atomic))
+    wide = _TMA_256_DKDV if width == 256 else []
+    return list(dict.fromkeys(plain + atomic + tma + tma_atomic + wide))
 
 
 _TMA_ATOMIC_EXTRA = [TileConfig(64, 128, 8, 1), TileConfig(32, 128, 8, 3), TileConfig(64, 64, 8, 3)]
+# Width 256 (d = 129-256): the table's pointer-load tiles spill (sm90 compile check: dQ 64 x 32 x 4 warps, 504-524
+# bytes; dK/dV 32 x 32 x 4 warps, 16-72 bytes, and no wgmma at 32 rows per 4 warps). With Q / dO (dK/dV) or K / V
+# (dQ) by TMA, these compile with 8 warps, two stages and wgmma: dK/dV 32 x 64: 238 registers, no spills (causal: 52
+# bytes); dQ 64 x 64: 225-229 registers, none; dQ 64 x 32 x 4 warps: 0-8 bytes. Not timed yet.
+_TMA_256_DKDV = [TileConfig(32, 64, 8, 2, tma=True)]
+_TMA_256_DQ = [TileConfig(64, 64, 8, 2, tma=True), TileConfig(64, 32, 4, 2, tma=True)]
 
 
 def _plain_dkdv_candidates(width: int) -> list[TileConfig]:
@@ -178,10 +185,11 @@ def _plain_dkdv_candidates(width: int) -> list[TileConfig]:
 
 
 def dq_candidates(width: int) -> list[TileConfig]:
-    """dQ tiles worth timing, and TMA variants (K and V by TMA) of those up to width 128 with 2-3 stages."""
+    """dQ tiles worth timing, and TMA variants (K and V by TMA) of those up to width 128 with 2-3 stages, and
+    of two 2-stage tiles at width 256."""
     plain = _plain_dq_candidates(width)
     tma = [dataclasses.replace(c, tma=True) for c in plain if width <= 128 and c.num_stages >= 2]
-    return plain + tma
+    return plain + tma + (_TMA_256_DQ if width == 256 else [])
 
 
 def _plain_dq_candidates(width: int) -> list[TileConfig]:
