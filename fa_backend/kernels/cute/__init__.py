@@ -2,7 +2,7 @@
 
 Importing this package never imports `cutlass`: `_availability` reads package metadata only, and
 `_compile_cache` holds compiled kernels per variant. Modules that build kernels (`probe_kernels`,
-`flash_fwd`) import the DSL and are imported only when a kernel is compiled.
+`flash_fwd`, `flash_fwd_ws`, `flash_bwd`) import the DSL and are imported only when a kernel is compiled.
 """
 
 from ._availability import DSL_AVAILABLE, DSL_MISSING, DSL_VERSION

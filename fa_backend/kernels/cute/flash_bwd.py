@@ -1,0 +1,334 @@
+"""FlashAttention backward for Hopper (sm90a) in the CuTe DSL: the reference kernel of issue 7's backward.
+
+Compiled for sm_90a on the CPU machine (tests/kernels/cute/test_flash_bwd_sm90_compile.py); its numerics test
+(tests/kernels/cute/test_flash_bwd_gpu.py) has not run on an H200 yet. Not routed.
+
+Deliberately simple, to be correct first (no warp specialisation, one TMA stage, no overlap), key-block
+stationary as FlashAttention-2/3's backward:
+- one CTA = one warpgroup (128 threads) = one block of TILE_N = 64 keys of one (batch, KV head); K and V are
+  loaded once by TMA; the CTA walks the query heads of its GQA group and, per head, the query blocks of
+  TILE_M = 64 rows that see the key block (Q and dO by TMA per block, the LSE and delta rows through shared
+  memory);
+- transposed scores, keys on the M mode: S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared
+  memory, K-major); P^T = exp2(S^T * scale * log2(e) - LSE * log2(e)) masked; dS^T = P^T (dP^T - delta);
+- dV += P^T dO and dK += dS^T Q with P^T / dS^T from registers (the S^T accumulator's value order is the A
+  operand's) and dO / Q as MN-major B operands: the same shared-memory tiles as the K-major ones, viewed
+  transposed (a 128-byte-swizzled K-major tile is the canonical MN-major tile of its transpose);
+- dQ: dS^T goes to shared memory, dQ_block = dS K (A = dS MN-major, B = K MN-major, again transposed
+  views) is added into an fp32 (b, hq, sq, d) buffer with one atomic add per element (the host zeroes it
+  and converts it to dQ = scale * dQacc in the inputs' dtype).
+
+Inputs: q, do (b, hq, sq, d); k, v (b, hkv, sk, d), SDPA's layout, head_dim contiguous, other strides
+multiples of 8 elements (TMA); lse (b, hq, sq) the forward's natural-log LSE (fp32); delta (b, hq, sq) fp32,
+rowsum(dO * O). Outputs: dk, dv (b, hkv, sk, d) in the inputs' dtype, dqacc (b, hq, sq, d) fp32. Causal:
+top-left or bottom-right (key j visible to query i when j <= i + offset, offset = sk - sq for bottom-right).
+The scale must be positive.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ._compile_cache import CACHE, CompileKey, enable_dsl_disk_cache
+from ._target import compile_options
+
+enable_dsl_disk_cache()  # before the DSL's first compile in this process
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
+from cutlass.cute.runtime import make_fake_stream  # noqa: E402
+from cutlass.memory import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from ._fwd_parts import ForwardVariant  # noqa: E402
+from .flash_fwd import _DTYPES, _dynamic  # noqa: E402
+
+KERNEL_NAME = "flash_bwd_sm90"
+HEAD_DIMS = (64, 128)
+TILE_N = 64  # keys per CTA: one warpgroup's wgmma M
+TILE_M = 64  # query rows per step
+THREADS = 128
+_LOG2E = math.log2(math.e)
+
+
+def _transposed(t: cute.Tensor) -> cute.Tensor:
+    """The same (shared-memory) tensor with its two modes swapped."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+
+
+class FlashBackwardSm90(ForwardVariant):
+    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one backward variant."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
+                 scale: Float32, stream: Any):
+        d = self.head_dim
+        # (s, d, h, b) views: the TMA / MMA mode order; (s, h, b) for the per-row LSE and delta
+        sdhb = [2, 3, 1, 0]
+        q, k, v, do, dk, dv, dqacc = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=sdhb))
+                                      for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc))
+        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
+
+        # S^T, dP^T (keys x queries, both operands K-major in shared memory)
+        mma_ss = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                             (1, 1, 1), (TILE_N, TILE_M))
+        # dV, dK (keys x d): P^T / dS^T from registers, dO / Q MN-major
+        mma_rs = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                             (1, 1, 1), (TILE_N, d), a_source=warpgroup.OperandSource.RMEM)
+        # dQ block (queries x d) = dS K: both operands MN-major in shared memory
+        mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+                                             (1, 1, 1), (TILE_M, d))
+        # K and V: A operands (M = keys, K = d); Q and dO: B operands (N = queries, K = d); dS: A (M = queries,
+        # K = keys), queries contiguous
+        sK_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, 1),
+                                (None, None, 0))
+        sQ_layout = cute.slice_(sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, 1),
+                                (None, None, 0))
+        sdS_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, 1),
+                                 (None, None, 0))
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, sK_layout, (TILE_N, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, sK_layout, (TILE_N, d))
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, sQ_layout, (TILE_M, d))
+        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, sQ_layout, (TILE_M, d))
+        # K, V, Q, dO, dS tiles, the LSE and delta rows, alignment padding and barriers
+        smem_bytes = 2 * (2 * TILE_N + 2 * TILE_M) * d + 2 * TILE_M * TILE_N + 2 * 4 * TILE_M + 6 * 1024
+        self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
+                    lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
+                    sK_layout, sQ_layout, sdS_layout).launch(
+            grid=(cute.ceil_div(k.shape[0], TILE_N), k.shape[2], k.shape[3]), block=(THREADS, 1, 1),
+            smem=smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor, mLSE: cute.Tensor,
+               mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
+               scale: Float32, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
+               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+
+        smem = SmemAllocator()
+        bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
+        bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q and dO of the current query block have landed
+        # 1024-byte alignment: the swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
+        sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sdO = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
+        sLSE = smem.allocate_tensor(Float32, cute.make_layout(TILE_M), byte_alignment=16)
+        sDelta = smem.allocate_tensor(Float32, cute.make_layout(TILE_M), byte_alignment=16)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar_kv, 1)
+            cute.arch.mbarrier_init(bar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        one_cta = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync); one elected lane arrives
+        producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        if producer_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * TILE_N * d * 2)
+            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=bar_kv)
+            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=bar_kv)
+
+        thr_ss, thr_rs, thr_dq = mma_ss.get_slice(tidx), mma_rs.get_slice(tidx), mma_dq.get_slice(tidx)
+        tSrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK))
+        tSrV = mma_ss.make_fragment_A(thr_ss.partition_A(sV))
+        tSrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))
+        tSrdO = mma_ss.make_fragment_B(thr_ss.partition_B(sdO))
+        tVrdOt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sdO)))  # dO as (d, queries)
+        tKrQt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sQ)))  # Q as (d, queries)
+        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # dS as (queries, keys)
+        tQrKt = mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sK)))  # K as (d, keys)
+        # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, d) of the dQ block
+        tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
+        tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d)))
+        acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
+        acc_dp = cute.make_rmem_tensor(tScS.shape, Float32)
+        acc_dk = cute.make_rmem_tensor(tKcK.shape, Float32)
+        acc_dv = cute.make_rmem_tensor(tKcK.shape, Float32)
+        acc_dq = cute.make_rmem_tensor(tQcQ.shape, Float32)
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
+        sdS_kq = _transposed(sdS)  # dS^T's (key, query) coordinates into the dS tile
+
+        # queries that see key j: i >= j - offset (causal); the first query block that sees this key block
+        offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
+        m_blocks = cute.ceil_div(seqlen_q, TILE_M)
+        m_start = 0
+        if cutlass.const_expr(self.causal):
+            m_start = cutlass.min(cutlass.max(n_block * TILE_N - offset, 0) // TILE_M, m_blocks)
+        cute.arch.mbarrier_wait(bar_kv, 0)
+        mma_rs.set(warpgroup.Field.ACCUMULATE, True)
+        phase = Int32(0)
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))  # (TILE_M, d, blocks)
+            gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
+                                                 cute.group_modes(gdO, 0, 2))
+            gdQ = mdQacc[None, None, head, batch]  # (sq, d) fp32
+            for m_block in cutlass.range(m_start, m_blocks, unroll=1):
+                row0 = m_block * TILE_M
+                if producer_warp:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, 2 * TILE_M * d * 2)
+                    cute.copy(tma_q, tQgQ[None, m_block], tQsQ, tma_bar_ptr=bar_q)
+                    cute.copy(tma_do, tOgdO[None, m_block], tOsdO, tma_bar_ptr=bar_q)
+                # LSE in log2 units (rows past seqlen_q and rows that saw no key: +inf, so P = 0) and delta
+                if tidx < TILE_M:
+                    lse_log2 = Float32.inf
+                    dlt = Float32(0.0)
+                    if row0 + tidx < seqlen_q:
+                        row_lse = mLSE[row0 + tidx, head, batch]
+                        if row_lse != -Float32.inf:
+                            lse_log2 = row_lse * _LOG2E
+                        dlt = mDelta[row0 + tidx, head, batch]
+                    sLSE[tidx] = lse_log2
+                    sDelta[tidx] = dlt
+                cute.arch.sync_threads()
+                cute.arch.mbarrier_wait(bar_q, phase)
+                phase ^= 1
+
+                # S^T = K Q^T and dP^T = V dO^T
+                mma_ss.set(warpgroup.Field.ACCUMULATE, False)
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                    cute.gemm(mma_ss, acc_s, tSrK[None, None, kk], tSrQ[None, None, kk], acc_s)
+                    mma_ss.set(warpgroup.Field.ACCUMULATE, True)
+                mma_ss.set(warpgroup.Field.ACCUMULATE, False)
+                for kk in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
+                    cute.gemm(mma_ss, acc_dp, tSrV[None, None, kk], tSrdO[None, None, kk], acc_dp)
+                    mma_ss.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # P^T (masked: keys past seqlen_k, and after the diagonal when causal) and dS^T = P^T (dP^T - delta)
+                for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+                    key = n_block * TILE_N + tScS[i][0]
+                    qi = tScS[i][1]
+                    visible = key < seqlen_k
+                    if cutlass.const_expr(self.causal):
+                        visible = visible & (key <= row0 + qi + offset)
+                    p = Float32(0.0)
+                    if visible:
+                        p = cute.math.exp2(acc_s[i] * scale_log2 - sLSE[qi], fastmath=True)
+                    acc_s[i] = p
+                    acc_dp[i] = p * (acc_dp[i] - sDelta[qi])
+                r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
+                r_p.store(acc_s.load().to(self.dtype))
+                r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
+                r_ds.store(acc_dp.load().to(self.dtype))
+                t_p = cute.make_tensor(r_p.iterator, a_layout)
+                t_ds = cute.make_tensor(r_ds.iterator, a_layout)
+
+                # dV += P^T dO and dK += dS^T Q
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+                    cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk], acc_dv)
+                for kk in cutlass.range_constexpr(cute.size(t_ds, mode=[2])):
+                    cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk], acc_dk)
+                warpgroup.commit_group()
+
+                # dS to shared memory (the dQ GEMM's A operand), visible to the async proxy
+                for i in cutlass.range(cute.size(r_ds), unroll_full=True):
+                    sdS_kq[tScS[i]] = r_ds[i]
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+
+                # dQ block = dS K, added into dQacc (rows past seqlen_q skipped)
+                mma_dq.set(warpgroup.Field.ACCUMULATE, False)
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
+                    cute.gemm(mma_dq, acc_dq, tQrdS[None, None, kk], tQrKt[None, None, kk], acc_dq)
+                    mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
+                    row = row0 + tQcQ[i][0]
+                    if row < seqlen_q:
+                        ptr = gdQ.iterator + cute.crd2idx((row, tQcQ[i][1]), gdQ.layout)
+                        cute.arch.atomic_add(ptr, acc_dq[i])
+                cute.arch.sync_threads()  # every warp is done with sQ, sdO and sdS before the next block's loads
+
+        # epilogue: dK = scale * dS^T Q and dV, rows past seqlen_k skipped
+        gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
+            if n_block * TILE_N + tKcK[i][0] < seqlen_k:
+                gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
+                gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
+
+
+def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
+                      arch: str = "sm_90a", dump_dir: str | None = None) -> Any:
+    """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0).
+
+    The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
+    Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
+    """
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
+
+    def build() -> Any:
+        example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
+        q, k, v, do, dk, dv = (_dynamic(example) for _ in range(6))
+        rows = [_dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4) for _ in range(2)]
+        dqacc = _dynamic(torch.empty(1, 1, 8, head_dim, dtype=torch.float32))
+        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right)
+        return cute.compile(kernel, q, k, v, do, *rows, dk, dv, dqacc, Float32(1.0), Float32(1.0),
+                            make_fake_stream(), options=compile_options(arch, dump_dir))
+
+    if dump_dir is not None:
+        return build()
+    alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
+    key = CompileKey(KERNEL_NAME, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N, TILE_M), arch)
+    return CACHE.get_or_compile(key, build)
+
+
+def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, scale: float | None = None, causal: bool = False,
+              bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
+    forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way)."""
+    from cuda.bindings import driver
+
+    from .flash_fwd import _check_inputs
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _check_inputs(q, k, v, scale)
+    if dout.shape != q.shape or dout.dtype != q.dtype or dout.stride(3) != 1 or any(s % 8 for s in dout.stride()[:3]):
+        dout = dout.contiguous()
+    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right)
+    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (b, hq, sq)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dqacc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse.contiguous(), align=4),
+             _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
+             Float32(scale * _LOG2E), Float32(scale), stream)
+    return (dqacc * scale).to(q.dtype), dk, dv
