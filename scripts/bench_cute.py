@@ -1,7 +1,9 @@
 """Forward speed of the CuTe sm90 kernels (simple, warp-specialised serial and overlap) against PyTorch's
 cuDNN and flash SDPA and fa_backend's Triton forward, in one run (bf16, batch = 16384 / seqlen, heads =
-2048 / d, the issue's sizes), plus each CuTe variant's first-call compile time.
-Usage: python scripts/bench_cute.py [--json FILE]
+2048 / d, the issue's sizes), plus each CuTe variant's first-call compile time. With --backward: the backward
+instead (the CuTe reference backward, kernels/cute/flash_bwd.py, on the CuTe forward's out and LSE, against the
+Triton backward and PyTorch's cuDNN and flash backwards through autograd; TFLOP/s = 2.5 x the forward's FLOPs).
+Usage: python scripts/bench_cute.py [--json FILE] [--backward]
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--backward", action="store_true")
     args = parser.parse_args()
+    if args.backward:
+        records = backward(args.seqlens)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
+                          indent=1)
+        return
     dt = torch.bfloat16
     runners = {
         "cute_simple": lambda q, k, v, c: flash_fwd(q, k, v, causal=c),
@@ -66,6 +76,46 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f, indent=1)
+
+
+def backward(seqlens: list[int]) -> list[dict]:
+    """Backward TFLOP/s per (d, causal, seqlen): the CuTe reference backward, Triton's, cuDNN's and flash's."""
+    from fa_backend.kernels.cute.flash_bwd import flash_bwd
+
+    records = []
+    for d in (128, 64):
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                dout = torch.randn_like(q)
+                out, lse = flash_fwd_ws(q, k, v, causal=causal, overlap=True)
+                flops = 2.5 * _flops(b, h, s, d, causal)
+                row = dict(d=d, causal=causal, seqlen=s, batch=b, heads=h)
+                t0 = time.perf_counter()
+                flash_bwd(dout, q, k, v, out, lse, causal=causal)
+                torch.cuda.synchronize()
+                row["cute_bwd_first_call_s"] = round(time.perf_counter() - t0, 3)
+                ms = triton.testing.do_bench(lambda: flash_bwd(dout, q, k, v, out, lse, causal=causal), warmup=20,
+                                             rep=200)
+                row["cute_bwd"] = flops / ms / 1e9
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                for name, ctx in (("triton", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                  ("flash", SDPBackend.FLASH_ATTENTION)):
+                    if ctx is None:
+                        o = fa_backend.attention(*leaves, is_causal=causal)
+                    else:
+                        with sdpa_kernel(ctx):
+                            o = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+                    ms = triton.testing.do_bench(
+                        lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True), warmup=20, rep=200)
+                    row[name] = flops / ms / 1e9
+                records.append(row)
+                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "triton", "cudnn", "flash"))
+                print(f"bwd d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  cute/cudnn "
+                      f"{row['cute_bwd'] / row['cudnn']:.2f}", flush=True)
+                del q, k, v, dout, out, lse, leaves
+    return records
 
 
 if __name__ == "__main__":

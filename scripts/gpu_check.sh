@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute]
-# cute: the CuTe GPU tests and scripts/bench_cute.py; needs the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
+#   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd]
+# cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; both need
+# the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
 # env: SHARDS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -97,5 +98,13 @@ if [[ " $steps " == *" cute "* ]]; then
   tail -n 3 "$OUT/cute_tests.log"
   python3 scripts/bench_cute.py --json "$OUT/bench_cute.json" > "$OUT/bench_cute.log" 2>&1 || status=1
   grep -v -i warn "$OUT/bench_cute.log"
+fi
+if [[ " $steps " == *" cute_bwd "* ]]; then
+  # the CuTe backward alone: its numerics test, then its timing (a separate process: a fault cannot spoil the rest)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_flash_bwd_gpu.py -q -x -p no:cacheprovider \
+    > "$OUT/cute_bwd_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/cute_bwd_tests.log"; grep -h -E "^(FAILED|ERROR|E  )" "$OUT/cute_bwd_tests.log" | head -20
+  python3 scripts/bench_cute.py --backward --json "$OUT/bench_cute_bwd.json" > "$OUT/bench_cute_bwd.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/bench_cute_bwd.log" | tail -n 20
 fi
 exit $status
