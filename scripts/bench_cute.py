@@ -44,6 +44,7 @@ def main() -> None:
         "cute_simple": lambda q, k, v, c: flash_fwd(q, k, v, causal=c),
         "cute_ws": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c),
         "cute_ws_overlap": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, overlap=True),
+        "cute_ws_pingpong": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, pingpong=True),
         "triton": lambda q, k, v, c: fa_backend.attention(q, k, v, is_causal=c),
     }
     peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -69,7 +70,8 @@ def main() -> None:
                 records.append(row)
                 cells = "  ".join(f"{n} {row[n]:6.1f}" for n in (*runners, *peers))
                 print(f"d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  ws/cudnn {row['cute_ws'] / row['cudnn']:.2f} "
-                      f"overlap/cudnn {row['cute_ws_overlap'] / row['cudnn']:.2f}", flush=True)
+                      f"overlap/cudnn {row['cute_ws_overlap'] / row['cudnn']:.2f} "
+                      f"pingpong/cudnn {row['cute_ws_pingpong'] / row['cudnn']:.2f}", flush=True)
                 del q, k, v
     print("first-call seconds (compile + run), per variant:",
           {k: v for r in records for k, v in r.items() if k.endswith("first_call_s") and v > 0.5})

@@ -14,8 +14,10 @@ One CTA = one tile of TILE_M = 128 query rows of one (batch, head), 3 warpgroups
 Key blocks are visited last to first, so the blocks that need masking (the one past seqlen_k, those on
 the causal diagonal) come first and the rest run without mask code; blocks above the diagonal are skipped.
 With overlap=True (FA3's intra-warpgroup overlap) a consumer issues block j+1's S GEMM and block j's P V
-GEMM together and runs block j+1's softmax while P V is in flight. Not done: ping-pong between the
-consumers (named barriers), a TMA-store epilogue, persistent scheduling.
+GEMM together and runs block j+1's softmax while P V is in flight. With pingpong=True (overlap too; FA3's
+warp scheduling) the consumers take turns issuing their GEMMs through two named barriers, so that one
+warpgroup's GEMMs run while the other computes its softmax (compiled for sm_90a; not yet run on a GPU).
+Not done: a TMA-store epilogue, persistent scheduling.
 Epilogue: O / l from registers to global memory (rows past seqlen_q skipped), LSE (natural log, fp32);
 rows that see no key get O = 0 and LSE = -inf.
 
@@ -60,6 +62,7 @@ THREADS = WG_THREADS * (1 + CONSUMERS)
 # and take 240. 24 * 128 + 2 * 240 * 128 = 64512 <= 65536, the register file.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+PINGPONG_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads'): one per consumer
 
 
 class FlashForwardSm90WS(ForwardVariant):
@@ -67,11 +70,16 @@ class FlashForwardSm90WS(ForwardVariant):
 
     overlap: intra-warpgroup overlap (FA3): each consumer issues block j+1's S = Q K^T and block j's
     O += P V back to back and runs block j+1's softmax while the P V GEMM is still in flight.
+    pingpong (implies overlap): the two consumers issue their GEMMs in turns (named barriers
+    PINGPONG_BARRIER + consumer index, 256 threads each): consumer c waits on its own barrier before issuing
+    and arrives on the other's after; consumer 0 arrives on its own once at the start, so it goes first.
     """
 
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False):
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
+                 pingpong: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right)
-        self.overlap = overlap
+        self.overlap = overlap or pingpong
+        self.pingpong = pingpong
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -218,7 +226,7 @@ class FlashForwardSm90WS(ForwardVariant):
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         blocks = self._blocks_overlapped if cutlass.const_expr(self.overlap) else self._blocks
         blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p, row_max, row_sum,
-               pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks, n_masked)
+               pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks, n_masked, wg)
 
         gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * CONSUMERS + wg, 0))
         store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32)
@@ -266,10 +274,22 @@ class FlashForwardSm90WS(ForwardVariant):
         return state_v
 
     @cute.jit
+    def _turn_begin(self, wg: Int32):
+        """Pingpong: wait for this consumer's turn to issue GEMMs (nothing without pingpong)."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=CONSUMERS * WG_THREADS)
+
+    @cute.jit
+    def _turn_end(self, wg: Int32):
+        """Pingpong: hand the turn to the other consumer (nothing without pingpong)."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=CONSUMERS * WG_THREADS)
+
+    @cute.jit
     def _blocks(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor,
                 t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, pipe_k: Any, pipe_v: Any, row0: Int32,
-                seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32):
+                seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32, wg: Int32):
         """The key-block loop of one consumer, last block first, each GEMM waited for before the next step."""
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
@@ -286,14 +306,24 @@ class FlashForwardSm90WS(ForwardVariant):
                            tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor,
                            r_p: cute.Tensor, t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                            pipe_k: Any, pipe_v: Any, row0: Int32, seqlen_k: Int32, offset: Int32, scale_log2: Float32,
-                           n_blocks: Int32, n_masked: Int32):
+                           n_blocks: Int32, n_masked: Int32, wg: Int32):
         """_blocks with intra-warpgroup overlap: S of block i is computed while P V of block i - 1 runs; O is
-        rescaled only once that GEMM is done (alpha waits in registers)."""
+        rescaled only once that GEMM is done (alpha waits in registers). With pingpong, every GEMM issue (the
+        first S, each S + P V pair, the last P V: n_blocks + 1 turns per consumer) takes a turn."""
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         alpha = cute.make_rmem_tensor((2,), Float32)
+        if cutlass.const_expr(self.pingpong):
+            if wg == 0:  # consumer 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMERS * WG_THREADS)
         if n_blocks > 0:
-            state_k = self._scores(mma_qk, tSrQ, tSrK, acc_s, pipe_k, state_k)
+            pipe_k.consumer_wait(state_k)
+            self._turn_begin(wg)
+            self._issue_qk(mma_qk, tSrQ, tSrK, acc_s, state_k.index)
+            self._turn_end(wg)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state_k)
+            state_k.advance()
             if n_masked > 0:
                 mask_scores(acc_s, tScS, row0, (n_blocks - 1) * TILE_N, seqlen_k, offset, self.causal)
             softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
@@ -301,9 +331,14 @@ class FlashForwardSm90WS(ForwardVariant):
             for i in cutlass.range(1, n_blocks, unroll=1):
                 n_block = n_blocks - 1 - i
                 pipe_k.consumer_wait(state_k)
+                if cutlass.const_expr(self.pingpong):  # both stages ready before the turn: it only issues
+                    pipe_v.consumer_wait(state_v)
+                self._turn_begin(wg)
                 self._issue_qk(mma_qk, tSrQ, tSrK, acc_s, state_k.index)
-                pipe_v.consumer_wait(state_v)
+                if cutlass.const_expr(not self.pingpong):
+                    pipe_v.consumer_wait(state_v)
                 self._issue_pv(mma_pv, acc_o, t_p, tOrV, state_v.index)
+                self._turn_end(wg)
                 warpgroup.wait_group(1)  # S is ready; P V (the newest group) may still run
                 pipe_k.consumer_release(state_k)
                 state_k.advance()
@@ -315,24 +350,35 @@ class FlashForwardSm90WS(ForwardVariant):
                 state_v.advance()
                 rescale_rows(acc_o, alpha)
                 r_p.store(acc_s.load().to(self.dtype))
-            self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
+            pipe_v.consumer_wait(state_v)
+            self._turn_begin(wg)
+            self._issue_pv(mma_pv, acc_o, t_p, tOrV, state_v.index)
+            self._turn_end(wg)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state_v)
+            state_v.advance()
 
 
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
-                         arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False) -> Any:
+                         arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
+                         pingpong: bool = False) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
     (except with `dump_dir`, which always compiles, to write the PTX and cubin). `overlap`: the
-    intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"."""
-    return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap),
-                            KERNEL_NAME + ("_overlap" if overlap else ""), TILE, dtype,
-                            head_dim, causal, bottom_right, arch, dump_dir)
+    intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"; `pingpong`: overlap
+    with the consumers' turns (KERNEL_NAME + "_pingpong")."""
+    suffix = "_pingpong" if pingpong else "_overlap" if overlap else ""
+    return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong),
+                            KERNEL_NAME + suffix, TILE, dtype, head_dim, causal, bottom_right, arch, dump_dir)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
-                 bottom_right: bool = False, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 bottom_right: bool = False, overlap: bool = False,
+                 pingpong: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
     (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
-    flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant."""
-    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap), q, k, v, scale, causal, bottom_right)
+    flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant;
+    `pingpong`: overlap plus the consumers' turns."""
+    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong), q, k, v, scale, causal,
+                bottom_right)

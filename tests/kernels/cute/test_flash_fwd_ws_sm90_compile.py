@@ -120,6 +120,29 @@ def test_ptxas_allocates_without_spills(compiled):
     assert registers <= 65536 // 384  # 384 threads must fit before setmaxnreg moves registers
 
 
+@pytest.mark.parametrize("dtype,d,causal,bottom_right", [(torch.bfloat16, 128, False, False),
+                                                         (torch.float16, 64, True, True)])
+def test_pingpong_takes_turns(tmp_path, dtype, d, causal, bottom_right):
+    # the overlap variant's GEMMs, each issue between a wait on this consumer's named barrier and an arrive on
+    # the other's (256 threads: both consumers); consumer 0 arrives on its own barrier once to go first
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(dtype, d, causal, bottom_right, "sm_90a", str(tmp_path),
+                                            pingpong=True).__ptx__
+    (tmp_path / "overlap").mkdir()
+    overlap = flash_fwd_ws.compile_flash_fwd_ws(dtype, d, causal, bottom_right, "sm_90a", str(tmp_path / "overlap"),
+                                                overlap=True).__ptx__
+    assert _wgmma_counts(ptx) == _wgmma_counts(overlap)
+    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == 1
+    first = f"bar.arrive {flash_fwd_ws.PINGPONG_BARRIER}, 256;"
+    assert ptx.count(first) == 1
+    turns = re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)
+    hand_overs = re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)
+    assert len(turns) == len(hand_overs) == 3  # the first S, each S + P V pair, the last P V
+    assert "bar.sync" not in overlap.replace("bar.sync \t0;", "")  # no turns without pingpong
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
 def test_variants_are_compiled_once_under_their_own_name():
     from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
 
