@@ -45,6 +45,7 @@ def main() -> None:
         "cute_ws": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c),
         "cute_ws_overlap": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, overlap=True),
         "cute_ws_pingpong": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, pingpong=True),
+        "cute_ws_3wg": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, consumers=3),
         "triton": lambda q, k, v, c: fa_backend.attention(q, k, v, is_causal=c),
     }
     peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}

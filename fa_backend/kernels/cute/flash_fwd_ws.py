@@ -62,7 +62,16 @@ THREADS = WG_THREADS * (1 + CONSUMERS)
 # and take 240. 24 * 128 + 2 * 240 * 128 = 64512 <= 65536, the register file.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+# Three consumers (192 query rows per CTA, FA3's tile at d <= 64): 24 * 128 + 3 * 160 * 128 = 64512 registers.
+# (ptxas still compiles the kernel for 65536 / 512 = 128 registers per thread: see FlashForwardSm90WS.)
+CONSUMER_REGS_3 = 160
 PINGPONG_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads'): one per consumer
+
+
+def _check_consumers(consumers: int, overlap: bool, pingpong: bool) -> None:
+    if consumers not in (2, 3) or ((overlap or pingpong) and consumers != 2):
+        raise ValueError(f"consumers={consumers} with overlap={overlap}, pingpong={pingpong} (supported: 2 "
+                         "consumers, or 3 without overlap)")
 
 
 class FlashForwardSm90WS(ForwardVariant):
@@ -73,13 +82,21 @@ class FlashForwardSm90WS(ForwardVariant):
     pingpong (implies overlap): the two consumers issue their GEMMs in turns (named barriers
     PINGPONG_BARRIER + consumer index, 256 threads each): consumer c waits on its own barrier before issuing
     and arrives on the other's after; consumer 0 arrives on its own once at the start, so it goes first.
+    consumers: 2 (128 query rows per CTA, 240 registers each) or 3 (192 rows, FA3's tile at d <= 64; serial
+    only: 512 threads cap ptxas at 128 registers per thread whatever setmaxnreg hands out later, and the overlap
+    variant then spills 80-360 bytes (sm_90a build, cuobjdump), the serial one none).
     """
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
-                 pingpong: bool = False):
+                 pingpong: bool = False, consumers: int = CONSUMERS):
         super().__init__(dtype, head_dim, causal, bottom_right)
+        _check_consumers(consumers, overlap, pingpong)
         self.overlap = overlap or pingpong
         self.pingpong = pingpong
+        self.consumers = consumers
+        self.tile_m = WG_M * consumers
+        self.threads = WG_THREADS * (1 + consumers)
+        self.consumer_regs = CONSUMER_REGS if consumers == 2 else CONSUMER_REGS_3
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -88,17 +105,17 @@ class FlashForwardSm90WS(ForwardVariant):
         q, k, v, o, lse = sdpa_views(mQ, mK, mV, mO, mLSE)
         mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, TILE_N, d)
         # staged smem layouts: Q has one stage per consumer (its 64 rows), K and V KV_STAGES each
-        sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, CONSUMERS)
+        sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, self.consumers)
         sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, KV_STAGES)
         sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, d, TILE_N), self.dtype, KV_STAGES)
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, cute.slice_(sQ_layout, (None, None, 0)), (WG_M, d))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N))
-        smem_bytes = 2 * (TILE_M + 2 * KV_STAGES * TILE_N) * d + 4 * 1024  # tiles, alignment padding, barriers
+        smem_bytes = 2 * (self.tile_m + 2 * KV_STAGES * TILE_N) * d + 4 * 1024  # tiles, alignment padding, barriers
         self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
                     mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout).launch(
-            grid=(cute.ceil_div(q.shape[0], TILE_M), q.shape[2], q.shape[3]), block=(THREADS, 1, 1),
+            grid=(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3]), block=(self.threads, 1, 1),
             smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
@@ -110,9 +127,9 @@ class FlashForwardSm90WS(ForwardVariant):
         n_masked = cute.ceil_div(seqlen_k % TILE_N, TILE_N)
         if cutlass.const_expr(self.causal):
             # skip the blocks above the diagonal: no row of this tile sees their first key
-            n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div((m_block + 1) * TILE_M + offset, TILE_N)), 0)
+            n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div((m_block + 1) * self.tile_m + offset, TILE_N)), 0)
             # blocks from the first one whose last key is past the tile's first row's diagonal need masking
-            first_masked = cutlass.max((m_block * TILE_M + offset + 1) // TILE_N, 0)
+            first_masked = cutlass.max((m_block * self.tile_m + offset + 1) // TILE_N, 0)
             n_masked = cutlass.max(n_blocks - first_masked, n_masked)
         return n_blocks, cutlass.min(n_masked, n_blocks), offset
 
@@ -138,7 +155,7 @@ class FlashForwardSm90WS(ForwardVariant):
         # one elected producer lane arrives per stage (with the expected bytes); a stage is free again once
         # each of the 8 consumer warps has released it (the pipeline lets lane 0 of each warp arrive)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMERS * WG_THREADS // 32)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumers * WG_THREADS // 32)
         stage_bytes = TILE_N * self.head_dim * self.dtype.width // 8
         pipe_k = pipeline.PipelineTmaAsync.create(num_stages=KV_STAGES, producer_group=producer,
                                                   consumer_group=consumers, tx_count=stage_bytes,
@@ -160,7 +177,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v,
                               m_block, head, batch, n_blocks)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, pipe_k, pipe_v, mO, mLSE, scale_log2,
                           warpgroup_idx - 1, tidx % WG_THREADS, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset)
 
@@ -180,9 +197,9 @@ class FlashForwardSm90WS(ForwardVariant):
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_q, TILE_M * d * self.dtype.width // 8)
-        for half in cutlass.range_constexpr(CONSUMERS):
-            cute.copy(tma_q, tQgQ[None, m_block * CONSUMERS + half], tQsQ[None, half], tma_bar_ptr=bar_q)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_q, self.tile_m * d * self.dtype.width // 8)
+        for half in cutlass.range_constexpr(self.consumers):
+            cute.copy(tma_q, tQgQ[None, m_block * self.consumers + half], tQsQ[None, half], tma_bar_ptr=bar_q)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         for i in cutlass.range(n_blocks, unroll=1):
@@ -218,7 +235,7 @@ class FlashForwardSm90WS(ForwardVariant):
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-math.inf)
         row_sum.fill(0.0)
-        row0 = m_block * TILE_M + wg * WG_M
+        row0 = m_block * self.tile_m + wg * WG_M
 
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
         t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
@@ -228,7 +245,7 @@ class FlashForwardSm90WS(ForwardVariant):
         blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p, row_max, row_sum,
                pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks, n_masked, wg)
 
-        gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * CONSUMERS + wg, 0))
+        gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * self.consumers + wg, 0))
         store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32)
 
     @cute.jit
@@ -361,24 +378,27 @@ class FlashForwardSm90WS(ForwardVariant):
 
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
-                         pingpong: bool = False) -> Any:
+                         pingpong: bool = False, consumers: int = CONSUMERS) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
     (except with `dump_dir`, which always compiles, to write the PTX and cubin). `overlap`: the
     intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"; `pingpong`: overlap
-    with the consumers' turns (KERNEL_NAME + "_pingpong")."""
+    with the consumers' turns (KERNEL_NAME + "_pingpong"); `consumers`: 3 for 192-row tiles (its own tile key)."""
+    _check_consumers(consumers, overlap, pingpong)  # before the cache: a bad request is not a build failure
     suffix = "_pingpong" if pingpong else "_overlap" if overlap else ""
-    return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong),
-                            KERNEL_NAME + suffix, TILE, dtype, head_dim, causal, bottom_right, arch, dump_dir)
+    tile = TILE if consumers == CONSUMERS else (WG_M * consumers, TILE_N, KV_STAGES)
+    return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
+                                              consumers=consumers),
+                            KERNEL_NAME + suffix, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
-                 bottom_right: bool = False, overlap: bool = False,
-                 pingpong: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
+                 consumers: int = CONSUMERS) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
     (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
     flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant;
-    `pingpong`: overlap plus the consumers' turns."""
-    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong), q, k, v, scale, causal,
-                bottom_right)
+    `pingpong`: overlap plus the consumers' turns; `consumers`: 2 or 3 consumer warpgroups."""
+    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers),
+                q, k, v, scale, causal, bottom_right)

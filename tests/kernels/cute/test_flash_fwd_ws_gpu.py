@@ -30,11 +30,12 @@ SHAPES = [
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES)
-@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong"])
+@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong", "three_consumers"])
 def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, mode):
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 
-    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong")
+    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong",
+                            consumers=3 if mode == "three_consumers" else 2)
     check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)
 
 

@@ -143,6 +143,21 @@ def test_pingpong_takes_turns(tmp_path, dtype, d, causal, bottom_right):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
+def test_three_consumers_take_192_rows(tmp_path):
+    # FA3's d <= 64 tile: 4 warpgroups (512 threads), Q in three 64-row stages, 160 registers per consumer
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, False, "sm_90a", str(tmp_path),
+                                            consumers=3).__ptx__
+    assert ".reqntid 512, 1, 1" in ptx
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(flash_fwd_ws.CONSUMER_REGS_3)]
+    assert (flash_fwd_ws.PRODUCER_REGS + 3 * flash_fwd_ws.CONSUMER_REGS_3) * 128 <= 65536
+    assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == 5  # three Q stages, K, V (d = 64: one box)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    with pytest.raises(ValueError, match="consumers=3"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, consumers=3, overlap=True)
+
+
 def test_variants_are_compiled_once_under_their_own_name():
     from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
 
