@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; both need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
-# env: SHARDS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# env: SHARDS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -41,7 +41,7 @@ if [[ " $steps " == *" tune_features "* ]]; then
 fi
 if [[ " $steps " == *" tune "* ]]; then
   python3 scripts/tune_triton.py --dims ${TUNE_DIMS:-64 128 256} --seqlens ${TUNE_SEQLENS:-4096} \
-    --kernels ${TUNE_KERNELS:-fwd dkdv dq} ${TUNE_MATCH:+--match $TUNE_MATCH} --json "$OUT/tune.json" \
+    --kernels ${TUNE_KERNELS:-fwd dkdv dq} ${TUNE_MATCH:+--match $TUNE_MATCH} --group ${TUNE_GROUP:-1} --json "$OUT/tune.json" \
     > "$OUT/tune.log" 2>&1 || status=1
   sed -n '/^compiled/p;/FAILED/p;/^best per/,$p' "$OUT/tune.log"
 fi

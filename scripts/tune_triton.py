@@ -49,12 +49,14 @@ def _override(kind, d, causal, cfg):
     return C.override(bwd=C.BwdConfig(base.dkdv, cfg))
 
 
-def _inputs(d, seqlen, tokens=16384, width=2048):
+def _inputs(d, seqlen, tokens=16384, width=2048, group=1):
+    """q, k, v of the standard shape (batch = tokens / seqlen, heads = width / d); `group` query heads per K/V
+    head (GQA)."""
     import torch
 
     b, h = max(1, tokens // seqlen), max(1, width // d)
-    return [torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-            for _ in range(3)]
+    return [torch.randn(b, seqlen, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+            for heads in (h, max(1, h // group), max(1, h // group))]
 
 
 def _run(kind, d, causal, cfg, q, k, v):
@@ -90,6 +92,7 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"])
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--match", nargs="+", help="only candidates whose repr holds these strings, e.g. tma=True")
+    parser.add_argument("--group", type=int, default=1, help="GQA: query heads per key/value head (timed shapes)")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -112,7 +115,7 @@ def main() -> int:
     for seqlen, (kind, d, causal, cfg) in ((s, job) for s in args.seqlens for job in jobs):
         if (kind, d, causal, cfg) in bad:
             continue
-        q, k, v = _inputs(d, seqlen)
+        q, k, v = _inputs(d, seqlen, group=args.group)
         flops = attention_flops(q.shape[0], q.shape[1], seqlen, seqlen, d, causal)
         if kind == "fwd":
             def fn():

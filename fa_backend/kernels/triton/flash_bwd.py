@@ -182,11 +182,18 @@ def _bwd_dkdv(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, KEY_MAJOR: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    pid_n = pid % NUM_N_BLOCKS
-    bh = pid // NUM_N_BLOCKS
+    if KEY_MAJOR:
+        # key block outermost: every (batch, KV head)'s first key block, then every second one, ... Under causal
+        # masking the first blocks see the most query rows: longest programs first, the shortest in the tail.
+        num_bh = tl.num_programs(0) // NUM_N_BLOCKS
+        pid_n = pid // num_bh
+        bh = pid % num_bh
+    else:
+        pid_n = pid % NUM_N_BLOCKS
+        bh = pid // NUM_N_BLOCKS
     off_b = (bh // NUM_HEADS_K).to(tl.int64)
     off_hk = (bh % NUM_HEADS_K).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -617,6 +624,7 @@ def flash_bwd(
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
         **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True} if use_tma else {}),
+        **({"KEY_MAJOR": True} if cfg.dkdv.key_major else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
     if atomic:
