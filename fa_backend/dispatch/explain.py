@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from .backends import BACKENDS, PRIORITY, pytorch_choice
+from .backends.pytorch import direct_runner
 from .call import AttentionCall
 from .reasons import Reason, ReasonCode
 from .select import slower_reason
@@ -88,6 +89,10 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
         reasons[name] = own
     backend = next((n for n in order if not reasons[n]), None)
     listed = tuple(order) + tuple(n for n in PRIORITY if n not in order)
-    choice = pytorch_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) \
-        if backend == "torch" else None
+    choice = None
+    if backend == "torch":
+        # eager routed calls of negligible GPU work call PyTorch's efficient kernel's op themselves
+        direct = direct_runner(call, query, key, value, is_causal, scale) is not None
+        choice = ("efficient_attention (its own op, called by the router: a host-bound forward call)" if direct
+                  else pytorch_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa))
     return Explanation(call, backend, reasons, listed, choice, kernels, kernel_reasons)

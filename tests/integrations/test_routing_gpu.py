@@ -140,6 +140,7 @@ def test_tiny_forward_runs_pytorchs_efficient_kernel_directly(dtype, causal):
         assert _direct(ops)
         assert torch.equal(out, ref)
         assert fa_backend.stats()["runs"] == {"torch": 1}
+        assert fa_backend.explain(q, k, v, is_causal=causal, scale=0.3).pytorch_kernel.startswith("efficient_attention")
         # Not taken (the call goes through SDPA, or to our kernel where PyTorch would not run the preferred one):
         # without PyTorch's efficient kernel, with grad, for a larger call
         SDPBackend = torch.nn.attention.SDPBackend
