@@ -122,8 +122,8 @@ def bwd_table(causal: bool) -> dict[int, BwdConfig]:
 
 
 def fwd_candidates(width: int) -> list[TileConfig]:
-    """Forward tiles worth timing for a padded head dim (no register spills on sm90 at bf16), and the
-    lazy-rescale variant of the table's tiles."""
+    """Forward tiles worth timing for a padded head dim (no register spills on sm90 at bf16), the
+    lazy-rescale variant of the table's tiles, and TMA variants of the 8-warp tiles up to width 128."""
     lazy = [dataclasses.replace(t[width], lazy_rescale=True) for t in (_GPU_FWD, _GPU_FWD_CAUSAL) if width in t]
     plain = _plain_fwd_candidates(width)
     # K and V by TMA (no per-thread addresses in the pipelined loads) on the 8-warp tiles
