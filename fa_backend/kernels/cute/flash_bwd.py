@@ -57,6 +57,15 @@ THREADS = 128
 _LOG2E = math.log2(math.e)
 
 
+@cute.jit
+def _gemm(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tensor):
+    """acc = A B over the K blocks of the fragments (issued, not committed: the caller fences and commits)."""
+    mma.set(warpgroup.Field.ACCUMULATE, False)
+    for kk in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, kk], t_b[None, None, kk], acc)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+
+
 def _transposed(t: cute.Tensor) -> cute.Tensor:
     """The same (shared-memory) tensor with its two modes swapped."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
@@ -213,15 +222,9 @@ class FlashBackwardSm90(ForwardVariant):
                 phase ^= 1
 
                 # S^T = K Q^T and dP^T = V dO^T
-                mma_ss.set(warpgroup.Field.ACCUMULATE, False)
                 warpgroup.fence()
-                for kk in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
-                    cute.gemm(mma_ss, acc_s, tSrK[None, None, kk], tSrQ[None, None, kk], acc_s)
-                    mma_ss.set(warpgroup.Field.ACCUMULATE, True)
-                mma_ss.set(warpgroup.Field.ACCUMULATE, False)
-                for kk in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
-                    cute.gemm(mma_ss, acc_dp, tSrV[None, None, kk], tSrdO[None, None, kk], acc_dp)
-                    mma_ss.set(warpgroup.Field.ACCUMULATE, True)
+                _gemm(mma_ss, acc_s, tSrK, tSrQ)
+                _gemm(mma_ss, acc_dp, tSrV, tSrdO)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
@@ -259,11 +262,8 @@ class FlashBackwardSm90(ForwardVariant):
                 cute.arch.sync_threads()
 
                 # dQ block = dS K, added into dQacc (rows past seqlen_q skipped)
-                mma_dq.set(warpgroup.Field.ACCUMULATE, False)
                 warpgroup.fence()
-                for kk in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
-                    cute.gemm(mma_dq, acc_dq, tQrdS[None, None, kk], tQrKt[None, None, kk], acc_dq)
-                    mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+                _gemm(mma_dq, acc_dq, tQrdS, tQrKt)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
@@ -321,8 +321,10 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_inputs(q, k, v, scale)
-    if dout.shape != q.shape or dout.dtype != q.dtype or dout.stride(3) != 1 or any(s % 8 for s in dout.stride()[:3]):
-        dout = dout.contiguous()
+    if dout.shape != q.shape or dout.dtype != q.dtype:
+        raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype}")
+    if dout.stride(3) != 1 or any(s <= 0 or s % 8 for s in dout.stride()[:3]) or dout.data_ptr() % 16:
+        dout = dout.contiguous()  # TMA's alignment rules, as for q
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right)
     delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (b, hq, sq)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
