@@ -2,7 +2,8 @@
 
 Backends: ours (`triton`), PyTorch's SDPA kernels (`flash`, `cudnn`, `efficient`), FlexAttention
 with `--flex` (`torch.compile(flex_attention)`, causal through a block mask), and FlashAttention-2's
-`flash_attn_func` (`flash_attn`) when that package is installed. Shapes: the standard sweep
+`flash_attn_func` (`flash_attn`) and FlashAttention-4's (`fa4`, package `flash-attn-4`, module
+`flash_attn.cute`) when those packages are installed. Shapes: the standard sweep
 (batch = 16384 / seqlen, heads = 2048 / d, over --dims x --seqlens) or exactly the shapes given
 with --shape B,H,S,D; --kv-heads N makes every shape GQA (N key/value heads; PyTorch's backends are
 called with enable_gqa=True, FLOPs are those of the query heads). Prints, on stdout, per shape and
@@ -45,7 +46,10 @@ OURS = "triton"
 DEFAULT_BACKENDS = [OURS, *PEERS]
 # backend name -> package (module) it needs; added when installed ("cute": our CuTe DSL forward, which needs
 # nvidia-cutlass-dsl and a Hopper GPU)
-EXTERNAL = {"flash_attn": "flash_attn", "cute": "cutlass"}
+EXTERNAL = {"flash_attn": "flash_attn", "fa4": "flash_attn.cute", "cute": "cutlass"}
+# module -> the distribution whose version is recorded (FlashAttention-4 ships `flash_attn.cute` in a namespace
+# package `flash_attn`, so the module alone does not say that FlashAttention-2 is installed)
+DISTRIBUTIONS = {"flash_attn": "flash-attn", "flash_attn.cute": "flash-attn-4"}
 
 
 class BackendUnavailable(RuntimeError):
@@ -128,6 +132,16 @@ def _flash_attn_runner(causal: bool) -> Callable:
                                            causal=causal).transpose(1, 2)
 
 
+def _fa4_runner(causal: bool) -> Callable:
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError as e:
+        raise BackendUnavailable(f"flash-attn-4 not installed: {e}") from e
+    # FlashAttention-4's flash_attn_func takes (b, s, h, d) (GQA by head counts) and returns (out, lse).
+    return lambda q, k, v: flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           causal=causal)[0].transpose(1, 2)
+
+
 def _runner(backend: str, causal: bool, gqa: bool = False) -> tuple[Callable, contextlib.AbstractContextManager]:
     """The call to time for `backend` and the context to run it in (`gqa`: fewer key/value heads than query
     heads); BackendUnavailable if it cannot run here."""
@@ -139,6 +153,8 @@ def _runner(backend: str, causal: bool, gqa: bool = False) -> tuple[Callable, co
         return _flex_runner(causal, gqa), contextlib.nullcontext()
     if backend == "flash_attn":
         return _flash_attn_runner(causal), contextlib.nullcontext()
+    if backend == "fa4":
+        return _fa4_runner(causal), contextlib.nullcontext()
     if backend == "cute":
         if not external_packages().get("cutlass"):
             raise BackendUnavailable("cute needs nvidia-cutlass-dsl and a Hopper (sm90) GPU")
@@ -365,13 +381,18 @@ def external_packages() -> dict[str, str | None]:
             hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
             result[module] = DSL_VERSION if DSL_AVAILABLE and hopper else None
             continue
-        if importlib.util.find_spec(module) is None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # the parent package is missing
+            found = False
+        if not found:
             result[module] = None
             continue
         try:
-            result[module] = metadata.version(module.replace("_", "-"))
+            result[module] = metadata.version(DISTRIBUTIONS.get(module, module.replace("_", "-")))
         except metadata.PackageNotFoundError:
-            result[module] = "installed (version unknown)"
+            # a namespace package left by another distribution is not this one
+            result[module] = None if module in DISTRIBUTIONS else "installed (version unknown)"
     return result
 
 

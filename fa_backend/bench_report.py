@@ -9,7 +9,8 @@ import json
 import sys
 
 
-LABELS = {"triton": "fa_backend (triton)", "flex": "FlexAttention (compiled)", "flash_attn": "flash_attn (FA2)"}
+LABELS = {"triton": "fa_backend (triton)", "flex": "FlexAttention (compiled)", "flash_attn": "flash_attn (FA2)",
+          "fa4": "FlashAttention-4 (CuTe)", "cute": "fa_backend (CuTe)"}
 
 
 def plot(result: dict, path: str) -> None:

@@ -3,6 +3,8 @@ cuDNN and flash SDPA and fa_backend's Triton forward, in one run (bf16, batch = 
 2048 / d, the issue's sizes), plus each CuTe variant's first-call compile time. With --backward: the backward
 instead (the CuTe reference backward, kernels/cute/flash_bwd.py, on the CuTe forward's out and LSE, against the
 Triton backward and PyTorch's cuDNN and flash backwards through autograd; TFLOP/s = 2.5 x the forward's FLOPs).
+FlashAttention-4 (`flash_attn.cute`, package flash-attn-4) is timed as the peer `fa4` when installed, on (b, s, h, d)
+copies of the same inputs (its layout).
 Usage: python scripts/bench_cute.py [--json FILE] [--backward]
 """
 
@@ -22,6 +24,30 @@ from fa_backend.kernels.cute.flash_fwd import flash_fwd
 from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 
 
+def _fa4():
+    """FlashAttention-4's flash_attn_func ((b, s, h, d) in, (out, lse) out), or None when not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def _time_fa4(fa4, q, k, v, causal, dout=None):
+    """FA4's forward (or, with dout, backward through autograd) median ms on (b, s, h, d) copies; None if it fails."""
+    q4, k4, v4 = (t.transpose(1, 2).contiguous().requires_grad_(dout is not None) for t in (q, k, v))
+    try:
+        if dout is None:
+            return triton.testing.do_bench(lambda: fa4(q4, k4, v4, causal=causal), warmup=50, rep=300)
+        o = fa4(q4, k4, v4, causal=causal)[0]
+        d4 = dout.transpose(1, 2).contiguous()
+        return triton.testing.do_bench(lambda: torch.autograd.grad(o, (q4, k4, v4), d4, retain_graph=True),
+                                       warmup=20, rep=200)
+    except Exception as e:  # noqa: BLE001  (a peer that cannot run a cell is reported, not fatal)
+        print(f"fa4 failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+
+
 def _flops(b, h, s, d, causal):
     return 4 * b * h * s * s * d / (2 if causal else 1)
 
@@ -31,6 +57,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--runners", nargs="+", help="forward runners to time (default: all)")
     args = parser.parse_args()
     if args.backward:
         records = backward(args.seqlens)
@@ -48,7 +75,10 @@ def main() -> None:
         "cute_ws_3wg": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, consumers=3),
         "triton": lambda q, k, v, c: fa_backend.attention(q, k, v, is_causal=c),
     }
+    if args.runners:
+        runners = {n: f for n, f in runners.items() if n in args.runners}
     peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    fa4 = _fa4()
     records = []
     for d in (128, 64):
         for causal in (False, True):
@@ -68,11 +98,16 @@ def main() -> None:
                         ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                                      warmup=50, rep=300)
                     row[name] = _flops(b, h, s, d, causal) / ms / 1e9
+                if fa4 is not None:
+                    ms = _time_fa4(fa4, q, k, v, causal)
+                    row["fa4"] = None if ms is None else _flops(b, h, s, d, causal) / ms / 1e9
                 records.append(row)
-                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in (*runners, *peers))
-                print(f"d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  ws/cudnn {row['cute_ws'] / row['cudnn']:.2f} "
-                      f"overlap/cudnn {row['cute_ws_overlap'] / row['cudnn']:.2f} "
-                      f"pingpong/cudnn {row['cute_ws_pingpong'] / row['cudnn']:.2f}", flush=True)
+                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in (*runners, *peers) if row.get(n) is not None)
+                if row.get("fa4"):
+                    best = max(row[n] for n in runners if n.startswith("cute"))
+                    cells += f"  fa4 {row['fa4']:6.1f}  best_cute/fa4 {best / row['fa4']:.2f}"
+                ratios = "  ".join(f"{n[5:]}/cudnn {row[n] / row['cudnn']:.2f}" for n in runners if n.startswith("cute"))
+                print(f"d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  {ratios}", flush=True)
                 del q, k, v
     print("first-call seconds (compile + run), per variant:",
           {k: v for r in records for k, v in r.items() if k.endswith("first_call_s") and v > 0.5})
@@ -85,6 +120,7 @@ def backward(seqlens: list[int]) -> list[dict]:
     """Backward TFLOP/s per (d, causal, seqlen): the CuTe reference backward, Triton's, cuDNN's and flash's."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
 
+    fa4 = _fa4()
     records = []
     for d in (128, 64):
         for causal in (False, True):
@@ -113,8 +149,12 @@ def backward(seqlens: list[int]) -> list[dict]:
                     ms = triton.testing.do_bench(
                         lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True), warmup=20, rep=200)
                     row[name] = flops / ms / 1e9
+                if fa4 is not None:
+                    ms = _time_fa4(fa4, q, k, v, causal, dout)
+                    row["fa4"] = None if ms is None else flops / ms / 1e9
                 records.append(row)
-                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "triton", "cudnn", "flash"))
+                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "triton", "cudnn", "flash", "fa4")
+                                  if row.get(n) is not None)
                 print(f"bwd d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  cute/cudnn "
                       f"{row['cute_bwd'] / row['cudnn']:.2f}", flush=True)
                 del q, k, v, dout, out, lse, leaves

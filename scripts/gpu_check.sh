@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; both need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
-# env: SHARDS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# env: SHARDS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -93,18 +93,21 @@ if [[ " $steps " == *" product "* ]]; then
     > "$OUT/product.log" 2> "$OUT/product.err" || status=1
   cat "$OUT/product.log" | tail -n 30; tail -c 600 "$OUT/product.err"; ls -la "$OUT/product" || true
 fi
-if [[ " $steps " == *" cute "* ]]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute -q -p no:cacheprovider > "$OUT/cute_tests.log" 2>&1 || status=1
-  tail -n 3 "$OUT/cute_tests.log"
-  python3 scripts/bench_cute.py --json "$OUT/bench_cute.json" > "$OUT/bench_cute.log" 2>&1 || status=1
-  grep -v -i warn "$OUT/bench_cute.log"
-fi
 if [[ " $steps " == *" cute_bwd "* ]]; then
   # the CuTe backward alone: its numerics test, then its timing (a separate process: a fault cannot spoil the rest)
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_flash_bwd_gpu.py -q -x -p no:cacheprovider \
     > "$OUT/cute_bwd_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/cute_bwd_tests.log"; grep -h -E "^(FAILED|ERROR|E  )" "$OUT/cute_bwd_tests.log" | head -20
-  python3 scripts/bench_cute.py --backward --json "$OUT/bench_cute_bwd.json" > "$OUT/bench_cute_bwd.log" 2>&1 || status=1
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py --backward --json "$OUT/bench_cute_bwd.json" \
+    > "$OUT/bench_cute_bwd.log" 2>&1 || status=1
   grep -v -i warn "$OUT/bench_cute_bwd.log" | tail -n 20
+fi
+if [[ " $steps " == *" cute "* ]]; then
+  skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute $skip -q -p no:cacheprovider -n ${CUTE_WORKERS:-4} > "$OUT/cute_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/cute_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/cute_tests.log" | head -20
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py ${CUTE_BENCH_ARGS:-} --json "$OUT/bench_cute.json" \
+    > "$OUT/bench_cute.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/bench_cute.log"
 fi
 exit $status

@@ -286,3 +286,23 @@ def test_gqa_bench_on_gpu(backend):
     assert rec.error is None or backend == "cudnn", rec.error  # cuDNN may refuse GQA on some versions
     if rec.error is None:
         assert rec.fwd_ms > 0 and rec.bwd_ms > 0
+
+
+def test_flash_attention_4_is_an_external_peer(tmp_path, monkeypatch):
+    # FlashAttention-4 installs `flash_attn.cute` inside a namespace package `flash_attn`: that namespace alone
+    # must not count as FlashAttention-2, and the fa4 backend needs the flash-attn-4 distribution.
+    pkg = tmp_path / "flash_attn" / "cute"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def flash_attn_func(q, k, v, causal=False):\n    return q * 2, None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    found = bench.external_packages()
+    assert found["flash_attn"] is None  # no flash-attn distribution behind the namespace
+    assert found["flash_attn.cute"] is None  # nor a flash-attn-4 one: a stray module is not the package
+    fn, _ = bench._runner("fa4", True)
+    q = torch.randn(1, 3, 5, 8)
+    torch.testing.assert_close(fn(q, q, q), q * 2)  # (b, h, s, d) in and out through FA4's (b, s, h, d)
+    from fa_backend.bench_report import LABELS
+
+    assert "fa4" in bench.EXTERNAL and LABELS["fa4"].startswith("FlashAttention-4")

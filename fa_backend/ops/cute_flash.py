@@ -1,7 +1,7 @@
 """torch.library op for the CuTe DSL forward on Hopper: fa_backend::cute_flash_fwd.
 
-The forward is the warp-specialised kernel with intra-warpgroup overlap (kernels/cute/flash_fwd_ws.py,
-the fastest of the CuTe forwards measured on the H200). There is no CuTe backward yet: the op's
+The forward is the warp-specialised kernel (kernels/cute/flash_fwd_ws.py) in its fastest variant per head
+dim measured on the H200 (flash_fwd_ws.FASTEST: ping-pong consumers at d=128, three consumers at d=64). There is no CuTe backward yet: the op's
 autograd formula runs the Triton backward kernels (fa_backend::triton_flash_bwd), which take the CuTe
 forward's outputs as they are (out contiguous (b, hq, sq, d), natural-log fp32 lse (b, hq, sq), the
 layout the Triton forward writes too).
@@ -55,7 +55,7 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     natural-log lse (b, hq, sq). GQA when hq is a multiple of hkv; causal top-left or bottom-right."""
     check_cute_inputs(q, k, v, scale, is_causal)
     from ..kernels.cute._compile_cache import CompileFailedError
-    from ..kernels.cute.flash_fwd_ws import flash_fwd_ws
+    from ..kernels.cute.flash_fwd_ws import flash_fwd_fastest
 
     bottom_right = bottom_right and is_causal
     if scale == 0.0:  # -inf * 0 on masked keys: the kernels need a nonzero scale
@@ -64,7 +64,7 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if scale is not None and scale < 0:  # the kernels take the row max before scaling: (-q) k^T (-scale), exact
         q, scale = -q, -scale
     try:
-        out, lse = flash_fwd_ws(q, k, v, scale, is_causal, bottom_right, overlap=True)
+        out, lse = flash_fwd_fastest(q, k, v, scale, is_causal, bottom_right)
     except CompileFailedError:  # logged once by the compile cache; the Triton forward keeps the contract
         return _triton_forward(q, k, v, scale, is_causal, bottom_right)
     counters.record_run("cute")

@@ -143,9 +143,8 @@ def test_not_installed_comes_first_with_the_limits(monkeypatch):
 @pytest.mark.skipif(cute_backend.DSL_MISSING is not None, reason="needs the CuTe DSL (the variant key)")
 def test_a_variant_that_failed_to_compile_is_reported(enabled):
     from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
-    from fa_backend.kernels.cute.flash_fwd import variant_key
 
-    key = variant_key(flash_fwd_ws.KERNEL_NAME + "_overlap", flash_fwd_ws.TILE, torch.bfloat16, 128, False, False)
+    key = flash_fwd_ws.fastest_variant_key(torch.bfloat16, 128, False, False)
     _compile_cache.CACHE._failed[key] = "DSLRuntimeError: boom"
     try:
         (r,) = CuteBackend.why_not(OK)

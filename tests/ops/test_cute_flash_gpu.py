@@ -88,11 +88,10 @@ def test_a_variant_that_fails_to_compile_runs_the_triton_forward(clean, monkeypa
     from fa_backend.dispatch import select
     from fa_backend.dispatch.call import AttentionCall
     from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
-    from fa_backend.kernels.cute.flash_fwd import variant_key
     from fa_backend.ops import cute_flash_attention
 
     q, k, v = _qkv(1, 8, 2, 512, 512, 128)
-    key = variant_key(flash_fwd_ws.KERNEL_NAME + "_overlap", flash_fwd_ws.TILE, torch.bfloat16, 128, False, False)
+    key = flash_fwd_ws.fastest_variant_key(torch.bfloat16, 128, False, False)
     monkeypatch.setitem(_compile_cache.CACHE._failed, key, "DSLRuntimeError: injected by the test")
     out = cute_flash_attention(q, k, v)[0]
     assert fa_backend.stats()["runs"] == {"triton": 1}

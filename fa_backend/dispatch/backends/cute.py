@@ -38,12 +38,10 @@ def _compile_failure(call: AttentionCall) -> str | None:
 
     if not _compile_cache.CACHE.failed_any():
         return None
-    from ...kernels.cute import flash_fwd_ws
-    from ...kernels.cute.flash_fwd import variant_key
+    from ...kernels.cute.flash_fwd_ws import fastest_variant_key
 
     bottom_right = call.is_causal and call.causal_alignment == "bottom_right"
-    key = variant_key(flash_fwd_ws.KERNEL_NAME + "_overlap", flash_fwd_ws.TILE, call.dtype, call.head_dim,
-                      call.is_causal, bottom_right)
+    key = fastest_variant_key(call.dtype, call.head_dim, call.is_causal, bottom_right)
     return _compile_cache.CACHE.failure(key)
 
 

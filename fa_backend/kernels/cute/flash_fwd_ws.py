@@ -16,8 +16,8 @@ the causal diagonal) come first and the rest run without mask code; blocks above
 With overlap=True (FA3's intra-warpgroup overlap) a consumer issues block j+1's S GEMM and block j's P V
 GEMM together and runs block j+1's softmax while P V is in flight. With pingpong=True (overlap too; FA3's
 warp scheduling) the consumers take turns issuing their GEMMs through two named barriers, so that one
-warpgroup's GEMMs run while the other computes its softmax (compiled for sm_90a; not yet run on a GPU).
-Not done: a TMA-store epilogue, persistent scheduling.
+warpgroup's GEMMs run while the other computes its softmax. With causal masking the query tiles run longest
+first (the grid's last tiles first). Not done: a TMA-store epilogue, persistent scheduling.
 Epilogue: O / l from registers to global memory (rows past seqlen_q skipped), LSE (natural log, fp32);
 rows that see no key get O = 0 and LSE = -inf.
 
@@ -142,6 +142,10 @@ class FlashForwardSm90WS(ForwardVariant):
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        if cutlass.const_expr(self.causal):
+            # longest first: the last query tiles see the most keys; launched first, the short tiles fill the
+            # tail of the grid instead of one long tile running alone at the end
+            m_block = cute.ceil_div(seqlen_q, self.tile_m) - 1 - m_block
 
         smem = SmemAllocator()
         bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q has landed
@@ -386,11 +390,38 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"; `pingpong`: overlap
     with the consumers' turns (KERNEL_NAME + "_pingpong"); `consumers`: 3 for 192-row tiles (its own tile key)."""
     _check_consumers(consumers, overlap, pingpong)  # before the cache: a bad request is not a build failure
-    suffix = "_pingpong" if pingpong else "_overlap" if overlap else ""
-    tile = TILE if consumers == CONSUMERS else (WG_M * consumers, TILE_N, KV_STAGES)
+    name, tile = _name_and_tile(overlap, pingpong, consumers)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers),
-                            KERNEL_NAME + suffix, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir)
+                            name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir)
+
+
+def _name_and_tile(overlap: bool, pingpong: bool, consumers: int) -> tuple[str, tuple[int, ...]]:
+    """The kernel name and tile of a variant in its compile-cache key."""
+    suffix = "_pingpong" if pingpong else "_overlap" if overlap else ""
+    return KERNEL_NAME + suffix, TILE if consumers == CONSUMERS else (WG_M * consumers, TILE_N, KV_STAGES)
+
+
+# The fastest variant per head_dim on the H200, the one the op runs (scripts/bench_cute.py, bf16, s 2k and 8k,
+# 2026-11-30): at d=128 ping-pong (0.82-1.00x cuDNN; overlap 0.79-0.97x), at d=64 three serial consumers
+# (0.77-1.02x; overlap 0.77-0.97x); each is at least as fast as every other variant in every cell measured.
+FASTEST: dict[int, dict[str, Any]] = {128: dict(pingpong=True), 64: dict(consumers=3)}
+
+
+def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool):
+    """The compile-cache key of the variant flash_fwd_fastest runs for these (what the dispatcher asks about)."""
+    from .flash_fwd import variant_key
+
+    kw = FASTEST[head_dim]
+    name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS))
+    return variant_key(name, tile, dtype, head_dim, causal, bottom_right)
+
+
+def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                      causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_fwd_ws with the fastest variant for q's head_dim (FASTEST)."""
+    kw = FASTEST.get(q.shape[-1], {}) if q.dim() == 4 else {}
+    return flash_fwd_ws(q, k, v, scale, causal, bottom_right, **kw)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
