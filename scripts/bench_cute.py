@@ -1,17 +1,19 @@
 """Forward speed of the CuTe sm90 kernels (simple, warp-specialised serial and overlap) against PyTorch's
 cuDNN and flash SDPA and fa_backend's Triton forward, in one run (bf16, batch = 16384 / seqlen, heads =
 2048 / d, the issue's sizes), plus each CuTe variant's first-call compile time. With --backward: the backward
-instead (the CuTe reference backward, kernels/cute/flash_bwd.py, on the CuTe forward's out and LSE, against the
+instead (the CuTe backward, kernels/cute/flash_bwd.py, dQ by bulk adds and by atomics, on the CuTe forward's out and LSE, against the
 Triton backward and PyTorch's cuDNN and flash backwards through autograd; TFLOP/s = 2.5 x the forward's FLOPs).
 FlashAttention-4 (`flash_attn.cute`, package flash-attn-4) is timed as the peer `fa4` when installed, on (b, s, h, d)
 copies of the same inputs (its layout).
-Usage: python scripts/bench_cute.py [--json FILE] [--backward]
+Usage: python scripts/bench_cute.py [--json FILE] [--backward] [--runners NAME ...] [--dims D ...] [--seqlens S ...]
+       [--repeat R]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -58,6 +60,9 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--runners", nargs="+", help="forward runners to time (default: all)")
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="forward: rounds over the runners, interleaved; each cell is the median round")
     args = parser.parse_args()
     if args.backward:
         records = backward(args.seqlens)
@@ -80,7 +85,7 @@ def main() -> None:
     peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     fa4 = _fa4()
     records = []
-    for d in (128, 64):
+    for d in args.dims:
         for causal in (False, True):
             for s in args.seqlens:
                 b, h = 16384 // s, 2048 // d
@@ -91,8 +96,15 @@ def main() -> None:
                     fn(q, k, v, causal)
                     torch.cuda.synchronize()
                     row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 3)
-                    ms = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=50, rep=300)
-                    row[name] = _flops(b, h, s, d, causal) / ms / 1e9
+                rounds = {name: [] for name in runners}
+                for _ in range(args.repeat):
+                    for name, fn in runners.items():
+                        ms = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=50, rep=300)
+                        rounds[name].append(_flops(b, h, s, d, causal) / ms / 1e9)
+                for name, values in rounds.items():
+                    row[name] = statistics.median(values)
+                    if args.repeat > 1:
+                        row[f"{name}_rounds"] = [round(x, 1) for x in values]
                 for name, backend in peers.items():
                     with sdpa_kernel(backend):
                         ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
@@ -108,6 +120,8 @@ def main() -> None:
                     cells += f"  fa4 {row['fa4']:6.1f}  best_cute/fa4 {best / row['fa4']:.2f}"
                 ratios = "  ".join(f"{n[5:]}/cudnn {row[n] / row['cudnn']:.2f}" for n in runners if n.startswith("cute"))
                 print(f"d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  {ratios}", flush=True)
+                if args.repeat > 1:
+                    print("    rounds: " + "  ".join(f"{n} {row[n + '_rounds']}" for n in runners), flush=True)
                 del q, k, v
     print("first-call seconds (compile + run), per variant:",
           {k: v for r in records for k, v in r.items() if k.endswith("first_call_s") and v > 0.5})
@@ -131,13 +145,14 @@ def backward(seqlens: list[int]) -> list[dict]:
                 out, lse = flash_fwd_ws(q, k, v, causal=causal, overlap=True)
                 flops = 2.5 * _flops(b, h, s, d, causal)
                 row = dict(d=d, causal=causal, seqlen=s, batch=b, heads=h)
-                t0 = time.perf_counter()
-                flash_bwd(dout, q, k, v, out, lse, causal=causal)
-                torch.cuda.synchronize()
-                row["cute_bwd_first_call_s"] = round(time.perf_counter() - t0, 3)
-                ms = triton.testing.do_bench(lambda: flash_bwd(dout, q, k, v, out, lse, causal=causal), warmup=20,
-                                             rep=200)
-                row["cute_bwd"] = flops / ms / 1e9
+                for name, atomic in (("cute_bwd", False), ("cute_bwd_atomic_dq", True)):
+                    t0 = time.perf_counter()
+                    flash_bwd(dout, q, k, v, out, lse, causal=causal, dq_atomic=atomic)
+                    torch.cuda.synchronize()
+                    row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 3)
+                    ms = triton.testing.do_bench(
+                        lambda: flash_bwd(dout, q, k, v, out, lse, causal=causal, dq_atomic=atomic), warmup=20, rep=200)
+                    row[name] = flops / ms / 1e9
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 for name, ctx in (("triton", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                                   ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -153,7 +168,7 @@ def backward(seqlens: list[int]) -> list[dict]:
                     ms = _time_fa4(fa4, q, k, v, causal, dout)
                     row["fa4"] = None if ms is None else flops / ms / 1e9
                 records.append(row)
-                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "triton", "cudnn", "flash", "fa4")
+                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "cute_bwd_atomic_dq", "triton", "cudnn", "flash", "fa4")
                                   if row.get(n) is not None)
                 print(f"bwd d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  cute/cudnn "
                       f"{row['cute_bwd'] / row['cudnn']:.2f}", flush=True)

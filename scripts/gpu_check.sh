@@ -104,7 +104,7 @@ if [[ " $steps " == *" cute_bwd "* ]]; then
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute $skip -q -p no:cacheprovider -n ${CUTE_WORKERS:-4} > "$OUT/cute_tests.log" 2>&1 || status=1
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute tests/ops/test_cute_flash_gpu.py tests/dispatch/test_cute_eligibility.py $skip -q -p no:cacheprovider -n ${CUTE_WORKERS:-4} > "$OUT/cute_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/cute_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/cute_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py ${CUTE_BENCH_ARGS:-} --json "$OUT/bench_cute.json" \
     > "$OUT/bench_cute.log" 2>&1 || status=1

@@ -1,26 +1,31 @@
-"""FlashAttention backward for Hopper (sm90a) in the CuTe DSL: the reference kernel of issue 7's backward.
+"""FlashAttention backward for Hopper (sm90a) in the CuTe DSL (issue 7).
 
-Compiled for sm_90a on the CPU machine (tests/kernels/cute/test_flash_bwd_sm90_compile.py); its numerics test
-(tests/kernels/cute/test_flash_bwd_gpu.py) has not run on an H200 yet. Not routed.
+Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passed on the H200 on 2026-11-30 (the first two
+versions: one Q/dO stage with dQ by atomics, then by bulk adds); the compile test
+(test_flash_bwd_sm90_compile.py) runs in CI. Not routed yet: slower than the Triton backward.
 
-Deliberately simple, to be correct first (no warp specialisation, one TMA stage, no overlap), key-block
-stationary as FlashAttention-2/3's backward:
+Key-block stationary as FlashAttention-2/3's backward, no warp specialisation:
 - one CTA = one warpgroup (128 threads) = one block of TILE_N = 64 keys of one (batch, KV head); K and V are
   loaded once by TMA; the CTA walks the query heads of its GQA group and, per head, the query blocks of
-  TILE_M = 64 rows that see the key block (Q and dO by TMA per block, the LSE and delta rows through shared
-  memory);
+  TILE_M = 64 rows that see the key block. Q and dO come by TMA into QDO_STAGES = 2 stages: warp 0 issues
+  the next block's loads while the current block's last GEMM runs, and every thread of the first 64 loads the
+  next block's LSE and delta rows into registers at the start of the step (to shared memory at its end);
 - transposed scores, keys on the M mode: S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared
   memory, K-major); P^T = exp2(S^T * scale * log2(e) - LSE * log2(e)) masked; dS^T = P^T (dP^T - delta);
 - dV += P^T dO and dK += dS^T Q with P^T / dS^T from registers (the S^T accumulator's value order is the A
   operand's) and dO / Q as MN-major B operands: the same shared-memory tiles as the K-major ones, viewed
   transposed (a 128-byte-swizzled K-major tile is the canonical MN-major tile of its transpose);
 - dQ: dS^T goes to shared memory, dQ_block = dS K (A = dS MN-major, B = K MN-major, again transposed
-  views) is added into an fp32 (b, hq, sq, d) buffer with one atomic add per element (the host zeroes it
-  and converts it to dQ = scale * dQacc in the inputs' dtype).
+  views) is added into an fp32 buffer that the host zeroes and converts to dQ = scale * dQacc in the inputs'
+  dtype. By default the block goes, in its accumulator's fragment order (conflict-free stores, _dq_slot), into
+  the shared memory of the step's Q and dO stage (free once the GEMMs are done; 2 CTAs per SM still fit at
+  d=128), and one lane adds it with two bulk reduce-adds (_bulk.py) into a buffer of per-block chunks in that
+  order (_unchunk reorders it on the host); warp 0 waits for their reads before it loads that stage again.
+  With dq_atomic=True (the first version) by one fp32 atomic add per value into a (b, hq, sq, d) buffer.
 
 Inputs: q, do (b, hq, sq, d); k, v (b, hkv, sk, d), SDPA's layout, head_dim contiguous, other strides
 multiples of 8 elements (TMA); lse (b, hq, sq) the forward's natural-log LSE (fp32); delta (b, hq, sq) fp32,
-rowsum(dO * O). Outputs: dk, dv (b, hkv, sk, d) in the inputs' dtype, dqacc (b, hq, sq, d) fp32. Causal:
+rowsum(dO * O). Outputs: dk, dv (b, hkv, sk, d) in the inputs' dtype, dqacc fp32 (see dQ above). Causal:
 top-left or bottom-right (key j visible to query i when j <= i + offset, offset = sk - sq for bottom-right).
 The scale must be positive.
 """
@@ -46,6 +51,7 @@ from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
+from ._bulk import bulk_reduce_add_f32  # noqa: E402
 from ._fwd_parts import ForwardVariant  # noqa: E402
 from .flash_fwd import _DTYPES, _dynamic  # noqa: E402
 
@@ -54,6 +60,8 @@ HEAD_DIMS = (64, 128)
 TILE_N = 64  # keys per CTA: one warpgroup's wgmma M
 TILE_M = 64  # query rows per step
 THREADS = 128
+QDO_STAGES = 2  # Q / dO / LSE / delta of the next query block load while this one is computed
+ROTATE = 8  # fp32 values: the rotation step of the dQ block's rows in shared memory (_dq_slot)
 _LOG2E = math.log2(math.e)
 
 
@@ -67,12 +75,17 @@ def _gemm(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tens
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
-    """The same (shared-memory) tensor with its two modes swapped."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+    """The same (shared-memory) tensor with its first two modes swapped (a stage mode stays last)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, *range(2, cute.rank(t.layout))]))
 
 
 class FlashBackwardSm90(ForwardVariant):
-    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one backward variant."""
+    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one backward variant.
+    dq_atomic: dQ by one atomic add per value instead of the shared-memory block and bulk reduce-adds."""
+
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, dq_atomic: bool = False):
+        super().__init__(dtype, head_dim, causal, bottom_right)
+        self.dq_atomic = dq_atomic
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -95,21 +108,23 @@ class FlashBackwardSm90(ForwardVariant):
         # dQ block (queries x d) = dS K: both operands MN-major in shared memory
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
                                              (1, 1, 1), (TILE_M, d))
-        # K and V: A operands (M = keys, K = d); Q and dO: B operands (N = queries, K = d); dS: A (M = queries,
-        # K = keys), queries contiguous
+        # K and V: A operands (M = keys, K = d); Q and dO: B operands (N = queries, K = d), QDO_STAGES deep;
+        # dS: A (M = queries, K = keys), queries contiguous
         sK_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, 1),
                                 (None, None, 0))
-        sQ_layout = cute.slice_(sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, 1),
-                                (None, None, 0))
+        sQ_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, QDO_STAGES)
         sdS_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, 1),
                                  (None, None, 0))
         load = cpasync.CopyBulkTensorTileG2SOp()
+        one_stage = cute.slice_(sQ_layout, (None, None, 0))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, sK_layout, (TILE_N, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, sK_layout, (TILE_N, d))
-        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, sQ_layout, (TILE_M, d))
-        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, sQ_layout, (TILE_M, d))
-        # K, V, Q, dO, dS tiles, the LSE and delta rows, alignment padding and barriers
-        smem_bytes = 2 * (2 * TILE_N + 2 * TILE_M) * d + 2 * TILE_M * TILE_N + 2 * 4 * TILE_M + 6 * 1024
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, one_stage, (TILE_M, d))
+        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, one_stage, (TILE_M, d))
+        # K, V, the Q and dO stages, dS, the LSE and delta stages, alignment padding and barriers: 107 KB at
+        # d=128, two CTAs per SM
+        smem_bytes = (2 * (2 * TILE_N + 2 * QDO_STAGES * TILE_M) * d + 2 * TILE_M * TILE_N
+                      + 2 * 4 * QDO_STAGES * TILE_M + 2 * 1024)
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                     lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                     sK_layout, sQ_layout, sdS_layout).launch(
@@ -130,18 +145,25 @@ class FlashBackwardSm90(ForwardVariant):
 
         smem = SmemAllocator()
         bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
-        bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q and dO of the current query block have landed
+        bar_q = smem.allocate_array(cutlass.Int64, QDO_STAGES)  # Q and dO of a stage have landed
         # 1024-byte alignment: the swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
         sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
-        sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
-        sdO = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        # the Q stages then the dO stages in one allocation: after a block's dQ GEMM its Q and dO stage (two
+        # regions of STAGE_FLOATS fp32 values) hold the dQ block on its way to the bulk adds
+        stage_bytes = TILE_M * d * self.dtype.width // 8
+        qdo = smem.allocate(2 * QDO_STAGES * stage_bytes, byte_alignment=1024)
+        sQ = cute.make_tensor(cute.recast_ptr(qdo, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
+        sdO = cute.make_tensor(cute.recast_ptr(qdo + QDO_STAGES * stage_bytes, sQ_layout.inner, dtype=self.dtype),
+                               sQ_layout.outer)
+        sdQ = cute.make_tensor(cute.recast_ptr(qdo, dtype=Float32), cute.make_layout(2 * QDO_STAGES * stage_bytes // 4))
         sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
-        sLSE = smem.allocate_tensor(Float32, cute.make_layout(TILE_M), byte_alignment=16)
-        sDelta = smem.allocate_tensor(Float32, cute.make_layout(TILE_M), byte_alignment=16)
+        sLSE = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, QDO_STAGES)), byte_alignment=16)
+        sDelta = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, QDO_STAGES)), byte_alignment=16)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_kv, 1)
-            cute.arch.mbarrier_init(bar_q, 1)
+            for s in cutlass.range_constexpr(QDO_STAGES):
+                cute.arch.mbarrier_init(bar_q + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -150,7 +172,7 @@ class FlashBackwardSm90(ForwardVariant):
         gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync); one elected lane arrives
+        # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync) and the dQ bulk adds
         producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         if producer_warp:
             with cute.arch.elect_one():
@@ -161,10 +183,10 @@ class FlashBackwardSm90(ForwardVariant):
         thr_ss, thr_rs, thr_dq = mma_ss.get_slice(tidx), mma_rs.get_slice(tidx), mma_dq.get_slice(tidx)
         tSrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK))
         tSrV = mma_ss.make_fragment_A(thr_ss.partition_A(sV))
-        tSrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))
+        tSrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))  # (..., stage)
         tSrdO = mma_ss.make_fragment_B(thr_ss.partition_B(sdO))
-        tVrdOt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sdO)))  # dO as (d, queries)
-        tKrQt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sQ)))  # Q as (d, queries)
+        tVrdOt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sdO)))  # dO as (d, queries, stage)
+        tKrQt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sQ)))  # Q as (d, queries, stage)
         tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # dS as (queries, keys)
         tQrKt = mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sK)))  # K as (d, keys)
         # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, d) of the dQ block
@@ -187,92 +209,117 @@ class FlashBackwardSm90(ForwardVariant):
         m_start = 0
         if cutlass.const_expr(self.causal):
             m_start = cutlass.min(cutlass.max(n_block * TILE_N - offset, 0) // TILE_M, m_blocks)
+        # the CTA's steps: (query head of the GQA group, query block), query blocks fastest
+        n_m = m_blocks - m_start
+        steps = group * n_m
+        if steps > 0:  # step 0's loads into stage 0
+            if producer_warp:
+                self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group, m_start, batch, 0)
+            if tidx < TILE_M:
+                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + tidx, batch)
+                sLSE[tidx, 0] = row_lse
+                sDelta[tidx, 0] = row_delta
+        cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar_kv, 0)
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
-        phase = Int32(0)
-        for g in cutlass.range(group, unroll=1):
-            head = head_kv * group + g
-            gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))  # (TILE_M, d, blocks)
-            gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
-                                                 cute.group_modes(gdO, 0, 2))
-            gdQ = mdQacc[None, None, head, batch]  # (sq, d) fp32
-            for m_block in cutlass.range(m_start, m_blocks, unroll=1):
-                row0 = m_block * TILE_M
-                if producer_warp:
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, 2 * TILE_M * d * 2)
-                    cute.copy(tma_q, tQgQ[None, m_block], tQsQ, tma_bar_ptr=bar_q)
-                    cute.copy(tma_do, tOgdO[None, m_block], tOsdO, tma_bar_ptr=bar_q)
-                # LSE in log2 units (rows past seqlen_q and rows that saw no key: +inf, so P = 0) and delta
+        for step in cutlass.range(steps, unroll=1):
+            stage = step % QDO_STAGES
+            head = head_kv * group + step // n_m
+            m_block = m_start + step % n_m
+            row0 = m_block * TILE_M
+            # step + 1's LSE and delta rows go to registers now, to shared memory at the end of the step
+            next_lse = Float32.inf
+            next_delta = Float32(0.0)
+            next_head = head_kv * group + (step + 1) // n_m
+            next_m = m_start + (step + 1) % n_m
+            if step + 1 < steps:
                 if tidx < TILE_M:
-                    lse_log2 = Float32.inf
-                    dlt = Float32(0.0)
-                    if row0 + tidx < seqlen_q:
-                        row_lse = mLSE[row0 + tidx, head, batch]
-                        if row_lse != -Float32.inf:
-                            lse_log2 = row_lse * _LOG2E
-                        dlt = mDelta[row0 + tidx, head, batch]
-                    sLSE[tidx] = lse_log2
-                    sDelta[tidx] = dlt
-                cute.arch.sync_threads()
-                cute.arch.mbarrier_wait(bar_q, phase)
-                phase ^= 1
+                    next_lse, next_delta = self._rows(mLSE, mDelta, next_head, next_m * TILE_M + tidx, batch)
+            cute.arch.mbarrier_wait(bar_q + stage, (step // QDO_STAGES) % 2)
 
-                # S^T = K Q^T and dP^T = V dO^T
-                warpgroup.fence()
-                _gemm(mma_ss, acc_s, tSrK, tSrQ)
-                _gemm(mma_ss, acc_dp, tSrV, tSrdO)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+            # S^T = K Q^T and dP^T = V dO^T
+            warpgroup.fence()
+            _gemm(mma_ss, acc_s, tSrK, tSrQ[None, None, None, stage])
+            _gemm(mma_ss, acc_dp, tSrV, tSrdO[None, None, None, stage])
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
 
-                # P^T (masked: keys past seqlen_k, and after the diagonal when causal) and dS^T = P^T (dP^T - delta)
-                for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-                    key = n_block * TILE_N + tScS[i][0]
-                    qi = tScS[i][1]
-                    visible = key < seqlen_k
-                    if cutlass.const_expr(self.causal):
-                        visible = visible & (key <= row0 + qi + offset)
-                    p = Float32(0.0)
-                    if visible:
-                        p = cute.math.exp2(acc_s[i] * scale_log2 - sLSE[qi], fastmath=True)
-                    acc_s[i] = p
-                    acc_dp[i] = p * (acc_dp[i] - sDelta[qi])
-                r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
-                r_p.store(acc_s.load().to(self.dtype))
-                r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
-                r_ds.store(acc_dp.load().to(self.dtype))
-                t_p = cute.make_tensor(r_p.iterator, a_layout)
-                t_ds = cute.make_tensor(r_ds.iterator, a_layout)
+            # P^T (masked: keys past seqlen_k, and after the diagonal when causal) and dS^T = P^T (dP^T - delta)
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+                key = n_block * TILE_N + tScS[i][0]
+                qi = tScS[i][1]
+                visible = key < seqlen_k
+                if cutlass.const_expr(self.causal):
+                    visible = visible & (key <= row0 + qi + offset)
+                p = Float32(0.0)
+                if visible:
+                    p = cute.math.exp2(acc_s[i] * scale_log2 - sLSE[qi, stage], fastmath=True)
+                acc_s[i] = p
+                acc_dp[i] = p * (acc_dp[i] - sDelta[qi, stage])
+            r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
+            r_p.store(acc_s.load().to(self.dtype))
+            r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
+            r_ds.store(acc_dp.load().to(self.dtype))
+            t_p = cute.make_tensor(r_p.iterator, a_layout)
+            t_ds = cute.make_tensor(r_ds.iterator, a_layout)
 
-                # dV += P^T dO and dK += dS^T Q
-                warpgroup.fence()
-                for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
-                    cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk], acc_dv)
-                for kk in cutlass.range_constexpr(cute.size(t_ds, mode=[2])):
-                    cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk], acc_dk)
-                warpgroup.commit_group()
+            # dV += P^T dO and dK += dS^T Q
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+                cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
+            for kk in cutlass.range_constexpr(cute.size(t_ds, mode=[2])):
+                cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk, stage], acc_dk)
+            warpgroup.commit_group()
 
-                # dS to shared memory (the dQ GEMM's A operand), visible to the async proxy
-                for i in cutlass.range(cute.size(r_ds), unroll_full=True):
-                    sdS_kq[tScS[i]] = r_ds[i]
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()
+            # dS to shared memory (the dQ GEMM's A operand), visible to the async proxy
+            for i in cutlass.range(cute.size(r_ds), unroll_full=True):
+                sdS_kq[tScS[i]] = r_ds[i]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
 
-                # dQ block = dS K, added into dQacc (rows past seqlen_q skipped)
-                warpgroup.fence()
-                _gemm(mma_dq, acc_dq, tQrdS, tQrKt)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+            # dQ block = dS K (every GEMM of this step is done with Q and dO after the wait)
+            warpgroup.fence()
+            _gemm(mma_dq, acc_dq, tQrdS, tQrKt)
+            warpgroup.commit_group()
+            # step + 1's Q and dO into the other stage, free since the end of step - 1 once the bulk adds of
+            # step - 1 have read it: issued this late so that waiting for those reads never stalls the GEMMs
+            # (issued at the start of the step, the wait cost 20-45 % of the speed on the H200)
+            if step + 1 < steps:
+                if producer_warp:
+                    if cutlass.const_expr(not self.dq_atomic):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, next_head, next_m, batch, 1 - stage)
+            warpgroup.wait_group(0)
+            gdQ = mdQacc[None, None, head, batch]  # (sq, d) fp32
+            if cutlass.const_expr(self.dq_atomic):
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
                     row = row0 + tQcQ[i][0]
                     if row < seqlen_q:
                         ptr = gdQ.iterator + cute.crd2idx((row, tQcQ[i][1]), gdQ.layout)
                         cute.arch.atomic_add(ptr, acc_dq[i])
-                cute.arch.sync_threads()  # every warp is done with sQ, sdO and sdS before the next block's loads
+            else:
+                # the block in fragment order (_dq_slot) into this stage's Q and dO memory, then one lane adds
+                # each half (a contiguous run of the chunked dQ buffer) with one bulk reduce-add
+                for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
+                    sdQ[self._dq_slot(tidx, i, stage)] = acc_dq[i]
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+                if producer_warp:
+                    if cute.arch.lane_idx() == 0:
+                        half = TILE_M * d // 2
+                        chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
+                        for region in cutlass.range_constexpr(2):
+                            bulk_reduce_add_f32(sdQ.iterator + self._dq_slot(0, half // THREADS * region, stage),
+                                                chunk + region * half, 4 * half)
+                        cute.arch.cp_async_bulk_commit_group()
+            if tidx < TILE_M:
+                sLSE[tidx, 1 - stage] = next_lse
+                sDelta[tidx, 1 - stage] = next_delta
+            cute.arch.sync_threads()  # every warp is done with this stage and dS before they are written again
 
+        if cutlass.const_expr(not self.dq_atomic):
+            if producer_warp:  # shared memory must outlive the last bulk adds' reads
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         # epilogue: dK = scale * dS^T Q and dV, rows past seqlen_k skipped
         gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
         gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
@@ -281,9 +328,52 @@ class FlashBackwardSm90(ForwardVariant):
                 gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
                 gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
 
+    @cute.jit
+    def _load_qdo(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+                  sQ: cute.Tensor, sdO: cute.Tensor, bar_q: cute.Pointer, head: Int32, m_block: Int32, batch: Int32,
+                  stage: Int32):
+        """The producer warp: Q and dO of one query block into `stage`, on that stage's barrier."""
+        d = self.head_dim
+        one_cta = cute.make_layout(1)
+        gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))  # (TILE_M, d, blocks)
+        gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
+                                             cute.group_modes(gdO, 0, 2))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_q + stage, 2 * TILE_M * d * self.dtype.width // 8)
+        cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, stage], tma_bar_ptr=bar_q + stage)
+        cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, stage], tma_bar_ptr=bar_q + stage)
+
+    @cute.jit
+    def _rows(self, mLSE: cute.Tensor, mDelta: cute.Tensor, head: Int32, row: Int32, batch: Int32):
+        """(LSE in log2 units, delta) of one query row: (+inf, 0) past seqlen_q and for rows that saw no key, so
+        that their P is 0."""
+        lse_log2 = Float32.inf
+        dlt = Float32(0.0)
+        if row < mLSE.shape[0]:
+            row_lse = mLSE[row, head, batch]
+            if row_lse != -Float32.inf:
+                lse_log2 = row_lse * _LOG2E
+            dlt = mDelta[row, head, batch]
+        return lse_log2, dlt
+
+    @cute.jit
+    def _dq_slot(self, thread: Int32, i: int, stage: Int32) -> Int32:
+        """Where value i of a thread's dQ accumulator goes in the fp32 view of the Q/dO stages: position
+        p = (i // 2) * 2 * THREADS + 2 * thread + i % 2 of the block's chunk (one warp's pair of values i, i + 1
+        fills 256 contiguous bytes: no bank conflict beyond 2-way), the chunk's first half in the stage's Q
+        region, the second in its dO region. The chunked dQ buffer holds each block in this order (flash_bwd
+        undoes it on the host)."""
+        d = self.head_dim
+        stage_floats = TILE_M * d * self.dtype.width // 8 // 4
+        p = (i // 2) * 2 * THREADS + 2 * thread + i % 2
+        region = p // stage_floats  # i is a compile-time index: so is the region
+        return (region * QDO_STAGES + stage) * stage_floats + p % stage_floats
+
 
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
-                      arch: str = "sm_90a", dump_dir: str | None = None) -> Any:
+                      arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
@@ -299,22 +389,24 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         q, k, v, do, dk, dv = (_dynamic(example) for _ in range(6))
         rows = [_dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4) for _ in range(2)]
         dqacc = _dynamic(torch.empty(1, 1, 8, head_dim, dtype=torch.float32))
-        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right)
+        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic)
         return cute.compile(kernel, q, k, v, do, *rows, dk, dv, dqacc, Float32(1.0), Float32(1.0),
                             make_fake_stream(), options=compile_options(arch, dump_dir))
 
     if dump_dir is not None:
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
-    key = CompileKey(KERNEL_NAME, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N, TILE_M), arch)
+    name = KERNEL_NAME + ("_atomic_dq" if dq_atomic else "")
+    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N, TILE_M), arch)
     return CACHE.get_or_compile(key, build)
 
 
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
-              bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              bottom_right: bool = False, dq_atomic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
-    forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way)."""
+    forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
+    dq_atomic: the variant that adds dQ with per-value atomics."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs
@@ -325,12 +417,31 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype}")
     if dout.stride(3) != 1 or any(s <= 0 or s % 8 for s in dout.stride()[:3]) or dout.data_ptr() % 16:
         dout = dout.contiguous()  # TMA's alignment rules, as for q
-    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right)
+    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic)
     delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (b, hq, sq)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dqacc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    b, hq, sq, d = q.shape
+    m_blocks = -(-sq // TILE_M)
+    # dq_atomic: (b, hq, sq, d) rows; else one chunk of TILE_M * d values per query block, in the kernel's fragment
+    # order (FlashBackwardSm90._dq_slot)
+    dqacc = torch.zeros((b, hq, sq, d) if dq_atomic else (b, hq, m_blocks, TILE_M * d), dtype=torch.float32,
+                        device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse.contiguous(), align=4),
              _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
              Float32(scale * _LOG2E), Float32(scale), stream)
+    if not dq_atomic:
+        dqacc = _unchunk(dqacc, sq)
     return (dqacc * scale).to(q.dtype), dk, dv
+
+
+def _unchunk(chunks: torch.Tensor, sq: int) -> torch.Tensor:
+    """(b, hq, m_blocks, TILE_M * d) dQ chunks in the kernel's fragment order -> a (b, hq, sq, d) view. Position
+    p = c8 * 512 + rh * 256 + w * 64 + lq * 8 + lr * 2 + e of a chunk holds row 16 w + 8 rh + lq, column
+    8 c8 + 2 lr + e (w the thread's warp, lq / lr its lane // 4 and % 4, rh / e / c8 the accumulator's row half,
+    column pair element and column group: wgmma's m64nNk16 fp32 accumulator layout)."""
+    b, hq, m_blocks, size = chunks.shape
+    d = size // TILE_M
+    parts = chunks.view(b, hq, m_blocks, d // 8, 2, 4, 8, 4, 2)  # c8, rh, w, lq, lr, e
+    rows = parts.permute(0, 1, 2, 5, 4, 6, 3, 7, 8)  # w, rh, lq, c8, lr, e
+    return rows.reshape(b, hq, m_blocks * TILE_M, d)[:, :, :sq]

@@ -68,14 +68,28 @@ _GPU_BWD: dict[int, BwdConfig] = {
     32: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3)),
     64: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3, tma=True)),
     128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 2, tma=True)),
-    256: BwdConfig(TileConfig(32, 32, 4, 1), TileConfig(64, 32, 4, 1)),
+    # width 256: the TMA tiles (_TMA_256_*), timed at s=4096 against the pointer-load tiles 32 x 32 x 4 / 64 x 32 x 4
+    # x 1 (which spill): dK/dV 146.5 -> 173.4 (causal 137.3 -> 156.9), dQ 146.9 -> 151.4 (137.3 -> 138.4) TFLOP/s
+    256: BwdConfig(TileConfig(32, 64, 8, 2, tma=True), TileConfig(64, 32, 4, 2, tma=True)),
 }
+# dK/dV tiles for a launch whose Q / dO strides TMA cannot read, where the TMA tile with pointer loads would spill
+# more than the previous table's tile (sm90 compile check, width 256: 32 x 64 x 8 x 1 spills 172 / 1148 bytes,
+# 32 x 32 x 4 x 1 16 / 72); other widths run the TMA tile with pointer loads and one stage
+BWD_DKDV_WITHOUT_TMA: dict[int, TileConfig] = {256: TileConfig(32, 32, 4, 1)}
 _GPU_BWD_CAUSAL: dict[int, BwdConfig] = {
     **_GPU_BWD,
     **{w: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3)) for w in (16, 32)},
     64: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3, tma=True)),
     128: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2, tma=True)),
 }
+# GQA (more query heads than key/value heads) at width 128: the dK/dV programs in key-block-major order with Q / dO
+# by TMA. H200, hq = 4 hkv, scripts/tune_triton.py --group 4 --match key_major=True (dK/dV + dQ TFLOP/s against
+# the tables' tiles): causal 221.5 -> 267.3 (s=2048), 282.0 -> 328.5 (s=8192); non-causal 335.8 -> 342.8, 358.1 ->
+# 370.4. Not timed without GQA (the tables keep their order there).
+_GPU_BWD_GQA: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True, key_major=True),
+                                                     _GPU_BWD[128].dq)}
+_GPU_BWD_GQA_CAUSAL: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True, key_major=True),
+                                                            _GPU_BWD_CAUSAL[128].dq)}
 
 # Calls with optional features (mask, dropout, window, softcap, ALiBi) need more registers per score
 # tile; at width 128 the tiles below compile without spills on sm90 for every feature
@@ -171,7 +185,7 @@ _TMA_ATOMIC_EXTRA = [TileConfig(64, 128, 8, 1), TileConfig(32, 128, 8, 3), TileC
 # Width 256 (d = 129-256): the table's pointer-load tiles spill (sm90 compile check: dQ 64 x 32 x 4 warps, 504-524
 # bytes; dK/dV 32 x 32 x 4 warps, 16-72 bytes, and no wgmma at 32 rows per 4 warps). With Q / dO (dK/dV) or K / V
 # (dQ) by TMA, these compile with 8 warps, two stages and wgmma: dK/dV 32 x 64: 238 registers, no spills (causal: 52
-# bytes); dQ 64 x 64: 225-229 registers, none; dQ 64 x 32 x 4 warps: 0-8 bytes. Not timed yet.
+# bytes); dQ 64 x 64: 225-229 registers, none; dQ 64 x 32 x 4 warps: 0-8 bytes. In the table since 2026-11-30 (timed).
 _TMA_256_DKDV = [TileConfig(32, 64, 8, 2, tma=True)]
 _TMA_256_DQ = [TileConfig(64, 64, 8, 2, tma=True), TileConfig(64, 32, 4, 2, tma=True)]
 
@@ -231,10 +245,11 @@ def fwd_without_tma(cfg: TileConfig, causal: bool, d: int, dv: int) -> TileConfi
     return fwd_table(causal)[_width(d, dv)]
 
 
-def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool | str = False) -> BwdConfig:
+def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool | str = False,
+               group: int = 1) -> BwdConfig:
     """Backward tiles; features: False for a plain call, else True / "features", "mask_bounds" (an attn_mask
     alone, read through block bounds), "mask_rows" (the same, a packed key mask) or "dropout" (with or without
-    other features)."""
+    other features); group: query heads per key/value head (GQA tiles for a plain call when > 1)."""
     if _override["bwd"] is not None:
         return _override["bwd"]  # type: ignore[return-value]
     if q.device.type != "cuda" or _launch._INTERPRET:
@@ -244,4 +259,8 @@ def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool | 
         table = _BWD_FEATURE_TABLES["features" if features is True else features]
         if width in table:
             return table[width]
+    elif group > 1:
+        gqa = _GPU_BWD_GQA_CAUSAL if causal else _GPU_BWD_GQA
+        if width in gqa:
+            return gqa[width]
     return bwd_table(causal)[width]

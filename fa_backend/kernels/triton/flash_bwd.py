@@ -23,7 +23,7 @@ import triton.language as tl
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
                       _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
                       _score_mods, _tile_ptrs, _window_lo)
-from ._configs import BwdConfig, bwd_config
+from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config
 from ._features import kernel_features
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
@@ -544,12 +544,15 @@ def _bwd_dq_convert(
              mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False) -> BwdConfig:
+def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False, width: int = 0) -> BwdConfig:
     """The tiles of a launch that cannot use TMA where they ask for it: a dK/dV tile with one stage (its pointer
-    loads gain nothing from a second one, which costs registers: the table's choice before TMA), a dQ tile
-    with pointer loads."""
+    loads gain nothing from a second one, which costs registers: the table's choice before TMA), or the
+    width's own pointer-load tile (_configs.BWD_DKDV_WITHOUT_TMA); a dQ tile with pointer loads."""
     if cfg.dkdv.tma and not use_tma:
-        cfg = dataclasses.replace(cfg, dkdv=dataclasses.replace(cfg.dkdv, num_stages=1, tma=False))
+        fallback = BWD_DKDV_WITHOUT_TMA.get(width)
+        if fallback is None:
+            fallback = dataclasses.replace(cfg.dkdv, num_stages=1, tma=False)
+        cfg = dataclasses.replace(cfg, dkdv=fallback)
     if cfg.dq.tma and not use_tma_dq:
         cfg = dataclasses.replace(cfg, dq=dataclasses.replace(cfg.dq, tma=False))
     return cfg
@@ -592,7 +595,8 @@ def flash_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
-    cfg = bwd_config(q, d, dv_dim, feat.causal, features=_bwd_feature_class(feat, attn_mask, b, hq, sq, sk, d))
+    cfg = bwd_config(q, d, dv_dim, feat.causal, features=_bwd_feature_class(feat, attn_mask, b, hq, sq, sk, d),
+                     group=hq // hkv)
     block_d, block_dv = tile_dims(d, dv_dim)
 
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
@@ -611,7 +615,7 @@ def flash_bwd(
     atomic = cfg.dkdv.atomic_dq and not torch.are_deterministic_algorithms_enabled()
     use_tma = cfg.dkdv.tma and _tma_ok(q, dout)
     use_tma_dq = cfg.dq.tma and _tma_ok(k, v)
-    cfg = _without_tma(cfg, use_tma, use_tma_dq)
+    cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv))
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (

@@ -1,5 +1,6 @@
 """Compile-only: the sm90 CuTe backward (kernels/cute/flash_bwd.py) builds for sm_90a, and its PTX holds what the
-design says: five GEMMs on wgmma, P^T and dS^T from registers, TMA loads, one fp32 atomic add per dQ value.
+design says: five GEMMs on wgmma, P^T and dS^T from registers, TMA loads, dQ by two bulk reduce-adds per block
+(or, dq_atomic=True, one fp32 atomic add per value); and the host-side reordering of the chunked dQ buffer.
 
 It cannot run here; its numerics test (test_flash_bwd_gpu.py) needs an H200.
 """
@@ -25,15 +26,17 @@ def _wgmma_lines(ptx: str, shape: str) -> list[str]:
     return [line for line in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.{shape} " in line]
 
 
-@pytest.mark.parametrize("dtype,d,causal,bottom_right", [
-    (torch.bfloat16, 128, False, False),
-    (torch.bfloat16, 128, True, False),
-    (torch.float16, 64, True, True),
+@pytest.mark.parametrize("dtype,d,causal,bottom_right,dq_atomic", [
+    (torch.bfloat16, 128, False, False, False),
+    (torch.bfloat16, 128, True, False, False),
+    (torch.float16, 64, True, True, False),
+    (torch.bfloat16, 128, False, False, True),
 ])
-def test_compiles_for_sm90a(tmp_path, dtype, d, causal, bottom_right):
+def test_compiles_for_sm90a(tmp_path, dtype, d, causal, bottom_right, dq_atomic):
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(dtype, d, causal, bottom_right, "sm_90a", str(tmp_path)).__ptx__
+    ptx = flash_bwd.compile_flash_bwd(dtype, d, causal, bottom_right, "sm_90a", str(tmp_path),
+                                      dq_atomic=dq_atomic).__ptx__
     t = "bf16" if dtype == torch.bfloat16 else "f16"
     n, m = flash_bwd.TILE_N, flash_bwd.TILE_M
     scores = _wgmma_lines(ptx, f"m64n{m}k16.f32.{t}.{t}")  # S^T = K Q^T and dP^T = V dO^T: d / 16 each
@@ -47,7 +50,12 @@ def test_compiles_for_sm90a(tmp_path, dtype, d, causal, bottom_right):
         from_regs = [line for line in grads if "{%r" in line.split("}, ")[1]]
         assert len(from_regs) == 2 * m // 16
         assert all(line.rstrip().endswith("1, 1;") for line in grads)
-    assert len(re.findall(r"(?:red|atom)\.global\.[a-z.]*f32", ptx)) == m * d // flash_bwd.THREADS
+    atomics = re.findall(r"(?:red|atom)\.global\.[a-z.]*f32", ptx)
+    bulk_adds = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32", ptx)
+    if dq_atomic:
+        assert len(atomics) == m * d // flash_bwd.THREADS and not bulk_adds
+    else:  # the dQ block by bulk adds: one lane adds its two halves (the stage's Q and dO memory)
+        assert not atomics and len(bulk_adds) == 2
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx  # TMA from the 4-D (s, d, h, b) views
     assert ptx.count("ex2.approx") == n * m // flash_bwd.THREADS  # one exp2 per score the thread holds
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -60,3 +68,22 @@ def test_unsupported_variants_are_value_errors():
         flash_bwd.compile_flash_bwd(torch.bfloat16, 96, False)
     with pytest.raises(ValueError, match="dtype=torch.float32"):
         flash_bwd.compile_flash_bwd(torch.float32, 64, False)
+
+
+def test_unchunk_inverts_the_fragment_order():
+    # value i of thread t sits at p = (i // 2) * 256 + 2 t + i % 2 of its block's chunk (_dq_slot without the
+    # regions); it is row 16 w + 8 rh + lq, column 8 c8 + 2 lr + e of the block (wgmma's accumulator layout)
+    from fa_backend.kernels.cute import flash_bwd
+
+    for d in (64, 128):
+        b, hq, sq = 2, 3, 150
+        m_blocks = -(-sq // flash_bwd.TILE_M)
+        dense = torch.randn(b, hq, m_blocks * flash_bwd.TILE_M, d)
+        chunks = torch.empty(b, hq, m_blocks, flash_bwd.TILE_M * d)
+        for t in range(flash_bwd.THREADS):
+            w, lq, lr = t // 32, (t % 32) // 4, t % 4
+            for i in range(d // 2):
+                e, rh, c8 = i % 2, (i // 2) % 2, i // 4
+                p = (i // 2) * 2 * flash_bwd.THREADS + 2 * t + e
+                chunks[..., p] = dense[:, :, 16 * w + 8 * rh + lq::flash_bwd.TILE_M, 8 * c8 + 2 * lr + e]
+        assert torch.equal(flash_bwd._unchunk(chunks, sq), dense[:, :, :sq])

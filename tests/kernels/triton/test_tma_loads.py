@@ -4,6 +4,8 @@ to pointer loads where TMA's alignment rules do not hold."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -81,6 +83,29 @@ def test_tma_tile_falls_back_to_one_stage():
     assert _without_tma(cfg, False) == BwdConfig(TileConfig(64, 128, 8, 1), TileConfig(64, 64, 4, 2))
     both = BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 3, tma=True))
     assert _without_tma(both, True, False) == BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 3))
+
+
+def test_width_256_falls_back_to_its_pointer_tile():
+    from fa_backend.kernels.triton.flash_bwd import _without_tma
+
+    table = _configs.bwd_table(False)[256]
+    assert table.dkdv.tma and table.dq.tma
+    # the 32 x 64 x 8 TMA tile with pointer loads spills more than the old 32 x 32 x 4 tile: that one runs instead
+    assert _without_tma(table, False, False, 256) == BwdConfig(TileConfig(32, 32, 4, 1), TileConfig(64, 32, 4, 2))
+    assert _without_tma(table, True, True, 256) == table
+
+
+def test_gqa_calls_take_the_key_major_tiles(monkeypatch):
+    monkeypatch.setattr(_configs._launch, "_INTERPRET", False)
+    cuda_q = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    for causal in (False, True):
+        gqa = _configs.bwd_config(cuda_q, 128, 128, causal, group=4)
+        mha = _configs.bwd_config(cuda_q, 128, 128, causal, group=1)
+        assert gqa.dkdv.key_major and gqa.dkdv.tma and not mha.dkdv.key_major
+        assert gqa.dq == mha.dq == _configs.bwd_table(causal)[128].dq
+        assert _configs.bwd_config(cuda_q, 64, 64, causal, group=4) == _configs.bwd_table(causal)[64]  # no GQA tile
+        # calls with features keep their own tables
+        assert not _configs.bwd_config(cuda_q, 128, 128, causal, features=True, group=4).dkdv.key_major
 
 
 def test_long_causal_table_tile_and_its_pointer_fallback():
