@@ -1,7 +1,8 @@
 """torch.library op for the CuTe DSL forward on Hopper: fa_backend::cute_flash_fwd.
 
 The forward is the warp-specialised kernel (kernels/cute/flash_fwd_ws.py) in its fastest variant per head
-dim measured on the H200 (flash_fwd_ws.FASTEST: ping-pong consumers at d=128, three consumers at d=64). There is no CuTe backward yet: the op's
+dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 ping-pong consumers without a causal mask,
+intra-warpgroup overlap with one; three consumers at d=64). There is no CuTe backward yet: the op's
 autograd formula runs the Triton backward kernels (fa_backend::triton_flash_bwd), which take the CuTe
 forward's outputs as they are (out contiguous (b, hq, sq, d), natural-log fp32 lse (b, hq, sq), the
 layout the Triton forward writes too).

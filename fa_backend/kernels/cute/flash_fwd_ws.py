@@ -1,8 +1,8 @@
 """Warp-specialised FlashAttention forward for Hopper (sm90a) in the CuTe DSL: the FA3 structure.
 
-It passes tests/kernels/cute/test_flash_fwd_ws_gpu.py on the H200 (2026-11-30), both variants; bf16 forward
-at 0.71-0.88x of cuDNN (serial) and 0.76-0.97x (overlap), scripts/bench_cute.py. The overlap variant is the
-`cute` backend's forward (op fa_backend::cute_flash_fwd, ops/cute_flash.py).
+It passes tests/kernels/cute/test_flash_fwd_ws_gpu.py on the H200 (2026-11-30), every variant; bf16 forward of the
+fastest variant per head dim and causal mode (FASTEST, the `cute` backend's forward through the op
+fa_backend::cute_flash_fwd, ops/cute_flash.py) at 0.78-1.04x of cuDNN (scripts/bench_cute.py, docs/benchmarks.md).
 
 One CTA = one tile of TILE_M = 128 query rows of one (batch, head), 3 warpgroups (384 threads):
 - warpgroup 0, the producer, gives registers back (setmaxnreg.dec to PRODUCER_REGS) and one warp of it
@@ -402,25 +402,29 @@ def _name_and_tile(overlap: bool, pingpong: bool, consumers: int) -> tuple[str, 
     return KERNEL_NAME + suffix, TILE if consumers == CONSUMERS else (WG_M * consumers, TILE_N, KV_STAGES)
 
 
-# The fastest variant per head_dim on the H200, the one the op runs (scripts/bench_cute.py, bf16, s 2k and 8k,
-# 2026-11-30): at d=128 ping-pong (0.82-1.00x cuDNN; overlap 0.79-0.97x), at d=64 three serial consumers
-# (0.77-1.02x; overlap 0.77-0.97x); each is at least as fast as every other variant in every cell measured.
-FASTEST: dict[int, dict[str, Any]] = {128: dict(pingpong=True), 64: dict(consumers=3)}
+# The fastest variant per (head_dim, causal) on the H200, the one the op runs (scripts/bench_cute.py, bf16, 2026-11-30,
+# three runs; the last interleaved three rounds per cell at s = 2k / 8k / 16k, TFLOP/s): d=128 non-causal ping-pong
+# (513 / 592 / 614; three consumers 501 / 582 / 605, overlap 451 / 547 / 570); d=128 causal overlap (389 / 547 / 592;
+# ping-pong 398 / 515 / 586, three consumers 379 / 542 / 588); d=64 three serial consumers, the fastest in every
+# cell of two runs (s = 2k / 8k, both causal modes).
+FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
+    (128, False): dict(pingpong=True), (128, True): dict(overlap=True),
+    (64, False): dict(consumers=3), (64, True): dict(consumers=3)}
 
 
 def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool):
     """The compile-cache key of the variant flash_fwd_fastest runs for these (what the dispatcher asks about)."""
     from .flash_fwd import variant_key
 
-    kw = FASTEST[head_dim]
+    kw = FASTEST[head_dim, causal]
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS))
     return variant_key(name, tile, dtype, head_dim, causal, bottom_right)
 
 
 def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                       causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_fwd_ws with the fastest variant for q's head_dim (FASTEST)."""
-    kw = FASTEST.get(q.shape[-1], {}) if q.dim() == 4 else {}
+    """flash_fwd_ws with the fastest variant for q's head_dim and `causal` (FASTEST)."""
+    kw = FASTEST.get((q.shape[-1], bool(causal)), {}) if q.dim() == 4 else {}
     return flash_fwd_ws(q, k, v, scale, causal, bottom_right, **kw)
 
 
