@@ -7,6 +7,12 @@ autograd formula runs the Triton backward kernels (fa_backend::triton_flash_bwd)
 forward's outputs as they are (out contiguous (b, hq, sq, d), natural-log fp32 lse (b, hq, sq), the
 layout the Triton forward writes too).
 
+With CUTE_BACKWARD set, the autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py) instead, except
+under torch.use_deterministic_algorithms (its dQ additions run in no fixed order), for scale 0 and after a
+compile failure, which take the Triton backward. It is off by default: the kernel passes its own GPU tests and
+beats the Triton backward at 8k tokens (docs/benchmarks.md), but it is not timed at every size yet, nor has this
+path run on a GPU.
+
 The op never fails on what it accepts: inputs TMA cannot read (strides, offsets) are copied to contiguous
 tensors first, and a variant that fails to compile runs the Triton forward instead (logged once by the
 compile cache; the dispatcher then reports `compile_failed` for that variant).
@@ -86,12 +92,39 @@ def _setup_context(ctx, inputs, output):
     ctx.scale, ctx.is_causal, ctx.bottom_right = scale, is_causal, bottom_right and is_causal
 
 
+# Read at each backward: True runs the CuTe backward where it applies (see the module docstring).
+CUTE_BACKWARD = False
+
+
+def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right):
+    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (deterministic mode, scale 0, a
+    variant that failed to compile: the caller runs the Triton backward)."""
+    from ..kernels.cute._compile_cache import CompileFailedError
+    from ..kernels.cute.flash_bwd import flash_bwd
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if scale == 0.0 or torch.are_deterministic_algorithms_enabled():
+        return None
+    q, k, v = (_readable(t) for t in (q, k, v))
+    negate = scale < 0  # as the forward: (-q) k^T (-scale), so dq of -q is -dq
+    try:
+        dq, dk, dv = flash_bwd(dout, -q if negate else q, k, v, out, lse, -scale if negate else scale, is_causal,
+                               bottom_right, dlse=dlse)
+    except CompileFailedError:  # logged once by the compile cache
+        return None
+    return (-dq if negate else dq), dk, dv
+
+
 def _backward(ctx, dout, dlse):
     from .triton_flash import triton_flash_bwd
 
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = triton_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
-    return dq, dk, dv, None, None, None
+    grads = None
+    if CUTE_BACKWARD:
+        grads = _cute_backward(q, k, v, out, lse, dout, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
+    if grads is None:
+        grads = triton_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
+    return (*grads, None, None, None)
 
 
 cute_flash_fwd.register_autograd(_backward, setup_context=_setup_context)

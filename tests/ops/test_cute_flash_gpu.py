@@ -1,6 +1,6 @@
-"""fa_backend::cute_flash_fwd on the H200: opcheck, forward and gradients (Triton backward) within the bar,
-the inputs the op copies or rewrites, the compile-failure fallback, and SDPA routing onto it (eager and
-compiled). Needs the CuTe DSL and a Hopper GPU."""
+"""fa_backend::cute_flash_fwd on the H200: opcheck, forward and gradients (Triton backward, and the CuTe backward
+behind ops.cute_flash.CUTE_BACKWARD) within the bar, the inputs the op copies or rewrites, the compile-failure
+fallback, and SDPA routing onto it (eager and compiled). Needs the CuTe DSL and a Hopper GPU."""
 
 from __future__ import annotations
 
@@ -42,14 +42,35 @@ def test_opcheck():
     torch.library.opcheck(cute_flash_fwd, (q, k, v, 0.3, False, False))
 
 
+@pytest.fixture
+def cute_backward(monkeypatch):
+    """The op's backward through the CuTe kernel; yields the list of its calls (to show it ran)."""
+    from fa_backend.kernels.cute import flash_bwd as module
+    from fa_backend.ops import cute_flash
+
+    calls = []
+    real = module.flash_bwd
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cute_flash, "CUTE_BACKWARD", True)
+    monkeypatch.setattr(module, "flash_bwd", counted)
+    yield calls
+
+
+@pytest.mark.parametrize("backward", ["triton", "cute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100)])
-def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
+def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, backward, request):
     """Outputs and gradients (q, k, v of hkv heads) against float64, the project's 2x rule; the references
     repeat K and V over each query group, so their gradients are summed back over it."""
     from fa_backend.ops import cute_flash_attention
+
+    calls = request.getfixturevalue("cute_backward") if backward == "cute" else None
 
     q, k, v = _qkv(b, hq, hkv, sq, sk, d, dtype)
 
@@ -66,6 +87,68 @@ def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq,
                          bottom_right=bottom_right)
     assert_within_bar("out", out, pt, ref)
     assert_grads_within_bar(out, ours, pt, pt_leaves, ref, ref_leaves)
+    if calls is not None:
+        assert len(calls) == 1
+
+
+def _scores_ref(q, k, scale, bottom_right_causal):
+    """Scaled scores in float64 with GQA repeated and (bottom-right) causal masking, differentiable."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if bottom_right_causal:
+        sq, sk = s.shape[-2:]
+        i = torch.arange(sq, device=s.device)[:, None]
+        j = torch.arange(sk, device=s.device)[None, :]
+        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    return s
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cute_backward_with_the_lse_gradient(causal, monkeypatch):
+    """A loss that uses the LSE output too: the CuTe backward's gradients against float64 within 2x the Triton
+    backward's error (a fused same-dtype baseline that takes the LSE term the same way)."""
+    from fa_backend.ops import cute_flash, cute_flash_attention
+
+    q, k, v = _qkv(1, 8, 2, 300, 333, 128)
+    w = torch.randn(300, 128, device="cuda")
+    scale = 128 ** -0.5
+
+    def grads(flag):
+        monkeypatch.setattr(cute_flash, "CUTE_BACKWARD", flag)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = cute_flash_attention(*leaves, None, causal, True)
+        return torch.autograd.grad((out.float() * w).sum() + 0.5 * lse.sum(), leaves)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = _scores_ref(ref_leaves[0], ref_leaves[1], scale, causal)
+    out = torch.softmax(s, -1) @ ref_leaves[2].repeat_interleave(4, dim=1)
+    ref = torch.autograd.grad((out * w.double()).sum() + 0.5 * torch.logsumexp(s, -1).sum(), ref_leaves)
+    for name, ours, base, truth in zip(("dq", "dk", "dv"), grads(True), grads(False), ref):
+        assert_within_bar(name, ours, base, truth)
+
+
+def test_cute_backward_negative_scale(cute_backward):
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(1, 4, 2, 200, 260, 64)
+    check_attention(lambda q, k, v: cute_flash_attention(q, k, v, -0.2)[0], q, k, v, scale=-0.2)
+    assert len(cute_backward) == 1
+
+
+def test_deterministic_mode_takes_the_triton_backward(cute_backward, monkeypatch):
+    """Under torch.use_deterministic_algorithms the CuTe backward (dQ additions in no fixed order) is skipped."""
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(1, 8, 2, 256, 256, 128, grad=True)
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs = [torch.autograd.grad(cute_flash_attention(q, k, v, None, True)[0].sum(), (q, k, v)) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    assert cute_backward == []
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_inputs_tma_cannot_read_are_copied():

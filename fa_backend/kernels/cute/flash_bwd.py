@@ -403,10 +403,12 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
 
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
-              bottom_right: bool = False, dq_atomic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              bottom_right: bool = False, dq_atomic: bool = False,
+              dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
-    dq_atomic: the variant that adds dQ with per-value atomics."""
+    dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
+    the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs
@@ -419,6 +421,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         dout = dout.contiguous()  # TMA's alignment rules, as for q
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic)
     delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (b, hq, sq)
+    if dlse is not None:
+        delta = delta - dlse.float()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     b, hq, sq, d = q.shape
     m_blocks = -(-sq // TILE_M)
