@@ -145,13 +145,16 @@ def backward(seqlens: list[int]) -> list[dict]:
                 out, lse = flash_fwd_ws(q, k, v, causal=causal, overlap=True)
                 flops = 2.5 * _flops(b, h, s, d, causal)
                 row = dict(d=d, causal=causal, seqlen=s, batch=b, heads=h)
-                for name, atomic in (("cute_bwd", False), ("cute_bwd_atomic_dq", True)):
+                variants = [("cute_bwd", dict()), ("cute_bwd_atomic_dq", dict(dq_atomic=True))]
+                if d == 128:
+                    variants.append(("cute_bwd_2wg", dict(wgs=2)))
+                for name, kw in variants:
                     t0 = time.perf_counter()
-                    flash_bwd(dout, q, k, v, out, lse, causal=causal, dq_atomic=atomic)
+                    flash_bwd(dout, q, k, v, out, lse, causal=causal, **kw)
                     torch.cuda.synchronize()
                     row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 3)
                     ms = triton.testing.do_bench(
-                        lambda: flash_bwd(dout, q, k, v, out, lse, causal=causal, dq_atomic=atomic), warmup=20, rep=200)
+                        lambda: flash_bwd(dout, q, k, v, out, lse, causal=causal, **kw), warmup=20, rep=200)
                     row[name] = flops / ms / 1e9
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 for name, ctx in (("triton", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -168,7 +171,8 @@ def backward(seqlens: list[int]) -> list[dict]:
                     ms = _time_fa4(fa4, q, k, v, causal, dout)
                     row["fa4"] = None if ms is None else flops / ms / 1e9
                 records.append(row)
-                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "cute_bwd_atomic_dq", "triton", "cudnn", "flash", "fa4")
+                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "cute_bwd_2wg", "cute_bwd_atomic_dq", "triton",
+                                                                  "cudnn", "flash", "fa4")
                                   if row.get(n) is not None)
                 print(f"bwd d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  cute/cudnn "
                       f"{row['cute_bwd'] / row['cudnn']:.2f}", flush=True)

@@ -4,7 +4,10 @@ Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passed on the H200 
 versions: one Q/dO stage with dQ by atomics, then by bulk adds); the compile test
 (test_flash_bwd_sm90_compile.py) runs in CI. Not routed yet: slower than the Triton backward.
 
-Key-block stationary as FlashAttention-2/3's backward, no warp specialisation:
+Key-block stationary as FlashAttention-2/3's backward, no warp specialisation (wgs=2, written and compiled for
+sm_90a after the last GPU run, not yet run on a GPU: two warpgroups per CTA over 128 keys sharing the Q / dO
+stages, each with its own 64 keys for S^T, dP^T, dV, dK and half of the dQ block's columns over all 128 keys:
+half the Q / dO loads and dQ adds per key; 240 registers, no spills):
 - one CTA = one warpgroup (128 threads) = one block of TILE_N = 64 keys of one (batch, KV head); K and V are
   loaded once by TMA; the CTA walks the query heads of its GQA group and, per head, the query blocks of
   TILE_M = 64 rows that see the key block. Q and dO come by TMA into QDO_STAGES = 2 stages: warp 0 issues
@@ -57,18 +60,19 @@ from .flash_fwd import _DTYPES, _dynamic  # noqa: E402
 
 KERNEL_NAME = "flash_bwd_sm90"
 HEAD_DIMS = (64, 128)
-TILE_N = 64  # keys per CTA: one warpgroup's wgmma M
+TILE_N = 64  # keys per warpgroup: its wgmma M
 TILE_M = 64  # query rows per step
-THREADS = 128
+THREADS = 128  # per warpgroup
 QDO_STAGES = 2  # Q / dO / LSE / delta of the next query block load while this one is computed
-ROTATE = 8  # fp32 values: the rotation step of the dQ block's rows in shared memory (_dq_slot)
+WARPGROUPS = (1, 2)  # per CTA; 2 (128 keys, FA3's backward tile at d=128) needs head_dim 128
 _LOG2E = math.log2(math.e)
 
 
 @cute.jit
-def _gemm(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tensor):
-    """acc = A B over the K blocks of the fragments (issued, not committed: the caller fences and commits)."""
-    mma.set(warpgroup.Field.ACCUMULATE, False)
+def _gemm(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tensor, accumulate: bool = False):
+    """acc = A B (or acc += A B with `accumulate`) over the K blocks of the fragments (issued, not committed: the
+    caller fences and commits)."""
+    mma.set(warpgroup.Field.ACCUMULATE, accumulate)
     for kk in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
         cute.gemm(mma, acc, t_a[None, None, kk], t_b[None, None, kk], acc)
         mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -81,17 +85,22 @@ def _transposed(t: cute.Tensor) -> cute.Tensor:
 
 class FlashBackwardSm90(ForwardVariant):
     """Compile-time configuration (dtype, head_dim, causal and its alignment) of one backward variant.
-    dq_atomic: dQ by one atomic add per value instead of the shared-memory block and bulk reduce-adds."""
+    dq_atomic: dQ by one atomic add per value instead of the shared-memory block and bulk reduce-adds.
+    wgs: warpgroups per CTA, each with its own TILE_N keys; they share the Q / dO stages, and with 2 each computes
+    half of the dQ block's columns over all 128 keys (FA3's split at d=128)."""
 
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, dq_atomic: bool = False):
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, dq_atomic: bool = False,
+                 wgs: int = 1):
         super().__init__(dtype, head_dim, causal, bottom_right)
         self.dq_atomic = dq_atomic
+        self.wgs = wgs
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
                  scale: Float32, stream: Any):
         d = self.head_dim
+        wgs = self.wgs
         # (s, d, h, b) views: the TMA / MMA mode order; (s, h, b) for the per-row LSE and delta
         sdhb = [2, 3, 1, 0]
         q, k, v, do, dk, dv, dqacc = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=sdhb))
@@ -105,30 +114,29 @@ class FlashBackwardSm90(ForwardVariant):
         # dV, dK (keys x d): P^T / dS^T from registers, dO / Q MN-major
         mma_rs = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                              (1, 1, 1), (TILE_N, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ block (queries x d) = dS K: both operands MN-major in shared memory
+        # dQ block (queries x d / wgs columns) = dS K: both operands MN-major in shared memory
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-                                             (1, 1, 1), (TILE_M, d))
-        # K and V: A operands (M = keys, K = d); Q and dO: B operands (N = queries, K = d), QDO_STAGES deep;
-        # dS: A (M = queries, K = keys), queries contiguous
-        sK_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, 1),
-                                (None, None, 0))
+                                             (1, 1, 1), (TILE_M, d // wgs))
+        # K and V: A operands (M = keys, K = d), one tile per warpgroup; Q and dO: B operands (N = queries, K = d),
+        # QDO_STAGES deep; dS: A (M = queries, K = keys), queries contiguous, one tile per warpgroup
+        sK_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, wgs)
         sQ_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, QDO_STAGES)
-        sdS_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, 1),
-                                 (None, None, 0))
+        sdS_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, wgs)
         load = cpasync.CopyBulkTensorTileG2SOp()
+        one_k = cute.slice_(sK_layout, (None, None, 0))
         one_stage = cute.slice_(sQ_layout, (None, None, 0))
-        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, sK_layout, (TILE_N, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, sK_layout, (TILE_N, d))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, one_k, (TILE_N, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, one_k, (TILE_N, d))
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, one_stage, (TILE_M, d))
         tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, one_stage, (TILE_M, d))
         # K, V, the Q and dO stages, dS, the LSE and delta stages, alignment padding and barriers: 107 KB at
-        # d=128, two CTAs per SM
-        smem_bytes = (2 * (2 * TILE_N + 2 * QDO_STAGES * TILE_M) * d + 2 * TILE_M * TILE_N
+        # d=128 with one warpgroup (two CTAs per SM), 147 KB with two
+        smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * TILE_M) * d + 2 * TILE_M * TILE_N * wgs
                       + 2 * 4 * QDO_STAGES * TILE_M + 2 * 1024)
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                     lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                     sK_layout, sQ_layout, sdS_layout).launch(
-            grid=(cute.ceil_div(k.shape[0], TILE_N), k.shape[2], k.shape[3]), block=(THREADS, 1, 1),
+            grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]), block=(THREADS * wgs, 1, 1),
             smem=smem_bytes, stream=stream)
 
     @cute.kernel
@@ -138,10 +146,16 @@ class FlashBackwardSm90(ForwardVariant):
                scale: Float32, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
         d = self.head_dim
+        wgs = self.wgs
         tidx, _, _ = cute.arch.thread_idx()
+        # this thread's warpgroup (its keys and dQ columns) and its index in it; compile-time 0 / tidx with one
+        wg, wt = 0, tidx
+        if cutlass.const_expr(wgs > 1):
+            wg, wt = cute.arch.make_warp_uniform(tidx // THREADS), tidx % THREADS
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
+        key0 = n_block * TILE_N * wgs + wg * TILE_N  # this warpgroup's first key
 
         smem = SmemAllocator()
         bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
@@ -150,7 +164,7 @@ class FlashBackwardSm90(ForwardVariant):
         sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         # the Q stages then the dO stages in one allocation: after a block's dQ GEMM its Q and dO stage (two
-        # regions of STAGE_FLOATS fp32 values) hold the dQ block on its way to the bulk adds
+        # regions of TILE_M * d / 2 fp32 values) hold the dQ block on its way to the bulk adds
         stage_bytes = TILE_M * d * self.dtype.width // 8
         qdo = smem.allocate(2 * QDO_STAGES * stage_bytes, byte_alignment=1024)
         sQ = cute.make_tensor(cute.recast_ptr(qdo, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
@@ -168,31 +182,35 @@ class FlashBackwardSm90(ForwardVariant):
         cute.arch.sync_threads()
 
         one_cta = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, key tiles)
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync) and the dQ bulk adds
         producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         if producer_warp:
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * TILE_N * d * 2)
-            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=bar_kv)
-            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=bar_kv)
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * wgs * TILE_N * d * self.dtype.width // 8)
+            for j in cutlass.range_constexpr(wgs):
+                cute.copy(tma_k, tKgK[None, n_block * wgs + j], tKsK[None, j], tma_bar_ptr=bar_kv)
+                cute.copy(tma_v, tVgV[None, n_block * wgs + j], tVsV[None, j], tma_bar_ptr=bar_kv)
 
-        thr_ss, thr_rs, thr_dq = mma_ss.get_slice(tidx), mma_rs.get_slice(tidx), mma_dq.get_slice(tidx)
-        tSrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK))
-        tSrV = mma_ss.make_fragment_A(thr_ss.partition_A(sV))
+        thr_ss, thr_rs, thr_dq = mma_ss.get_slice(wt), mma_rs.get_slice(wt), mma_dq.get_slice(wt)
+        tSrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK[None, None, wg]))
+        tSrV = mma_ss.make_fragment_A(thr_ss.partition_A(sV[None, None, wg]))
         tSrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))  # (..., stage)
         tSrdO = mma_ss.make_fragment_B(thr_ss.partition_B(sdO))
         tVrdOt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sdO)))  # dO as (d, queries, stage)
         tKrQt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sQ)))  # Q as (d, queries, stage)
-        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # dS as (queries, keys)
-        tQrKt = mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sK)))  # K as (d, keys)
-        # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, d) of the dQ block
+        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # dS as (queries, keys, warpgroup's key tile)
+        # K as (this warpgroup's d / wgs columns, keys) of each key tile (with 2 warpgroups: one 64-column swizzle
+        # atom of the 128-column tile, itself a canonical tile)
+        tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(
+            cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))))) for j in range(wgs)]
+        # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, column) of its dQ values
         tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
         tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d)))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d // wgs)))
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dp = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dk = cute.make_rmem_tensor(tKcK.shape, Float32)
@@ -201,14 +219,14 @@ class FlashBackwardSm90(ForwardVariant):
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
         a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
-        sdS_kq = _transposed(sdS)  # dS^T's (key, query) coordinates into the dS tile
+        sdS_kq = _transposed(sdS)  # dS^T's (key, query, key tile) coordinates into the dS tiles
 
-        # queries that see key j: i >= j - offset (causal); the first query block that sees this key block
+        # queries that see key j: i >= j - offset (causal); the first query block that sees the CTA's first key
         offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
         m_blocks = cute.ceil_div(seqlen_q, TILE_M)
         m_start = 0
         if cutlass.const_expr(self.causal):
-            m_start = cutlass.min(cutlass.max(n_block * TILE_N - offset, 0) // TILE_M, m_blocks)
+            m_start = cutlass.min(cutlass.max(n_block * TILE_N * wgs - offset, 0) // TILE_M, m_blocks)
         # the CTA's steps: (query head of the GQA group, query block), query blocks fastest
         n_m = m_blocks - m_start
         steps = group * n_m
@@ -237,7 +255,7 @@ class FlashBackwardSm90(ForwardVariant):
                     next_lse, next_delta = self._rows(mLSE, mDelta, next_head, next_m * TILE_M + tidx, batch)
             cute.arch.mbarrier_wait(bar_q + stage, (step // QDO_STAGES) % 2)
 
-            # S^T = K Q^T and dP^T = V dO^T
+            # S^T = K Q^T and dP^T = V dO^T (this warpgroup's keys)
             warpgroup.fence()
             _gemm(mma_ss, acc_s, tSrK, tSrQ[None, None, None, stage])
             _gemm(mma_ss, acc_dp, tSrV, tSrdO[None, None, None, stage])
@@ -246,7 +264,7 @@ class FlashBackwardSm90(ForwardVariant):
 
             # P^T (masked: keys past seqlen_k, and after the diagonal when causal) and dS^T = P^T (dP^T - delta)
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-                key = n_block * TILE_N + tScS[i][0]
+                key = key0 + tScS[i][0]
                 qi = tScS[i][1]
                 visible = key < seqlen_k
                 if cutlass.const_expr(self.causal):
@@ -271,37 +289,38 @@ class FlashBackwardSm90(ForwardVariant):
                 cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk, stage], acc_dk)
             warpgroup.commit_group()
 
-            # dS to shared memory (the dQ GEMM's A operand), visible to the async proxy
+            # dS to shared memory (the dQ GEMM's A operand, every warpgroup's tile), visible to the async proxy
             for i in cutlass.range(cute.size(r_ds), unroll_full=True):
-                sdS_kq[tScS[i]] = r_ds[i]
+                sdS_kq[tScS[i][0], tScS[i][1], wg] = r_ds[i]
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
 
-            # dQ block = dS K (every GEMM of this step is done with Q and dO after the wait)
+            # dQ block (this warpgroup's columns) = dS K over every key tile; after the wait every GEMM of this step
+            # is done with Q and dO
             warpgroup.fence()
-            _gemm(mma_dq, acc_dq, tQrdS, tQrKt)
+            for j in cutlass.range_constexpr(wgs):
+                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, j], tQrKt[j], accumulate=j > 0)
             warpgroup.commit_group()
             # step + 1's Q and dO into the other stage, free since the end of step - 1 once the bulk adds of
             # step - 1 have read it: issued this late so that waiting for those reads never stalls the GEMMs
-            # (issued at the start of the step, the wait cost 20-45 % of the speed on the H200)
             if step + 1 < steps:
                 if producer_warp:
                     if cutlass.const_expr(not self.dq_atomic):
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                     self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, next_head, next_m, batch, 1 - stage)
             warpgroup.wait_group(0)
-            gdQ = mdQacc[None, None, head, batch]  # (sq, d) fp32
+            gdQ = mdQacc[None, None, head, batch]  # dq_atomic: (sq, d) rows; else (blocks, TILE_M * d) chunks
             if cutlass.const_expr(self.dq_atomic):
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
                     row = row0 + tQcQ[i][0]
                     if row < seqlen_q:
-                        ptr = gdQ.iterator + cute.crd2idx((row, tQcQ[i][1]), gdQ.layout)
-                        cute.arch.atomic_add(ptr, acc_dq[i])
+                        col = wg * (d // wgs) + tQcQ[i][1]
+                        cute.arch.atomic_add(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout), acc_dq[i])
             else:
                 # the block in fragment order (_dq_slot) into this stage's Q and dO memory, then one lane adds
                 # each half (a contiguous run of the chunked dQ buffer) with one bulk reduce-add
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
-                    sdQ[self._dq_slot(tidx, i, stage)] = acc_dq[i]
+                    sdQ[self._dq_slot(wt, i, stage, wg)] = acc_dq[i]
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_threads()
                 if producer_warp:
@@ -309,7 +328,7 @@ class FlashBackwardSm90(ForwardVariant):
                         half = TILE_M * d // 2
                         chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
                         for region in cutlass.range_constexpr(2):
-                            bulk_reduce_add_f32(sdQ.iterator + self._dq_slot(0, half // THREADS * region, stage),
+                            bulk_reduce_add_f32(sdQ.iterator + region * QDO_STAGES * half + stage * half,
                                                 chunk + region * half, 4 * half)
                         cute.arch.cp_async_bulk_commit_group()
             if tidx < TILE_M:
@@ -321,10 +340,10 @@ class FlashBackwardSm90(ForwardVariant):
             if producer_warp:  # shared memory must outlive the last bulk adds' reads
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # epilogue: dK = scale * dS^T Q and dV, rows past seqlen_k skipped
-        gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
-        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block * wgs + wg, 0))
+        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block * wgs + wg, 0))
         for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
-            if n_block * TILE_N + tKcK[i][0] < seqlen_k:
+            if key0 + tKcK[i][0] < seqlen_k:
                 gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
                 gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
 
@@ -359,22 +378,27 @@ class FlashBackwardSm90(ForwardVariant):
         return lse_log2, dlt
 
     @cute.jit
-    def _dq_slot(self, thread: Int32, i: int, stage: Int32) -> Int32:
-        """Where value i of a thread's dQ accumulator goes in the fp32 view of the Q/dO stages: position
-        p = (i // 2) * 2 * THREADS + 2 * thread + i % 2 of the block's chunk (one warp's pair of values i, i + 1
-        fills 256 contiguous bytes: no bank conflict beyond 2-way), the chunk's first half in the stage's Q
-        region, the second in its dO region. The chunked dQ buffer holds each block in this order (flash_bwd
-        undoes it on the host)."""
+    def _dq_slot(self, thread: Int32, i: int, stage: Int32, wg: Int32) -> Int32:
+        """Where value i of a warpgroup thread's dQ accumulator goes in the fp32 view of the Q/dO stages: position
+        p = wg * TILE_M * d / wgs + (i // 2) * 2 * THREADS + 2 * thread + i % 2 of the block's chunk (one warp's pair
+        of values i, i + 1 fills 256 contiguous bytes: no bank conflict), the chunk's first half in the stage's Q
+        region, the second in its dO region. The chunked dQ buffer holds each block in this order (_unchunk undoes
+        it on the host)."""
         d = self.head_dim
-        stage_floats = TILE_M * d * self.dtype.width // 8 // 4
-        p = (i // 2) * 2 * THREADS + 2 * thread + i % 2
-        region = p // stage_floats  # i is a compile-time index: so is the region
-        return (region * QDO_STAGES + stage) * stage_floats + p % stage_floats
+        half = TILE_M * d // 2  # fp32 values of one stage's Q (or dO) region
+        p = wg * (TILE_M * d // self.wgs) + (i // 2) * 2 * THREADS + 2 * thread + i % 2
+        if cutlass.const_expr(self.wgs == 1):
+            region = p // half  # i is a compile-time index: so is the region
+            return (region * QDO_STAGES + stage) * half + p % half
+        # two warpgroups: each one's part is exactly one region
+        return (wg * QDO_STAGES + stage) * half + p - wg * half
 
 
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
-                      arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False) -> Any:
-    """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0).
+                      arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
+                      wgs: int = 1) -> Any:
+    """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
+    warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -383,13 +407,15 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
+    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128):
+        raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128)")
 
     def build() -> Any:
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
         q, k, v, do, dk, dv = (_dynamic(example) for _ in range(6))
         rows = [_dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4) for _ in range(2)]
         dqacc = _dynamic(torch.empty(1, 1, 8, head_dim, dtype=torch.float32))
-        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic)
+        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs)
         return cute.compile(kernel, q, k, v, do, *rows, dk, dv, dqacc, Float32(1.0), Float32(1.0),
                             make_fake_stream(), options=compile_options(arch, dump_dir))
 
@@ -397,18 +423,19 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = KERNEL_NAME + ("_atomic_dq" if dq_atomic else "")
-    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N, TILE_M), arch)
+    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, TILE_M), arch)
     return CACHE.get_or_compile(key, build)
 
 
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
-              bottom_right: bool = False, dq_atomic: bool = False,
-              dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
+              wgs: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
-    the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i."""
+    the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
+    (2: 128 keys per CTA, head_dim 128 only; not yet run on a GPU)."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs
@@ -419,7 +446,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype}")
     if dout.stride(3) != 1 or any(s <= 0 or s % 8 for s in dout.stride()[:3]) or dout.data_ptr() % 16:
         dout = dout.contiguous()  # TMA's alignment rules, as for q
-    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic)
+    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs)
     delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (b, hq, sq)
     if dlse is not None:
         delta = delta - dlse.float()
@@ -435,17 +462,18 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
              _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
              Float32(scale * _LOG2E), Float32(scale), stream)
     if not dq_atomic:
-        dqacc = _unchunk(dqacc, sq)
+        dqacc = _unchunk(dqacc, sq, wgs)
     return (dqacc * scale).to(q.dtype), dk, dv
 
 
-def _unchunk(chunks: torch.Tensor, sq: int) -> torch.Tensor:
+def _unchunk(chunks: torch.Tensor, sq: int, wgs: int = 1) -> torch.Tensor:
     """(b, hq, m_blocks, TILE_M * d) dQ chunks in the kernel's fragment order -> a (b, hq, sq, d) view. Position
-    p = c8 * 512 + rh * 256 + w * 64 + lq * 8 + lr * 2 + e of a chunk holds row 16 w + 8 rh + lq, column
-    8 c8 + 2 lr + e (w the thread's warp, lq / lr its lane // 4 and % 4, rh / e / c8 the accumulator's row half,
-    column pair element and column group: wgmma's m64nNk16 fp32 accumulator layout)."""
+    p = g * TILE_M * d / wgs + c8 * 512 + rh * 256 + w * 64 + lq * 8 + lr * 2 + e of a chunk holds row
+    16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e (g the warpgroup, w the thread's warp in it, lq / lr its
+    lane // 4 and % 4, rh / e / c8 the accumulator's row half, column pair element and column group: wgmma's
+    m64nNk16 fp32 accumulator layout)."""
     b, hq, m_blocks, size = chunks.shape
     d = size // TILE_M
-    parts = chunks.view(b, hq, m_blocks, d // 8, 2, 4, 8, 4, 2)  # c8, rh, w, lq, lr, e
-    rows = parts.permute(0, 1, 2, 5, 4, 6, 3, 7, 8)  # w, rh, lq, c8, lr, e
+    parts = chunks.view(b, hq, m_blocks, wgs, d // wgs // 8, 2, 4, 8, 4, 2)  # g, c8, rh, w, lq, lr, e
+    rows = parts.permute(0, 1, 2, 6, 5, 7, 3, 4, 8, 9)  # w, rh, lq, g, c8, lr, e
     return rows.reshape(b, hq, m_blocks * TILE_M, d)[:, :, :sq]

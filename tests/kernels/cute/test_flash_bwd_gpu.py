@@ -30,7 +30,16 @@ def test_atomic_dq_variant_within_bar(causal):
     check_backward(torch.bfloat16, 128, causal, True, 1, 8, 2, 300, 333, dq_atomic=True)
 
 
-def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100),
+                                             (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 64)])
+def test_two_warpgroups_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
+    """wgs=2 (d=128): 128 keys per CTA; sk = 64 leaves the second warpgroup's keys all past seqlen_k."""
+    check_backward(dtype, 128, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2)
+
+
+def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1):
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd import flash_fwd
 
@@ -38,7 +47,8 @@ def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic
     k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype) for _ in range(2))
     out, lse = flash_fwd(q, k, v, causal=causal, bottom_right=bottom_right)
     dout = torch.randn_like(out)
-    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic)
+    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic,
+                           wgs=wgs)
 
     kw = dict(is_causal=causal, bottom_right=bottom_right)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]

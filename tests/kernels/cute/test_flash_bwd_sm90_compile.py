@@ -61,6 +61,24 @@ def test_compiles_for_sm90a(tmp_path, dtype, d, causal, bottom_right, dq_atomic)
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right):
+    """wgs=2: 128 keys per CTA, each warpgroup its own S^T / dP^T / dV / dK over 64 keys and half of the dQ block's
+    columns over all 128 keys (two chains of K = 64), the dQ block by two bulk adds."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path),
+                                      wgs=2).__ptx__
+    n, m, d = flash_bwd.TILE_N, flash_bwd.TILE_M, 128
+    half = _wgmma_lines(ptx, f"m64n{d // 2}k16.f32.bf16.bf16")  # S^T, dP^T (N = TILE_M = 64) and dQ (N = d / 2)
+    full = _wgmma_lines(ptx, f"m64n{d}k16.f32.bf16.bf16")  # dV, dK
+    assert len(half) == 2 * d // 16 + 2 * n // 16 and len(full) == 2 * m // 16
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 2
+    assert not re.findall(r"(?:red|atom)\.global\.[a-z.]*f32", ptx)
+    assert ptx.count("ex2.approx") == n * m // flash_bwd.THREADS
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
 def test_unsupported_variants_are_value_errors():
     from fa_backend.kernels.cute import flash_bwd
 
@@ -68,22 +86,28 @@ def test_unsupported_variants_are_value_errors():
         flash_bwd.compile_flash_bwd(torch.bfloat16, 96, False)
     with pytest.raises(ValueError, match="dtype=torch.float32"):
         flash_bwd.compile_flash_bwd(torch.float32, 64, False)
+    with pytest.raises(ValueError, match="wgs=2 with head_dim=64"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 64, False, wgs=2)
 
 
-def test_unchunk_inverts_the_fragment_order():
-    # value i of thread t sits at p = (i // 2) * 256 + 2 t + i % 2 of its block's chunk (_dq_slot without the
-    # regions); it is row 16 w + 8 rh + lq, column 8 c8 + 2 lr + e of the block (wgmma's accumulator layout)
+@pytest.mark.parametrize("d,wgs", [(64, 1), (128, 1), (128, 2)])
+def test_unchunk_inverts_the_fragment_order(d, wgs):
+    # value i of thread t of warpgroup g sits at p = g * 64 * d / wgs + (i // 2) * 256 + 2 t + i % 2 of its block's
+    # chunk (_dq_slot without the regions); it is row 16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e of the
+    # block (wgmma's accumulator layout)
     from fa_backend.kernels.cute import flash_bwd
 
-    for d in (64, 128):
-        b, hq, sq = 2, 3, 150
-        m_blocks = -(-sq // flash_bwd.TILE_M)
-        dense = torch.randn(b, hq, m_blocks * flash_bwd.TILE_M, d)
-        chunks = torch.empty(b, hq, m_blocks, flash_bwd.TILE_M * d)
+    b, hq, sq = 2, 3, 150
+    m_blocks = -(-sq // flash_bwd.TILE_M)
+    dense = torch.randn(b, hq, m_blocks * flash_bwd.TILE_M, d)
+    chunks = torch.full((b, hq, m_blocks, flash_bwd.TILE_M * d), float("nan"))
+    for g in range(wgs):
         for t in range(flash_bwd.THREADS):
             w, lq, lr = t // 32, (t % 32) // 4, t % 4
-            for i in range(d // 2):
+            for i in range(d // wgs // 2):
                 e, rh, c8 = i % 2, (i // 2) % 2, i // 4
-                p = (i // 2) * 2 * flash_bwd.THREADS + 2 * t + e
-                chunks[..., p] = dense[:, :, 16 * w + 8 * rh + lq::flash_bwd.TILE_M, 8 * c8 + 2 * lr + e]
-        assert torch.equal(flash_bwd._unchunk(chunks, sq), dense[:, :, :sq])
+                p = g * flash_bwd.TILE_M * d // wgs + (i // 2) * 2 * flash_bwd.THREADS + 2 * t + e
+                col = g * d // wgs + 8 * c8 + 2 * lr + e
+                chunks[..., p] = dense[:, :, 16 * w + 8 * rh + lq::flash_bwd.TILE_M, col]
+    assert not chunks.isnan().any()  # every position written once: the map is a bijection
+    assert torch.equal(flash_bwd._unchunk(chunks, sq, wgs), dense[:, :, :sq])
