@@ -2,8 +2,8 @@
 
 The forward is the warp-specialised kernel (kernels/cute/flash_fwd_ws.py) in its fastest variant per head
 dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 ping-pong consumers without a causal mask,
-intra-warpgroup overlap with one; three consumers at d=64). There is no CuTe backward yet: the op's
-autograd formula runs the Triton backward kernels (fa_backend::triton_flash_bwd), which take the CuTe
+intra-warpgroup overlap with one; three consumers at d=64). By default the op's autograd formula runs the
+Triton backward kernels (fa_backend::triton_flash_bwd), which take the CuTe
 forward's outputs as they are (out contiguous (b, hq, sq, d), natural-log fp32 lse (b, hq, sq), the
 layout the Triton forward writes too).
 
