@@ -5,8 +5,8 @@ instead (the CuTe backward, kernels/cute/flash_bwd.py, dQ by bulk adds and by at
 Triton backward and PyTorch's cuDNN and flash backwards through autograd; TFLOP/s = 2.5 x the forward's FLOPs).
 FlashAttention-4 (`flash_attn.cute`, package flash-attn-4) is timed as the peer `fa4` when installed, on (b, s, h, d)
 copies of the same inputs (its layout).
-Usage: python scripts/bench_cute.py [--json FILE] [--backward] [--runners NAME ...] [--dims D ...] [--seqlens S ...]
-       [--repeat R]
+Usage: python scripts/bench_cute.py [--json FILE] [--backward | --host] [--runners NAME ...] [--dims D ...]
+       [--seqlens S ...] [--repeat R]
 """
 
 from __future__ import annotations
@@ -61,9 +61,14 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--runners", nargs="+", help="forward runners to time (default: all)")
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--host", action="store_true",
+                        help="instead: host time per forward call, tensor convention against kernels/cute/_fast_call.py")
     parser.add_argument("--repeat", type=int, default=1,
                         help="forward: rounds over the runners, interleaved; each cell is the median round")
     args = parser.parse_args()
+    if args.host:
+        host_time()
+        return
     if args.backward:
         records = backward(args.seqlens)
         if args.json:
@@ -128,6 +133,31 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f, indent=1)
+
+
+def host_time(calls: int = 2000) -> None:
+    """Wall time per call of a small forward (bf16, b=1, hq=8, hkv=2, s=128, d=128: GPU time of a few µs) issued back
+    to back, with each calling convention, alternated over three rounds (medians printed)."""
+    from fa_backend.kernels.cute import _fast_call
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
+
+    q = torch.randn(1, 8, 128, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rounds = {False: [], True: []}
+    for _ in range(3):
+        for fast in (False, True):
+            _fast_call.ENABLED = fast
+            for _ in range(20):
+                flash_fwd_fastest(q, k, v, causal=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                flash_fwd_fastest(q, k, v, causal=True)
+            torch.cuda.synchronize()
+            rounds[fast].append((time.perf_counter() - t0) / calls * 1e6)
+    _fast_call.ENABLED = False
+    print(f"host µs per forward call: tensor convention {statistics.median(rounds[False]):.1f}, fast call "
+          f"{statistics.median(rounds[True]):.1f} (rounds {rounds})", flush=True)
 
 
 def backward(seqlens: list[int]) -> list[dict]:

@@ -109,5 +109,6 @@ if [[ " $steps " == *" cute "* ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py ${CUTE_BENCH_ARGS:-} --json "$OUT/bench_cute.json" \
     > "$OUT/bench_cute.log" 2>&1 || status=1
   grep -v -i warn "$OUT/bench_cute.log"
+  timeout 120 python3 scripts/bench_cute.py --host 2>&1 | grep "host µs" || status=1
 fi
 exit $status

@@ -228,3 +228,25 @@ def test_compiled_routing_forward_and_backward(clean):
     assert (out - ref).abs().max().item() < 2e-2
     for g, r in zip(grads, ref_grads):
         assert (g - r).abs().max().item() < 5e-2 * max(1.0, r.abs().max().item())
+
+
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
+def test_fast_call_path_gives_the_same_outputs(d, causal, monkeypatch):
+    """kernels/cute/_fast_call.py (pointers, sizes and strides; integers marshalled once per shape): bitwise the
+    tensor convention's outputs, on strided and GQA inputs, twice per shape (the second call from the cache)."""
+    from fa_backend.kernels.cute import _fast_call
+    from fa_backend.ops import cute_flash_attention
+
+    q = torch.randn(2, 300, 8, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (b, s, h, d) memory
+    k, v = (torch.randn(2, 2, 333, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref = cute_flash_attention(q, k, v, None, causal, True)
+    monkeypatch.setattr(_fast_call, "ENABLED", True)
+    for _ in range(2):
+        out, lse = cute_flash_attention(q, k, v, None, causal, True)
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    q2 = torch.randn(1, 4, 100, d, device="cuda", dtype=torch.bfloat16)  # another shape: another cache entry
+    monkeypatch.setattr(_fast_call, "ENABLED", False)
+    ref2 = cute_flash_attention(q2, k[:1], v[:1], None, causal, True)
+    monkeypatch.setattr(_fast_call, "ENABLED", True)
+    out2 = cute_flash_attention(q2, k[:1], v[:1], None, causal, True)
+    assert torch.equal(out2[0], ref2[0]) and torch.equal(out2[1], ref2[1])

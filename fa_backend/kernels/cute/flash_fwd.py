@@ -193,20 +193,23 @@ def _dynamic(t: torch.Tensor, align: int = 16) -> Any:
 
 
 def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
-                      arch: str = "sm_90a", dump_dir: str | None = None) -> Any:
+                      arch: str = "sm_90a", dump_dir: str | None = None, pointer_args: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0).
 
-    The compiled function takes (q, k, v, o, lse, scale * log2(e), stream). Cached per variant in
+    The compiled function takes (q, k, v, o, lse, scale * log2(e), stream); with `pointer_args`, the calling
+    convention of _fast_call.PointerForward (pointers, sizes and strides) instead. Cached per variant in
     _compile_cache.CACHE (except with `dump_dir`, which always compiles, to write the PTX and cubin).
     """
     return _compile_variant(FlashForwardSm90, KERNEL_NAME, (TILE_M, TILE_N), dtype, head_dim, causal, bottom_right,
-                            arch, dump_dir)
+                            arch, dump_dir, pointer_args)
 
 
 def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int,
-                     causal: bool, bottom_right: bool, arch: str, dump_dir: str | None) -> Any:
+                     causal: bool, bottom_right: bool, arch: str, dump_dir: str | None,
+                     pointer_args: bool = False) -> Any:
     """compile_flash_fwd for any forward kernel class taking (dtype, head_dim, causal, bottom_right) and the
-    arguments (q, k, v, o, lse, scale_log2, stream); `kernel_name` and `tile` go into the cache key."""
+    arguments (q, k, v, o, lse, scale_log2, stream); `kernel_name` and `tile` go into the cache key;
+    `pointer_args`: the _fast_call.PointerForward convention, cached as kernel_name + "_ptrargs"."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if dtype not in _DTYPES:
@@ -219,12 +222,18 @@ def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...]
         q, k, v, o = (_dynamic(example) for _ in range(4))
         lse = _dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4)
         kernel = kernel_class(cdtype, head_dim, causal, bottom_right)
+        if pointer_args:
+            from . import _fast_call
+
+            return cute.compile(_fast_call.PointerForward(kernel), *_fast_call.example_args(cdtype),
+                                make_fake_stream(), options=compile_options(arch, dump_dir))
         return cute.compile(kernel, q, k, v, o, lse, Float32(1.0), make_fake_stream(),
                             options=compile_options(arch, dump_dir))
 
     if dump_dir is not None:
         return build()
-    return CACHE.get_or_compile(variant_key(kernel_name, tile, dtype, head_dim, causal, bottom_right, arch), build)
+    name = kernel_name + ("_ptrargs" if pointer_args else "")
+    return CACHE.get_or_compile(variant_key(name, tile, dtype, head_dim, causal, bottom_right, arch), build)
 
 
 def variant_key(kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int, causal: bool,
@@ -260,9 +269,14 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     """Run the compiled kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out (b, hq, sq, d)
     in q's dtype and the fp32 natural-log LSE (b, hq, sq).
 
-    Converts the tensors with `from_dlpack` on every call (a few µs each); a TVM-FFI call path is to come.
+    Converts the tensors with `from_dlpack` on every call (17 µs each on the CPU machine); with
+    _fast_call.ENABLED a cheaper path (not yet run on a GPU).
     """
     return _run(compile_flash_fwd, q, k, v, scale, causal, bottom_right)
+
+
+# id of a compiled pointer-convention variant (alive in _compile_cache.CACHE for the process) -> its FastCall
+_FAST_CALLERS: dict[int, Any] = {}
 
 
 def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Tensor, k: torch.Tensor,
@@ -272,10 +286,20 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_inputs(q, k, v, scale)
-    compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right)
+    from . import _fast_call
+
+    fast = _fast_call.ENABLED
+    compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right, pointer_args=True) if fast else \
+        compile_fn(q.dtype, q.shape[-1], causal, bottom_right)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    if fast:
+        caller = _FAST_CALLERS.get(id(compiled))
+        if caller is None:
+            caller = _FAST_CALLERS[id(compiled)] = _fast_call.FastCall(compiled, _DTYPES[q.dtype])
+        caller(q, k, v, out, lse, scale * _LOG2E, stream)
+        return out, lse
     # detach: DLPack refuses tensors that require grad (the op's implementation still sees the flag)
     compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream)
     return out, lse

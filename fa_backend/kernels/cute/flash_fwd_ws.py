@@ -382,18 +382,19 @@ class FlashForwardSm90WS(ForwardVariant):
 
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
-                         pingpong: bool = False, consumers: int = CONSUMERS) -> Any:
+                         pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
     (except with `dump_dir`, which always compiles, to write the PTX and cubin). `overlap`: the
     intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"; `pingpong`: overlap
-    with the consumers' turns (KERNEL_NAME + "_pingpong"); `consumers`: 3 for 192-row tiles (its own tile key)."""
+    with the consumers' turns (KERNEL_NAME + "_pingpong"); `consumers`: 3 for 192-row tiles (its own tile key);
+    `pointer_args`: the _fast_call.PointerForward calling convention."""
     _check_consumers(consumers, overlap, pingpong)  # before the cache: a bad request is not a build failure
     name, tile = _name_and_tile(overlap, pingpong, consumers)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers),
-                            name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir)
+                            name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args)
 
 
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int) -> tuple[str, tuple[int, ...]]:

@@ -1,0 +1,109 @@
+"""Compile-only: the pointer calling convention of the CuTe forward (kernels/cute/_fast_call.py) runs the same device
+code as the tensor one, and FastCall's argument list (integers marshalled once per shape, pointers spliced in per
+call) holds what the DSL's own marshalling of the same call holds, for a fraction of its host time. Running it
+needs an H200 (tests/ops/test_cute_flash_gpu.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import re
+import time
+
+import pytest
+import torch
+
+from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
+
+pytestmark = [pytest.mark.cute, pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}")]
+
+
+@pytest.fixture(autouse=True)
+def _private_dsl_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("FA_BACKEND_CUTE_CACHE_DIR", str(tmp_path / "dsl-cache"))
+
+
+def _device_code(ptx: str) -> list[str]:
+    """The kernel's PTX with its name and register numbers dropped."""
+    body = ptx[ptx.index(".entry"):]
+    body = re.sub(r"kernel_cutlass_kernel\S*?(_param_\d+)", r"K\1", body)
+    body = re.sub(r"%(rd|r|p|f|fd|rs|h)\d+", r"%\1", body)
+    return [line for line in body.splitlines() if not re.match(r"\s*\.reg ", line)]
+
+
+def test_device_code_matches_the_tensor_convention(tmp_path):
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    codes = {}
+    for pointer_args in (False, True):
+        out = tmp_path / str(pointer_args)
+        out.mkdir()
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, True, True, "sm_90a", str(out), overlap=True,
+                                          pointer_args=pointer_args)
+        codes[pointer_args] = _device_code(open(glob.glob(str(out / "*.ptx"))[0]).read())
+    tensor, pointer = codes[False], codes[True]
+    extra = [line for line in tensor if line not in pointer]
+    # a global-space pointer needs no generic-to-global conversion; nothing else differs
+    assert extra and all("cvta.to.global.u64" in line for line in extra)
+    assert [line for line in tensor if "cvta.to.global" not in line] == \
+        [line for line in pointer if "cvta.to.global" not in line]
+
+
+def _values(args: list) -> list[int]:
+    """The low 32 bits each argument pointer points at (addresses, sizes, strides, the scale's bits)."""
+    return [ctypes.c_uint32.from_address(a.value if isinstance(a, ctypes.c_void_p) else a).value for a in args]
+
+
+def test_fast_call_marshals_what_the_dsl_does_once_per_shape():
+    from cuda.bindings import driver
+    from cutlass import Float32
+
+    from fa_backend.kernels.cute import _fast_call, flash_fwd_ws
+    from fa_backend.kernels.cute.flash_fwd import _DTYPES, _dynamic
+
+    compiled = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, False, consumers=3, pointer_args=True)
+    call = _fast_call.FastCall(compiled, _DTYPES[torch.bfloat16])
+    assert call.supported
+    stream = driver.CUstream(0)
+
+    def tensors(b, hq, hkv, s):
+        q = torch.randn(b, s, hq, 64, dtype=torch.bfloat16).transpose(1, 2)  # strided: (b, s, h, d) memory
+        k, v = (torch.randn(b, hkv, s + 3, 64, dtype=torch.bfloat16) for _ in range(2))
+        return q, k, v, torch.empty(b, hq, s, 64, dtype=torch.bfloat16), torch.empty(b, hq, s)
+
+    def fresh(q, k, v, o, lse, scale):
+        ptrs = [_fast_call._pointer(t, _DTYPES[torch.bfloat16], 16) for t in (q, k, v, o)]
+        ptrs.append(_fast_call._pointer(lse, Float32, 4))
+        args, keep = compiled.generate_execution_args(*ptrs, *_fast_call.scalars(q, k, v, o, lse), Float32(scale),
+                                                      stream)
+        return _values(args)
+
+    first = tensors(2, 8, 2, 100)
+    again = tensors(2, 8, 2, 100)  # same shapes, other memory: the cached integers, new pointers
+    other = tensors(1, 4, 4, 37)
+    for ts in (first, again, other):
+        args, keep = call.execution_args(*ts, 0.25, stream)
+        assert _values(args) == fresh(*ts, 0.25)
+    assert len(call._cache) == 2
+    args, keep = call.execution_args(*first, 0.5, stream)  # a new scale: a new entry
+    assert _values(args) == fresh(*first, 0.5) and len(call._cache) == 3
+
+    # host time per call: this path against the tensor convention's conversions and marshalling
+    tensor_fn = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, False, consumers=3)
+    q, k, v, o, lse = again
+
+    def tensor_call():
+        tensor_fn.generate_execution_args(*(_dynamic(t) for t in (q, k, v, o)), _dynamic(lse, align=4),
+                                          Float32(0.25), stream)
+
+    def fast_call():
+        call.execution_args(q, k, v, o, lse, 0.25, stream)
+
+    times = {}
+    for name, fn in (("tensor", tensor_call), ("fast", fast_call)) * 2:
+        t0 = time.perf_counter()
+        for _ in range(300):
+            fn()
+        times[name] = (time.perf_counter() - t0) / 300 * 1e6
+    print(f"host µs per call: tensor convention {times['tensor']:.1f}, fast call {times['fast']:.1f}")
+    assert times["fast"] < times["tensor"] / 3
