@@ -396,9 +396,10 @@ class FlashBackwardSm90(ForwardVariant):
 
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
-                      wgs: int = 1) -> Any:
+                      wgs: int = 1, pointer_args: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
-    warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block).
+    warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
+    calling convention of _fast_call.PointerBackward.
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -416,15 +417,24 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         rows = [_dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4) for _ in range(2)]
         dqacc = _dynamic(torch.empty(1, 1, 8, head_dim, dtype=torch.float32))
         kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs)
+        if pointer_args:
+            from . import _fast_call
+
+            return cute.compile(_fast_call.PointerBackward(kernel), *_fast_call.backward_example_args(_DTYPES[dtype]),
+                                make_fake_stream(), options=compile_options(arch, dump_dir))
         return cute.compile(kernel, q, k, v, do, *rows, dk, dv, dqacc, Float32(1.0), Float32(1.0),
                             make_fake_stream(), options=compile_options(arch, dump_dir))
 
     if dump_dir is not None:
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
-    name = KERNEL_NAME + ("_atomic_dq" if dq_atomic else "")
+    name = KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_ptrargs" if pointer_args else "")
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, TILE_M), arch)
     return CACHE.get_or_compile(key, build)
+
+
+# id of a compiled pointer-convention variant (alive in _compile_cache.CACHE for the process) -> its FastCall
+_FAST_CALLERS: dict[int, Any] = {}
 
 
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -446,7 +456,11 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype}")
     if dout.stride(3) != 1 or any(s <= 0 or s % 8 for s in dout.stride()[:3]) or dout.data_ptr() % 16:
         dout = dout.contiguous()  # TMA's alignment rules, as for q
-    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs)
+    from . import _fast_call
+
+    fast = _fast_call.ENABLED
+    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
+                                 pointer_args=fast)
     delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (b, hq, sq)
     if dlse is not None:
         delta = delta - dlse.float()
@@ -458,9 +472,18 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     dqacc = torch.zeros((b, hq, sq, d) if dq_atomic else (b, hq, m_blocks, TILE_M * d), dtype=torch.float32,
                         device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse.contiguous(), align=4),
-             _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
-             Float32(scale * _LOG2E), Float32(scale), stream)
+    lse = lse.contiguous()
+    if fast:
+        caller = _FAST_CALLERS.get(id(compiled))
+        if caller is None:
+            caller = _FAST_CALLERS[id(compiled)] = _fast_call.FastCall(
+                compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype]))
+        tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
+        caller(tensors, _fast_call.backward_scalars(*tensors), (scale * _LOG2E, scale), stream)
+    else:
+        compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse, align=4),
+                 _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
+                 Float32(scale * _LOG2E), Float32(scale), stream)
     if not dq_atomic:
         dqacc = _unchunk(dqacc, sq, wgs)
     return (dqacc * scale).to(q.dtype), dk, dv

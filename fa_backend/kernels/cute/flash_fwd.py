@@ -297,8 +297,9 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     if fast:
         caller = _FAST_CALLERS.get(id(compiled))
         if caller is None:
-            caller = _FAST_CALLERS[id(compiled)] = _fast_call.FastCall(compiled, _DTYPES[q.dtype])
-        caller(q, k, v, out, lse, scale * _LOG2E, stream)
+            caller = _FAST_CALLERS[id(compiled)] = _fast_call.FastCall(
+                compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype]))
+        caller((q, k, v, out, lse), _fast_call.scalars(q, k, v, out, lse), (scale * _LOG2E,), stream)
         return out, lse
     # detach: DLPack refuses tensors that require grad (the op's implementation still sees the flag)
     compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream)

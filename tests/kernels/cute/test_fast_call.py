@@ -62,7 +62,7 @@ def test_fast_call_marshals_what_the_dsl_does_once_per_shape():
     from fa_backend.kernels.cute.flash_fwd import _DTYPES, _dynamic
 
     compiled = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, False, consumers=3, pointer_args=True)
-    call = _fast_call.FastCall(compiled, _DTYPES[torch.bfloat16])
+    call = _fast_call.FastCall(compiled, _fast_call.forward_pointer_types(_DTYPES[torch.bfloat16]))
     assert call.supported
     stream = driver.CUstream(0)
 
@@ -82,10 +82,10 @@ def test_fast_call_marshals_what_the_dsl_does_once_per_shape():
     again = tensors(2, 8, 2, 100)  # same shapes, other memory: the cached integers, new pointers
     other = tensors(1, 4, 4, 37)
     for ts in (first, again, other):
-        args, keep = call.execution_args(*ts, 0.25, stream)
+        args, keep = call.execution_args(ts, _fast_call.scalars(*ts), (0.25,), stream)
         assert _values(args) == fresh(*ts, 0.25)
     assert len(call._cache) == 2
-    args, keep = call.execution_args(*first, 0.5, stream)  # a new scale: a new entry
+    args, keep = call.execution_args(first, _fast_call.scalars(*first), (0.5,), stream)  # a new scale: a new entry
     assert _values(args) == fresh(*first, 0.5) and len(call._cache) == 3
 
     # host time per call: this path against the tensor convention's conversions and marshalling
@@ -97,7 +97,7 @@ def test_fast_call_marshals_what_the_dsl_does_once_per_shape():
                                           Float32(0.25), stream)
 
     def fast_call():
-        call.execution_args(q, k, v, o, lse, 0.25, stream)
+        call.execution_args((q, k, v, o, lse), _fast_call.scalars(q, k, v, o, lse), (0.25,), stream)
 
     times = {}
     for name, fn in (("tensor", tensor_call), ("fast", fast_call)) * 2:
@@ -107,3 +107,17 @@ def test_fast_call_marshals_what_the_dsl_does_once_per_shape():
         times[name] = (time.perf_counter() - t0) / 300 * 1e6
     print(f"host µs per call: tensor convention {times['tensor']:.1f}, fast call {times['fast']:.1f}")
     assert times["fast"] < times["tensor"] / 3
+
+
+def test_backward_pointer_convention_compiles_to_the_same_device_code(tmp_path):
+    from fa_backend.kernels.cute import flash_bwd
+
+    codes = {}
+    for pointer_args in (False, True):
+        out = tmp_path / str(pointer_args)
+        out.mkdir()
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, True, "sm_90a", str(out), pointer_args=pointer_args)
+        codes[pointer_args] = _device_code(open(glob.glob(str(out / "*.ptx"))[0]).read())
+    tensor, pointer = codes[False], codes[True]
+    assert [line for line in tensor if "cvta.to.global" not in line] == \
+        [line for line in pointer if "cvta.to.global" not in line]

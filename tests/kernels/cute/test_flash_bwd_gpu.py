@@ -39,6 +39,18 @@ def test_two_warpgroups_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, 
     check_backward(dtype, 128, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2)
 
 
+@pytest.mark.parametrize("wgs", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fast_call_path_within_bar(wgs, causal, monkeypatch):
+    """kernels/cute/_fast_call.py for the backward (pointers, sizes, strides), twice per shape (the second call
+    from its cache)."""
+    from fa_backend.kernels.cute import _fast_call
+
+    monkeypatch.setattr(_fast_call, "ENABLED", True)
+    for _ in range(2):
+        check_backward(torch.bfloat16, 128, causal, True, 1, 8, 2, 300, 333, wgs=wgs)
+
+
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1):
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd import flash_fwd
