@@ -28,6 +28,7 @@ from cutlass.cute.runtime import make_ptr  # noqa: E402
 
 # Read at each call (flash_fwd._run, flash_bwd.flash_bwd): True takes this path.
 ENABLED = False
+MAX_KEYS = 256  # marshalled argument lists kept per compiled variant
 
 
 class PointerForward:
@@ -140,6 +141,8 @@ class FastCall:
         key = (ints, floats, int(stream))
         cached = self._cache.get(key)
         if cached is None:
+            if len(self._cache) >= MAX_KEYS:  # shapes that keep changing: start over rather than grow
+                self._cache.clear()
             exe_args, adapted = self.compiled.generate_execution_args(*pointers, *ints, *map(Float32, floats), stream)
             # each pointer is one entry at the front (checked once per key)
             if any(len(p.__c_pointers__()) != 1 for p in pointers) or len(exe_args) < len(pointers):

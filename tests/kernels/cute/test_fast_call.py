@@ -87,6 +87,9 @@ def test_fast_call_marshals_what_the_dsl_does_once_per_shape():
     assert len(call._cache) == 2
     args, keep = call.execution_args(first, _fast_call.scalars(*first), (0.5,), stream)  # a new scale: a new entry
     assert _values(args) == fresh(*first, 0.5) and len(call._cache) == 3
+    for i in range(_fast_call.MAX_KEYS):  # a bounded cache: shapes that keep changing start it over
+        call.execution_args(other, _fast_call.scalars(*other), (1.0 + i,), stream)
+    assert len(call._cache) <= _fast_call.MAX_KEYS
 
     # host time per call: this path against the tensor convention's conversions and marshalling
     tensor_fn = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, False, consumers=3)
