@@ -159,3 +159,16 @@ class FastCall:
         args, pointers = self.execution_args(tensors, ints, floats, stream)
         self.compiled.run_compiled_program(args)
         del pointers  # alive until here
+
+
+# id of a compiled pointer-convention variant (alive in _compile_cache.CACHE for the process) -> its FastCall
+_CALLERS: dict[int, FastCall] = {}
+
+
+def caller(compiled: Any, pointer_types: list[tuple[type, int]]) -> FastCall:
+    """The FastCall of a compiled variant, made on first use."""
+    fast = _CALLERS.get(id(compiled))
+    if fast is None:
+        fast = _CALLERS[id(compiled)] = FastCall(compiled, pointer_types)
+    return fast
+

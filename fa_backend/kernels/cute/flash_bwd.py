@@ -433,10 +433,6 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     return CACHE.get_or_compile(key, build)
 
 
-# id of a compiled pointer-convention variant (alive in _compile_cache.CACHE for the process) -> its FastCall
-_FAST_CALLERS: dict[int, Any] = {}
-
-
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
@@ -474,12 +470,9 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     lse = lse.contiguous()
     if fast:
-        caller = _FAST_CALLERS.get(id(compiled))
-        if caller is None:
-            caller = _FAST_CALLERS[id(compiled)] = _fast_call.FastCall(
-                compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype]))
+        call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype]))
         tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
-        caller(tensors, _fast_call.backward_scalars(*tensors), (scale * _LOG2E, scale), stream)
+        call(tensors, _fast_call.backward_scalars(*tensors), (scale * _LOG2E, scale), stream)
     else:
         compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse, align=4),
                  _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),

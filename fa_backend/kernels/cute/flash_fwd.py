@@ -275,10 +275,6 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return _run(compile_flash_fwd, q, k, v, scale, causal, bottom_right)
 
 
-# id of a compiled pointer-convention variant (alive in _compile_cache.CACHE for the process) -> its FastCall
-_FAST_CALLERS: dict[int, Any] = {}
-
-
 def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Tensor, k: torch.Tensor,
          v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right)."""
@@ -295,11 +291,8 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     if fast:
-        caller = _FAST_CALLERS.get(id(compiled))
-        if caller is None:
-            caller = _FAST_CALLERS[id(compiled)] = _fast_call.FastCall(
-                compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype]))
-        caller((q, k, v, out, lse), _fast_call.scalars(q, k, v, out, lse), (scale * _LOG2E,), stream)
+        call = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype]))
+        call((q, k, v, out, lse), _fast_call.scalars(q, k, v, out, lse), (scale * _LOG2E,), stream)
         return out, lse
     # detach: DLPack refuses tensors that require grad (the op's implementation still sees the flag)
     compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream)
