@@ -95,7 +95,7 @@ if [[ " $steps " == *" product "* ]]; then
 fi
 if [[ " $steps " == *" cute_bwd "* ]]; then
   # the CuTe backward alone: its numerics test, then its timing (a separate process: a fault cannot spoil the rest)
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_flash_bwd_gpu.py -q -x -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_flash_bwd_gpu.py -q -x -p no:cacheprovider -n ${CUTE_WORKERS:-4} \
     > "$OUT/cute_bwd_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/cute_bwd_tests.log"; grep -h -E "^(FAILED|ERROR|E  )" "$OUT/cute_bwd_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py --backward --json "$OUT/bench_cute_bwd.json" \
