@@ -297,9 +297,25 @@ def test_flash_attention_4_is_an_external_peer(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         monkeypatch.delitem(sys.modules, name)
+    # the fake modules this test imports must not outlive it: recorded as absent (setitem, then delitem), the two
+    # names are removed again at teardown, whatever the imports below put there
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.delitem(sys.modules, "flash_attn")
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.delitem(sys.modules, "flash_attn.cute")
+    from importlib import metadata
+
+    def installed(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
     found = bench.external_packages()
-    assert found["flash_attn"] is None  # no flash-attn distribution behind the namespace
-    assert found["flash_attn.cute"] is None  # nor a flash-attn-4 one: a stray module is not the package
+    # the namespace alone is no flash-attn distribution, a stray module no flash-attn-4 one (where the real
+    # packages are installed, as on the GPU machine, their versions are reported)
+    assert found["flash_attn"] == installed("flash-attn")
+    assert found["flash_attn.cute"] == installed("flash-attn-4")
     fn, _ = bench._runner("fa4", True)
     q = torch.randn(1, 3, 5, 8)
     torch.testing.assert_close(fn(q, q, q), q * 2)  # (b, h, s, d) in and out through FA4's (b, s, h, d)
