@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, Int64  # noqa: E402
-from cutlass.cute.runtime import make_ptr  # noqa: E402
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.runtime import make_ptr
 
 # Read at each call (flash_fwd._run, flash_bwd.flash_bwd): True takes this path.
 ENABLED = False
