@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; both need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
-# env: SHARDS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# env: SHARDS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -98,7 +98,7 @@ if [[ " $steps " == *" cute_bwd "* ]]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_flash_bwd_gpu.py -q -x -p no:cacheprovider -n ${CUTE_WORKERS:-4} \
     > "$OUT/cute_bwd_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/cute_bwd_tests.log"; grep -h -E "^(FAILED|ERROR|E  )" "$OUT/cute_bwd_tests.log" | head -20
-  timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py --backward --json "$OUT/bench_cute_bwd.json" \
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py --backward ${CUTE_BWD_ARGS:-} --json "$OUT/bench_cute_bwd.json" \
     > "$OUT/bench_cute_bwd.log" 2>&1 || status=1
   grep -v -i warn "$OUT/bench_cute_bwd.log" | tail -n 20
 fi

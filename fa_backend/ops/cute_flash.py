@@ -2,16 +2,14 @@
 
 The forward is the warp-specialised kernel (kernels/cute/flash_fwd_ws.py) in its fastest variant per head
 dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 ping-pong consumers without a causal mask,
-intra-warpgroup overlap with one; three consumers at d=64). By default the op's autograd formula runs the
-Triton backward kernels (fa_backend::triton_flash_bwd), which take the CuTe
-forward's outputs as they are (out contiguous (b, hq, sq, d), natural-log fp32 lse (b, hq, sq), the
-layout the Triton forward writes too).
+intra-warpgroup overlap with one; three consumers at d=64). The forward returns out contiguous (b, hq, sq, d) and
+the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too.
 
-With CUTE_BACKWARD set, the autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py) instead, except
-under torch.use_deterministic_algorithms (its dQ additions run in no fixed order), for scale 0 and after a
-compile failure, which take the Triton backward. It is off by default: the kernel passes its own GPU tests and
-beats the Triton backward at 8k tokens (docs/benchmarks.md), but it is not timed at every size yet, nor has this
-path run on a GPU.
+The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; two warpgroups per CTA at d=128): on the
+H200 1.06-1.28x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
+(docs/benchmarks.md). The Triton backward kernels (fa_backend::triton_flash_bwd, which take the CuTe forward's
+outputs as they are) run instead under torch.use_deterministic_algorithms (the CuTe backward's dQ additions run
+in no fixed order), for scale 0, after a compile failure, and with CUTE_BACKWARD = False.
 
 The op never fails on what it accepts: inputs TMA cannot read (strides, offsets) are copied to contiguous
 tensors first, and a variant that fails to compile runs the Triton forward instead (logged once by the
@@ -93,7 +91,9 @@ def _setup_context(ctx, inputs, output):
 
 
 # Read at each backward: True runs the CuTe backward where it applies (see the module docstring).
-CUTE_BACKWARD = False
+CUTE_BACKWARD = True
+# warpgroups per CTA of the CuTe backward per head dim (2 at d=128: 128 keys per CTA, 8-11 % faster at 8k tokens)
+BACKWARD_WARPGROUPS = {128: 2}
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right):
@@ -109,7 +109,7 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
     negate = scale < 0  # as the forward: (-q) k^T (-scale), so dq of -q is -dq
     try:
         dq, dk, dv = flash_bwd(dout, -q if negate else q, k, v, out, lse, -scale if negate else scale, is_causal,
-                               bottom_right, dlse=dlse)
+                               bottom_right, dlse=dlse, wgs=BACKWARD_WARPGROUPS.get(q.shape[-1], 1))
     except CompileFailedError:  # logged once by the compile cache
         return None
     return (-dq if negate else dq), dk, dv
@@ -132,7 +132,7 @@ cute_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                          is_causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the CuTe forward, differentiable in q, k and v (Triton backward kernels)."""
+    """(out, lse) of the CuTe forward, differentiable in q, k and v (the CuTe backward, see the module docstring)."""
     return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right))
 
 

