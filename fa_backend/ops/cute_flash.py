@@ -115,15 +115,32 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
     return (-dq if negate else dq), dk, dv
 
 
+@torch.library.custom_op(f"{NAMESPACE}::cute_flash_bwd", mutates_args=())
+def cute_flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dlse: torch.Tensor | None, scale: float | None = None, is_causal: bool = False,
+                   bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of cute_flash_fwd by the CuTe backward; dlse is the gradient of its lse output, if
+    any. The Triton backward where the CuTe one does not apply (see the module docstring)."""
+    grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right)
+    if grads is None:
+        from ..kernels.triton import flash_bwd
+
+        grads = flash_bwd(dout, q, k, v, out, lse, q.shape[-1] ** -0.5 if scale is None else scale, is_causal,
+                          bottom_right, dlse)
+    return grads
+
+
+@cute_flash_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=False):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _backward(ctx, dout, dlse):
     from .triton_flash import triton_flash_bwd
 
     q, k, v, out, lse = ctx.saved_tensors
-    grads = None
-    if CUTE_BACKWARD:
-        grads = _cute_backward(q, k, v, out, lse, dout, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
-    if grads is None:
-        grads = triton_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
+    backward = cute_flash_bwd if CUTE_BACKWARD else triton_flash_bwd
+    grads = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
     return (*grads, None, None, None)
 
 
@@ -136,4 +153,4 @@ def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right))
 
 
-__all__ = ["check_cute_inputs", "cute_flash_attention", "cute_flash_fwd"]
+__all__ = ["check_cute_inputs", "cute_flash_attention", "cute_flash_bwd", "cute_flash_fwd"]

@@ -155,6 +155,25 @@ def test_a_variant_that_failed_to_compile_is_reported(enabled):
         _compile_cache.CACHE.clear()
 
 
+@pytest.mark.skipif(cute_backend.DSL_MISSING is not None, reason="needs the CuTe DSL (compiles one variant)")
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_key_asked_about_is_the_variant_the_op_compiles(fast, monkeypatch, tmp_path):
+    """With the cheap call path on (the default) the op compiles the pointer convention, a variant of its own: its
+    failure must be the one the dispatcher reports."""
+    from fa_backend.kernels.cute import _compile_cache, _fast_call, flash_fwd_ws
+
+    monkeypatch.setenv("FA_BACKEND_CUTE_CACHE_DIR", str(tmp_path / "dsl-cache"))
+    monkeypatch.setattr(_fast_call, "ENABLED", fast)
+    _compile_cache.CACHE.clear()
+    try:
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, False, **flash_fwd_ws.FASTEST[64, True],
+                                          pointer_args=fast)
+        assert list(_compile_cache.CACHE._compiled) == [flash_fwd_ws.fastest_variant_key(torch.bfloat16, 64, True,
+                                                                                         False)]
+    finally:
+        _compile_cache.CACHE.clear()
+
+
 def test_run_refuses_what_it_cannot_run_with_every_reason():
     from fa_backend.dispatch.reasons import BackendUnsupportedError
 

@@ -42,6 +42,19 @@ def test_opcheck():
     torch.library.opcheck(cute_flash_fwd, (q, k, v, 0.3, False, False))
 
 
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_opcheck_backward(with_dlse):
+    """fa_backend::cute_flash_bwd, the op the forward's autograd formula calls (fake tensors must never reach the
+    kernel: aot_dispatch traces the backward)."""
+    from fa_backend.ops import cute_flash_bwd, cute_flash_fwd
+
+    q, k, v = _qkv(1, 4, 2, 200, 300, 128)
+    out, lse = cute_flash_fwd(q, k, v, None, True, True)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    torch.library.opcheck(cute_flash_bwd, (dout, q, k, v, out, lse, dlse, None, True, True))
+
+
 @pytest.fixture
 def cute_backward(monkeypatch):
     """The op's backward through the CuTe kernel; yields the list of its calls (to show it ran)."""

@@ -414,12 +414,14 @@ FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
 
 
 def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool):
-    """The compile-cache key of the variant flash_fwd_fastest runs for these (what the dispatcher asks about)."""
+    """The compile-cache key of the variant flash_fwd_fastest runs for these (what the dispatcher asks about), in
+    the calling convention it compiles now (_fast_call.ENABLED: the pointer one)."""
+    from . import _fast_call
     from .flash_fwd import variant_key
 
     kw = FASTEST[head_dim, causal]
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS))
-    return variant_key(name, tile, dtype, head_dim, causal, bottom_right)
+    return variant_key(name + ("_ptrargs" if _fast_call.ENABLED else ""), tile, dtype, head_dim, causal, bottom_right)
 
 
 def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

@@ -657,10 +657,11 @@ def flash_bwd(
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
     if atomic:
-        m_blocks = cdiv(sq, pre_block)
+        convert_block = 64 if q.device.type == "cuda" else 16
+        m_blocks = cdiv(sq, convert_block)
         _launch.launch(_bwd_dq_convert, grid_1d(m_blocks * b * hq), (
             dq_acc, dq, *dq.stride(), hq, sq, m_blocks, scale,
-        ), dict(HEAD_DIM=d, BLOCK_M=pre_block, BLOCK_D=block_d))
+        ), dict(HEAD_DIM=d, BLOCK_M=convert_block, BLOCK_D=block_d))
         return dq, dk, dv
 
     m_blocks = cdiv(sq, cfg.dq.block_m)
