@@ -119,20 +119,26 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
 def cute_flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: torch.Tensor | None, scale: float | None = None, is_causal: bool = False,
                    bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of cute_flash_fwd by the CuTe backward; dlse is the gradient of its lse output, if
-    any. The Triton backward where the CuTe one does not apply (see the module docstring)."""
+    """Gradients (dq, dk, dv) of cute_flash_fwd by the CuTe backward, contiguous whatever the inputs' strides
+    (what the fake implementation promises); dlse is the gradient of its lse output, if any. The Triton backward
+    where the CuTe one does not apply (see the module docstring)."""
     grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right)
     if grads is None:
         from ..kernels.triton import flash_bwd
 
+        dq, dk, dv = _contiguous_like(q, k, v)
         grads = flash_bwd(dout, q, k, v, out, lse, q.shape[-1] ** -0.5 if scale is None else scale, is_causal,
-                          bottom_right, dlse)
+                          bottom_right, dlse, dq=dq, dk=dk, dv=dv)
     return grads
+
+
+def _contiguous_like(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
 
 
 @cute_flash_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=False):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _contiguous_like(q, k, v)
 
 
 def _backward(ctx, dout, dlse):

@@ -45,10 +45,12 @@ def test_opcheck():
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_opcheck_backward(with_dlse):
     """fa_backend::cute_flash_bwd, the op the forward's autograd formula calls (fake tensors must never reach the
-    kernel: aot_dispatch traces the backward)."""
+    kernel: aot_dispatch traces the backward); q in (b, s, h, d) memory: the fake's contiguous gradients must match
+    the real ones' strides."""
     from fa_backend.ops import cute_flash_bwd, cute_flash_fwd
 
-    q, k, v = _qkv(1, 4, 2, 200, 300, 128)
+    q = torch.randn(1, 200, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = _qkv(1, 4, 2, 200, 300, 128)[1:]
     out, lse = cute_flash_fwd(q, k, v, None, True, True)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None

@@ -444,7 +444,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
-    (2: 128 keys per CTA, head_dim 128 only)."""
+    (2: 128 keys per CTA, head_dim 128 only). The three gradients are contiguous whatever the inputs' strides."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs
@@ -461,7 +461,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
                                  pointer_args=fast)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
     m_blocks = -(-sq // TILE_M)
     # dq_atomic: (b, hq, sq, d) rows; else one chunk of TILE_M * d values per query block, in the kernel's fragment

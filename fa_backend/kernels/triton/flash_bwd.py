@@ -577,7 +577,6 @@ def _bwd_feature_class(feat, attn_mask, b: int, hq: int, sq: int, sk: int, d: in
     return True
 
 
-
 def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
               block_dv: int | None = None) -> torch.Tensor:
     """delta = rowsum(dO * O) - dlse in fp32, (b, hq, sq), for out / dout (b, hq, sq, dv) of any strides: the
