@@ -320,6 +320,15 @@ class FlashBackwardSm90(ForwardVariant):
                         col = wg * (d // wgs) + tQcQ[i][1]
                         cute.arch.atomic_add(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout), acc_dq[i])
             else:
+                if cutlass.const_expr(wgs > 1):
+                    # this warpgroup's dQ half overwrites the stage's Q (or dO), which the other warpgroup's dK / dV
+                    # GEMMs read and only that warpgroup's wait_group(0) retires: a barrier after both waits. It
+                    # and the next one also publish step + 1's LSE and delta rows (stored first) and put every
+                    # dQ GEMM's dS reads before step + 1's dS stores, which is all the end-of-step barrier did
+                    if tidx < TILE_M:
+                        sLSE[tidx, 1 - stage] = next_lse
+                        sDelta[tidx, 1 - stage] = next_delta
+                    cute.arch.sync_threads()
                 # the block in fragment order (_dq_slot) into this stage's Q and dO memory, then one lane adds
                 # each half (a contiguous run of the chunked dQ buffer) with one bulk reduce-add
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
@@ -334,10 +343,11 @@ class FlashBackwardSm90(ForwardVariant):
                             bulk_reduce_add_f32(sdQ.iterator + region * QDO_STAGES * half + stage * half,
                                                 chunk + region * half, 4 * half)
                         cute.arch.cp_async_bulk_commit_group()
-            if tidx < TILE_M:
-                sLSE[tidx, 1 - stage] = next_lse
-                sDelta[tidx, 1 - stage] = next_delta
-            cute.arch.sync_threads()  # every warp is done with this stage and dS before they are written again
+            if cutlass.const_expr(wgs == 1 or self.dq_atomic):  # two warpgroups with bulk adds: done above
+                if tidx < TILE_M:
+                    sLSE[tidx, 1 - stage] = next_lse
+                    sDelta[tidx, 1 - stage] = next_delta
+                cute.arch.sync_threads()  # every warp is done with this stage and dS before they are written again
 
         if cutlass.const_expr(not self.dq_atomic):
             if producer_warp:  # shared memory must outlive the last bulk adds' reads

@@ -77,6 +77,11 @@ def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right):
     assert not re.findall(r"(?:red|atom)\.global\.[a-z.]*f32", ptx)
     assert ptx.count("ex2.approx") == n * m // flash_bwd.THREADS
     assert "ld.local" not in ptx and "st.local" not in ptx
+    # the dQ halves overwrite the stage's Q / dO, which the other warpgroup's dK / dV GEMMs read: a barrier after
+    # the dQ GEMM's wait comes before the first dQ store; three per step still (dS, that one, dQ), five in all
+    dq_tail = ptx[ptx.rindex("wgmma.wait_group.sync.aligned"):ptx.index("cp.reduce.async.bulk")]
+    assert "st.shared.v2" not in dq_tail[:dq_tail.index("bar.sync")] and dq_tail.count("bar.sync") == 2
+    assert ptx.count("bar.sync") == 5
 
 
 def test_unsupported_variants_are_value_errors():
