@@ -51,7 +51,10 @@ def check_decode(d: int, group: int, paged: bool, splits: int, features: bool, m
           "BLOCK_M": decode.block_m_for(group, 1), "BLOCK_N": block_n, "BLOCK_D": d, "NUM_SPLITS": splits,
           "PAGE_SIZE": 64 if paged else 0, "PAGE_TILES": page_tiles and not features, "SOFTCAP": features,
           "HAS_LEFT": features, "HAS_RIGHT": features, "ALIBI_PER_BATCH": False,
-          "ROTARY_DIM": d if features else 0, "ROTARY_INTERLEAVED": True, "ROTARY_POS_STEP": 0}
+          "ROTARY_DIM": d if features else 0, "ROTARY_INTERLEAVED": True, "ROTARY_POS_STEP": 0,
+          "COUNTERS": idx if splits > 1 and decode.FUSED_MERGE else None,
+          "SPLITS_P2": triton.next_power_of_2(splits),
+          "SPLIT_CHUNK": decode.split_chunk(decode.block_m_for(group, 1), d, splits)}
     if mask:
         ex.update({"CACHE_SEQLENS": None, "MASK": "ptr8" if mask == 1 else "ptr", "stride_mb": 4096,
                    "stride_mh": 0, "stride_mm": 0 if mask == 1 else 4096, "stride_mn": 1, "MASK_KIND": mask})

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; both need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
-# env: SHARDS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# env: SHARDS, TUNE_DECODE_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -72,7 +72,7 @@ if [[ " $steps " == *" overhead "* ]]; then
   python3 -m fa_backend bench --overhead-only 2>&1 | tail -n 8
 fi
 if [[ " $steps " == *" decode_tune "* ]]; then
-  timeout ${TUNE_TIMEOUT:-420} python3 scripts/tune_decode.py --json "$OUT/tune_decode.json" > "$OUT/tune_decode.log" 2>&1 || status=1
+  timeout ${TUNE_TIMEOUT:-420} python3 scripts/tune_decode.py ${TUNE_DECODE_ARGS:-} --json "$OUT/tune_decode.json" > "$OUT/tune_decode.log" 2>&1 || status=1
   grep -v -i warn "$OUT/tune_decode.log" | tail -n 60
 fi
 if [[ " $steps " == *" host "* ]]; then

@@ -125,12 +125,13 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                         "2.42-2.55x backward"),
     # Short-query calls with a mask (decode steps, sq <= 16) stay on cuDNN as before the rule above dropped
     # masks: the block bounds are the dense kernels' (a decode step has one query block), and our split-KV
-    # decode kernel ran at 0.62-1.02x cuDNN without a mask ("Decode (KV cache)"); with one it reads the mask too.
+    # decode kernel ran at 0.25-2.33x cuDNN eager and 0.97-1.13x as graph replays without a mask ("Decode (KV
+    # cache)"); with one it reads the mask too.
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
                mask_only=True, gqa=True, max_seqlen_q=16,
-               evidence="H200, torch 2.11, d=128, short queries: our split-KV decode kernel 0.62-1.02x cuDNN "
-                        "without a mask"),
+               evidence="H200, torch 2.11, d=128, short queries: our split-KV decode kernel 0.25-2.33x cuDNN "
+                        "eager (host-bound) and 0.97-1.13x as graph replays, without a mask"),
     # docs/benchmarks.md, "nn modules with routing on" (H200, torch 2.11, bf16, E=512 with 16 heads, d=32,
     # seqlen 128-2048, two runs): with our Triton kernel, eval 0.28-1.08x of routing off (MHA 0.37-0.57x at
     # seqlen 128-512, 0.92-1.08x at 2048; encoder layer 0.28-0.52x) and training 0.80-0.99x; restricted to
@@ -141,14 +142,16 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                evidence="H200, torch 2.11, d=32, seqlen <= 2048: with our Triton kernel nn modules ran at "
                         "0.28-1.08x (eval) and 0.80-0.99x (training) of PyTorch's path"),
     # docs/benchmarks.md, "Decode (KV cache)" (H200, torch 2.11, bf16, hq=32, hkv 8 and 32, d=128, one query,
-    # no mask): our split-KV decode kernel ran at 0.62-1.02x cuDNN's speed as CUDA-graph replays (eager
-    # 0.21-1.02x). Routed decode calls look up rules for "triton_decode" first (dispatch/select.py), then the
-    # "triton" rules above.
+    # no mask): since the fused split merge our split-KV decode kernel runs at 0.97-1.13x cuDNN's speed as
+    # CUDA-graph replays, but eager calls are host-bound at 0.25-2.33x, and a rule reads
+    # metadata only: it cannot tell a replayed graph from an eager call, so the class stays with cuDNN.
+    # Routed decode calls look up rules for "triton_decode" first (dispatch/select.py), then the "triton"
+    # rules above.
     FasterPeer(backend="triton_decode", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), gqa=True,
                max_seqlen_q=1,
                evidence="H200, torch 2.11, bf16, hq=32, d=128, one query token: our split-KV decode kernel "
-                        "0.62-1.02x cuDNN"),
+                        "0.25-2.33x cuDNN in eager calls (host-bound), 0.97-1.13x as CUDA-graph replays"),
 )
 
 

@@ -7,10 +7,11 @@ head, not once per query head; M is padded to at least 16 rows for tl.dot. The k
 the block (cache length, causal / sliding window) are cut into NUM_SPLITS contiguous ranges of
 whole BLOCK_N tiles, one per program, computed from the runtime lengths so that every split of a
 short sequence still gets work. With one split the program writes the final output and LSE;
-otherwise it writes an fp32 partial output (normalised by its own sum) and its log2 LSE, and
-`_merge_splits` combines them with weights exp2(lse_s - max). Queries are rotated (rotary) while they
-are loaded, so a decode step is one launch, plus the merge when the keys are split, plus one append
-launch when new keys are given (kv_append.py). A paged cache is read in tiles that never cross a page
+otherwise it writes an fp32 partial output (normalised by its own sum) and its log2 LSE, and the
+last program of the (batch, KV head, query block) to finish (an arrival counter per block) combines
+them with weights exp2(lse_s - max) (`_combine_rows`; `_merge_splits` is the same merge as a second
+launch, used when FUSED_MERGE is off). Queries are rotated (rotary) while they are loaded, so a decode
+step is one launch, plus one append launch when new keys are given (kv_append.py). A paged cache is read in tiles that never cross a page
 when BLOCK_N divides the page size (one block-table load per tile, issued a tile ahead).
 
 Key j of batch b (0 <= j < seqlen_k[b]) is cache row leftpad[b] + j, seqlen_k = cache_seqlens[b]
@@ -42,7 +43,7 @@ MAX_SPLITS = 128
 @triton.jit(do_not_specialize=["SEQ_NEW", "SEQ_BASE", "WINDOW_LEFT", "WINDOW_RIGHT"])
 def _decode_split(
     Q, K, V, O, LSE, WS,
-    CACHE_SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, MASK,
+    CACHE_SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, MASK, COUNTERS,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     stride_mb, stride_mh, stride_mm, stride_mn,
     SEQ_Q, SEQ_NEW, SEQ_BASE, qk_scale, softcap, WINDOW_LEFT, WINDOW_RIGHT,
@@ -50,10 +51,12 @@ def _decode_split(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGE_TILES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ALIBI_PER_BATCH: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-    ROTARY_POS_STEP: tl.constexpr, MASK_KIND: tl.constexpr = 0,
+    ROTARY_POS_STEP: tl.constexpr, MASK_KIND: tl.constexpr = 0, SPLITS_P2: tl.constexpr = 1,
+    SPLIT_CHUNK: tl.constexpr = 1,
 ):
     # Optional inputs are None (compile-time) when absent: CACHE_SEQLENS (then every length is SEQ_BASE),
-    # BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS/SIN, LSE (not wanted), MASK and its strides (MASK_KIND 0).
+    # BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS/SIN, LSE (not wanted), MASK and its strides (MASK_KIND 0),
+    # COUNTERS (split launches merged by _merge_splits; else one zeroed int32 per (batch, KV head, query block)).
     # O is contiguous (b, sq, hq, d); the last dim of q and of the caches is contiguous (stride 1). The
     # mask is read through its (b, hq, sq, key) strides, 0 on broadcast dims; column j is key j.
     NUM_HEADS_Q: tl.constexpr = GROUP * NUM_HEADS_K
@@ -62,6 +65,7 @@ def _decode_split(
     split = pid % NUM_SPLITS
     rest = pid // NUM_SPLITS
     num_m_blocks = tl.cdiv(GROUP * SEQ_Q, BLOCK_M)
+    rest_tile = rest  # (batch, KV head, query block): the fused merge's arrival counter
     pid_m = rest % num_m_blocks
     rest = rest // num_m_blocks
     off_hk = rest % NUM_HEADS_K
@@ -207,6 +211,53 @@ def _decode_split(
         ws = WS + o_row * WS_ROW
         tl.store(ws + NUM_SPLITS * BLOCK_D + split, lse2, mask=row_ok)
         tl.store(ws[:, None] + split * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
+        if COUNTERS is not None:
+            # Fused merge: the last split of this (batch, KV head, query block) to arrive merges all of them,
+            # which saves the merge launch (a few µs: most of a batch-1 decode step on a short cache). The
+            # barrier puts every thread's partial before the arrival; the atomic (acq_rel, gpu scope, one
+            # thread) publishes them and, for the last arrival, acquires the others'.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(COUNTERS + rest_tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                tl.store(COUNTERS + rest_tile, 0)  # ready for the next launch (stream order separates them)
+                merged, lse_m = _combine_rows(ws, row_ok, NUM_SPLITS, SPLITS_P2, BLOCK_D, SPLIT_CHUNK, True)
+                if LSE is not None:
+                    tl.store(LSE + (off_b * NUM_HEADS_Q + qh).to(tl.int64) * SEQ_Q + qi, lse_m, mask=row_ok)
+                tl.store(O + o_row[:, None] * HEAD_DIM + offs_d[None, :], merged.to(O.dtype.element_ty),
+                         mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_rows(ws, row_ok, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLIT_CHUNK: tl.constexpr, BYPASS_L1: tl.constexpr):
+    """The merged output (fp32, (R, BLOCK_D)) and natural-log LSE of the workspace rows `ws` (pointers, (R,)):
+    the splits' outputs weighted by exp2(lse_s - max). BYPASS_L1 reads through L2 only (partials written
+    by other programs of the same launch)."""
+    CACHE: tl.constexpr = ".cg" if BYPASS_L1 else ""
+    splits = tl.arange(0, SPLITS_P2)
+    ok = row_ok[:, None] & (splits[None, :] < NUM_SPLITS)
+    lse = tl.load(ws[:, None] + NUM_SPLITS * BLOCK_D + splits[None, :], mask=ok, other=float("-inf"),
+                  cache_modifier=CACHE)  # (R, SPLITS_P2), log2 units
+    m = tl.max(lse, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.math.exp2(lse - m_safe[:, None]), 1)  # empty splits weigh 0
+    empty = total == 0.0
+    scale = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([ws.shape[0], BLOCK_D], dtype=tl.float32)
+    # SPLIT_CHUNK partial outputs per (unrolled) step, loaded as one (R, SPLIT_CHUNK, BLOCK_D) tile: the
+    # loads of a step are in flight together, where a loop of one split per step waits out one L2 latency
+    # per split (~16 in a row at 16 splits, the size of the launch the fused merge saves).
+    for c in tl.static_range(0, SPLITS_P2, SPLIT_CHUNK):
+        idx = c + tl.arange(0, SPLIT_CHUNK)
+        ok_c = row_ok[:, None] & (idx[None, :] < NUM_SPLITS)
+        w_c = tl.math.exp2(tl.load(ws[:, None] + NUM_SPLITS * BLOCK_D + idx[None, :], mask=ok_c,
+                                   other=float("-inf"), cache_modifier=CACHE) - m_safe[:, None])
+        o_c = tl.load(ws[:, None, None] + idx[None, :, None] * BLOCK_D + offs_d[None, None, :],
+                      mask=(ok_c & (w_c > 0.0))[:, :, None], other=0.0, cache_modifier=CACHE)
+        acc += tl.sum(w_c[:, :, None] * o_c, 1)
+    lse_out = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, total))) * LN2)
+    return acc * scale[:, None], lse_out
 
 
 @triton.jit
@@ -220,27 +271,11 @@ def _merge_splits(
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N_ROWS
-    ws = WS + rows.to(tl.int64) * WS_ROW
-    splits = tl.arange(0, SPLITS_P2)
-    ok = row_ok[:, None] & (splits[None, :] < NUM_SPLITS)
-    lse = tl.load(ws[:, None] + NUM_SPLITS * BLOCK_D + splits[None, :], mask=ok,
-                  other=float("-inf"))  # (BLOCK_R, SPLITS_P2), log2 units
-    m = tl.max(lse, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m_safe[:, None])  # 0 for empty splits
-    total = tl.sum(w, 1)
-    empty = total == 0.0
-    scale = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    # One split per (unrolled) step: chunked (rows, chunk, BLOCK_D) tiles spill in this kernel (sm90 compile,
+    # 16 splits: 3.6 KB of stack at chunks of 2 or 4; none at 1, 137 registers).
+    out, lse_out = _combine_rows(WS + rows.to(tl.int64) * WS_ROW, row_ok, NUM_SPLITS, SPLITS_P2, BLOCK_D, 1, False)
     offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w_s = tl.math.exp2(tl.load(ws + NUM_SPLITS * BLOCK_D + s, mask=row_ok, other=float("-inf")) - m_safe)
-        o_s = tl.load(ws[:, None] + s * BLOCK_D + offs_d[None, :], mask=row_ok[:, None] & (w_s[:, None] > 0.0),
-                      other=0.0)
-        acc += w_s[:, None] * o_s
-    out = acc * scale[:, None]
     if LSE is not None:
-        lse_out = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, total))) * LN2)
         off_h = rows % NUM_HEADS_Q
         t = rows // NUM_HEADS_Q
         tl.store(LSE + ((t // SEQ_Q) * NUM_HEADS_Q + off_h).to(tl.int64) * SEQ_Q + t % SEQ_Q, lse_out, mask=row_ok)
@@ -265,13 +300,15 @@ def _cuda_sm_count(index: int) -> int:
 
 def decode_config(d: int, num_splits: int = 0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for padded head dim d and the launch's number of splits (0: not
-    known yet; BLOCK_N does not depend on it). d <= 128 from scripts/tune_decode.py on the H200: one split
-    (each program streams a whole cache) pipelines one stage deeper (b=64, hkv=8, 16k cache: 4 stages
-    1.00x cuDNN, 3 stages 0.87x); with splits, 3 stages were as good as any."""
+    known yet, the BLOCK_N the split heuristic counts tiles with). d <= 128 from scripts/tune_decode.py on
+    the H200 (graph replays): with splits, 64-key tiles, 3 stages; one split (each program streams a whole
+    cache): 128-key tiles, 8 warps, 3 stages, the only configuration within 1 % of cuDNN on all five
+    unsplit shapes timed (b=64 / 8, hkv=32 / 8, 4k / 16k: 0.99-1.01x; 64 x 4 x 4 0.97-1.00x, 64 x 4 x 3
+    0.87-1.02x)."""
     if interpreting():
         return 16, 4, 1
     if d <= 128:
-        return 64, 4, 4 if num_splits == 1 else 3
+        return (128, 8, 3) if num_splits == 1 else (64, 4, 3)
     return 32, 4, 2
 
 
@@ -288,12 +325,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Split bounds measured with scripts/tune_decode.py on the H200 (bf16, d=128, CUDA-graph replays): at batch
-# 1, 8 to 16 splits of at least 8 tiles each beat the earlier ~2 programs per SM (b=1, hkv=8, 4k cache:
-# 8 splits 0.82x cuDNN against 32 splits 0.59x; 16k: 16 splits 0.88x against 33 0.67x; hkv=32, 32k:
-# 8 splits 0.98x against 9 0.88x); 32 or 64 splits were slower at every point measured.
+# Split bounds measured with scripts/tune_decode.py on the H200 (bf16, d=128, CUDA-graph replays). With the
+# merge as a second launch, 8 to 16 splits of at least 8 tiles each were best at batch 1, and 32 or 64 splits
+# slower everywhere. With the merge fused into the decode launch, splits cost no launch and short caches want
+# more of them: b=1, hkv=8, 1k cache: 16 splits of one tile 1.05x cuDNN against 2 splits 0.65x; 4k: 16 splits
+# 1.15x against 8 splits 1.02x; hkv=32, 1k: 8 splits 1.07x (4: 1.11x), 2 splits 0.96x. 16 stays the cap
+# (b=1, hkv=8, 32k: 16 and 32 splits within 1 %).
 MAX_USEFUL_SPLITS = 16
-MIN_TILES_PER_SPLIT = 8
+MIN_TILES_PER_SPLIT = 1
 
 
 def num_splits_heuristic(batch: int, heads_k: int, num_m_blocks: int, max_seqlen_k: int, block_n: int,
@@ -321,10 +360,43 @@ def page_block_n(block_n: int, page_size: int) -> tuple[int, bool]:
     return block_n, False
 
 
+def split_chunk(rows: int, block_d: int, num_splits: int) -> int:
+    """Partial outputs merged per step (a power of two): as many as keep the step's (rows, chunk, block_d)
+    fp32 tile within 8192 elements, 64 registers per thread at 4 warps."""
+    return max(1, min(_next_pow2(num_splits), 8192 // (rows * block_d)))
+
+
 def ws_row_floats(num_splits: int, block_d: int) -> int:
     """fp32 elements per output row of the split workspace: the partial outputs, then the LSEs (the row
     padded to 16 floats). Must match WS_ROW in the kernels."""
     return num_splits * block_d + (num_splits + 15) // 16 * 16
+
+
+# Split launches merge in their last-arriving program (one launch) instead of a second kernel. A module
+# switch so that tests and scripts/tune_decode.py can time and check both.
+FUSED_MERGE = True
+
+# Arrival counters of the fused merge, per (device, stream): zeroed once, each launch leaves them at zero
+# (the last arrival resets its counter), so launches in one stream's order can share them, and a CUDA
+# graph captured with them replays correctly. Calls on different streams get different counters.
+_COUNTERS: dict = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least n counters, reused by every fused-merge launch on the current
+    stream of device."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, torch._C._cuda_getCurrentRawStream(index))
+    else:
+        key = (device.type, 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        # Under CUDA-graph capture this zeroing is captured too (a memset node) and the buffer comes from the
+        # graph's pool; the cache keeps it alive, so the graph and later calls on that stream share it.
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 # Launch plans per shape key: grids, constexprs and the workspace size (the heuristics run once).
@@ -334,17 +406,22 @@ _PLANS: dict = {}
 def _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits, device):
     group = hq // hkv
     block_d = pad_head_dim(d)
-    block_n = decode_config(block_d)[0]
-    page_tiles = False
-    if page_size:
-        block_n, page_tiles = page_block_n(block_n, page_size)
-        page_tiles = page_tiles and not has_leftpad  # a left pad shifts rows off the page grid
     block_m = block_m_for(group, sq)
     num_m_blocks = _cdiv(group * sq, block_m)
     if num_splits <= 0:
-        num_splits = num_splits_heuristic(b, hkv, num_m_blocks, max_seqlen_k, block_n, _sm_count(device))
+        heuristic_n = decode_config(block_d)[0]  # the tile size the heuristic was tuned with
+        if page_size:
+            heuristic_n = page_block_n(heuristic_n, page_size)[0]
+        num_splits = num_splits_heuristic(b, hkv, num_m_blocks, max_seqlen_k, heuristic_n, _sm_count(device))
     num_splits = min(num_splits, MAX_SPLITS)
-    _, num_warps, num_stages = decode_config(block_d, num_splits)  # BLOCK_N is the same for any splits
+    block_n, num_warps, num_stages = decode_config(block_d, num_splits)
+    page_tiles = False
+    if page_size:
+        cfg_n = block_n
+        block_n, page_tiles = page_block_n(block_n, page_size)
+        page_tiles = page_tiles and not has_leftpad  # a left pad shifts rows off the page grid
+        if block_n < cfg_n and num_splits == 1:  # pages smaller than the unsplit tile: 64 x 4 x 4, as timed
+            num_warps, num_stages = 4, 4
     n_rows = b * sq * hq
     consts = {"GROUP": group, "NUM_HEADS_K": hkv, "HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
               "BLOCK_D": block_d, "NUM_SPLITS": num_splits, "PAGE_SIZE": page_size, "PAGE_TILES": page_tiles,
@@ -355,12 +432,28 @@ def _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_spli
         merge = (grid_1d(_cdiv(n_rows, block_r)),
                  {"NUM_HEADS_Q": hq, "NUM_SPLITS": num_splits, "SPLITS_P2": _next_pow2(num_splits), "HEAD_DIM": d,
                   "BLOCK_D": block_d, "BLOCK_R": block_r, "num_warps": 4})
+    if num_splits > 1:
+        consts["SPLITS_P2"] = _next_pow2(num_splits)
+        consts["SPLIT_CHUNK"] = split_chunk(block_m, block_d, num_splits)
     plan = (grid_1d(b * hkv * num_m_blocks * num_splits), consts, merge,
-            n_rows * ws_row_floats(num_splits, block_d) if num_splits > 1 else 0)
+            n_rows * ws_row_floats(num_splits, block_d) if num_splits > 1 else 0, b * hkv * num_m_blocks)
     if len(_PLANS) >= 4096:
         _PLANS.clear()
     _PLANS[key] = plan
     return plan
+
+
+def launch_constants(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None = None,
+                     has_leftpad: bool = False, num_splits: int = 0) -> dict:
+    """The decode kernel's compile-time constants (BLOCK_N, NUM_SPLITS, ...) for a call with these tensors."""
+    b, sq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    page_size = 0 if block_table is None else k_cache.shape[1]
+    max_seqlen_k = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
+    key = (b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits, q.device)
+    plan = _PLANS.get(key) or _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits,
+                                    q.device)
+    return dict(plan[1])
 
 
 def decode_attention(
@@ -378,8 +471,9 @@ def decode_attention(
     cache_seqlens, (b,) int32 or one int for every sequence, counts the cache rows *before* the
     seqlen_new appended ones. Windows use -1 for "unbounded"; causal is window_right = 0. num_splits 0
     picks the heuristic. rotary_cos/sin (contiguous (seqlen_ro, rotary_dim / 2)) rotate q in the kernel
-    at position cache_seqlens[b] + i * rotary_pos_step. One launch, plus the merge when the keys are
-    split; no other device work (CUDA-graph safe). Inputs are validated by the caller: the last dim of
+    at position cache_seqlens[b] + i * rotary_pos_step. One launch (plus the merge launch when the keys
+    are split and FUSED_MERGE is off); no other device work after the first call on a stream, which
+    zeroes the merge's arrival counters (CUDA-graph safe). Inputs are validated by the caller: the last dim of
     q and of the caches must be contiguous, alibi_slopes contiguous.
 
     attn_mask (SDPA's): bool (True = attend) or additive (fp16 / bf16 / fp32), any shape broadcastable to
@@ -396,12 +490,13 @@ def decode_attention(
     if plan is None:
         plan = _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, cache_leftpad is not None, num_splits,
                      q.device)
-    grid, consts, merge, ws_numel = plan
+    grid, consts, merge, ws_numel, n_tiles = plan
     out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if need_lse else None
     if b * sq * hq == 0 or d == 0:
         return out, lse
     ws = torch.empty(ws_numel, dtype=torch.float32, device=q.device) if merge is not None else None
+    counters = arrival_counters(q.device, n_tiles) if merge is not None and FUSED_MERGE else None
     if _launch.POISON_OUTPUTS:
         _launch.poison(*(t for t in (out, lse, ws) if t is not None))
     seqlens_t, seq_base = (None, int(cache_seqlens)) if isinstance(cache_seqlens, int) else (cache_seqlens, 0)
@@ -423,7 +518,7 @@ def decode_attention(
     _launch.launch(_decode_split, grid, (
         q, k_cache, v_cache, out, lse, ws,
         seqlens_t, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin, mask_ptr,
-        qb, qm, qh, kb, kn, kh, vb, vn, vh, 0 if block_table is None else block_table.stride(0), *mask_strides,
+        counters, qb, qm, qh, kb, kn, kh, vb, vn, vh, 0 if block_table is None else block_table.stride(0), *mask_strides,
         sq, seqlen_new, seq_base, scale, softcap, max(window_left, 0), right,
     ), dict(
         SOFTCAP=softcap > 0.0, HAS_LEFT=window_left >= 0, HAS_RIGHT=has_right,
@@ -431,6 +526,6 @@ def decode_attention(
         ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1], ROTARY_INTERLEAVED=rotary_interleaved,
         ROTARY_POS_STEP=rotary_pos_step, MASK_KIND=mask_kind, **consts,
     ))
-    if merge is not None:
+    if merge is not None and counters is None:
         _launch.launch(_merge_splits, merge[0], (ws, out, lse, b * sq * hq, sq), merge[1])
     return out, lse

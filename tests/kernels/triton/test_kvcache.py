@@ -153,11 +153,11 @@ def test_rotary_query_positions_follow_fa2_rule():
     assert max_err(out_global[:, 1:], out_local[:, 1:]) > 1e-2
 
 
-def _same_tiles(page_size: int, d: int) -> bool:
+def _same_tiles(page_size: int, d: int, num_splits: int) -> bool:
     """Paged and contiguous reads use the same key tiles, hence the same summation order, so their
     results are bitwise equal. Pages smaller than the contiguous tile (16/32 rows against 64 on a GPU)
     get smaller tiles: both results are then only checked against the float64 reference."""
-    block_n = decode.decode_config(d)[0]
+    block_n = decode.decode_config(d, num_splits)[0]
     return decode.page_block_n(block_n, page_size)[0] == block_n
 
 
@@ -172,7 +172,7 @@ def test_paged_matches_contiguous(page_size, with_rotary):
     vp[bt.flatten().long()] = vc.reshape(-1, page_size, *vc.shape[2:])
     out_paged, _ = check_kvcache(q, kp, vp, k, v, cache_seqlens=sl, block_table=bt, num_splits=2, **rot)
     out_contig, _ = check_kvcache(q, kc, vc, k, v, cache_seqlens=sl, num_splits=2, **rot)
-    if _same_tiles(page_size, 32):
+    if _same_tiles(page_size, 32, 2):
         assert torch.equal(out_paged, out_contig)
 
 
@@ -281,9 +281,11 @@ def test_heuristic_from_shapes():
     assert decode.num_splits_heuristic(1, 8, 1, 131072, 64, 132) >= 16
     assert decode.num_splits_heuristic(1, 8, 1, 256, 64, 132) == 1  # 4 tiles: not worth a merge
     assert decode.num_splits_heuristic(1, 1, 1, 10**7, 64, 132) <= decode.MAX_SPLITS
-    # Batch 1: about one program per SM, at most 16 splits of at least 8 tiles (tune_decode on the H200).
-    assert decode.num_splits_heuristic(1, 8, 1, 1024, 64, 132) == 2
-    assert decode.num_splits_heuristic(1, 8, 1, 4096, 64, 132) == 8
+    # Batch 1: about one program per SM, at most 16 splits, down to one tile each (tune_decode on the H200,
+    # fused merge).
+    assert decode.num_splits_heuristic(1, 8, 1, 1024, 64, 132) == 16
+    assert decode.num_splits_heuristic(1, 32, 1, 1024, 64, 132) == 8
+    assert decode.num_splits_heuristic(1, 8, 1, 4096, 64, 132) == 16
     assert decode.num_splits_heuristic(1, 8, 1, 16384, 64, 132) == 16
     assert decode.num_splits_heuristic(1, 32, 1, 32768, 64, 132) == 8
     assert decode.num_splits_heuristic(8, 8, 1, 4096, 64, 132) == 4
@@ -383,17 +385,20 @@ def _count_launches(monkeypatch, run=True):
     return log
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("int_seqlens", [False, True])
-def test_launches_per_call(monkeypatch, int_seqlens):
-    # Pure decode: one launch, plus the merge only when the keys are split; an append (keys rotated, values
-    # copied) is one more launch; the queries are rotated inside the decode kernel (no launch of their own).
+def test_launches_per_call(monkeypatch, int_seqlens, fused):
+    # Pure decode: one launch (plus the merge when the keys are split and the merge is not fused); an append
+    # (keys rotated, values copied) is one more launch; the queries are rotated inside the decode kernel.
+    monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+    merge = [] if fused else ["merge"]
     log = _count_launches(monkeypatch)
     q, kc, vc, k, v, _ = _case(b=2, sq=1, hq=4, hkv=2, d=32, s_cache=48, s_new=1)
     sl = 30 if int_seqlens else _seqlens(30, 17)
     cos, sin = _rotary(48, 32)
     expected = {
-        (False, 1): ["decode"], (False, 3): ["decode", "merge"],
-        (True, 1): ["append", "decode"], (True, 3): ["append", "decode", "merge"],
+        (False, 1): ["decode"], (False, 3): ["decode", *merge],
+        (True, 1): ["append", "decode"], (True, 3): ["append", "decode", *merge],
     }
     for (append, splits), launches in expected.items():
         log.clear()
@@ -403,10 +408,13 @@ def test_launches_per_call(monkeypatch, int_seqlens):
         assert log == launches, (append, splits)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("paged", [False, True])
-def test_no_other_device_work_per_call(monkeypatch, paged):
+def test_no_other_device_work_per_call(monkeypatch, paged, fused):
     # Besides the Triton launches, a call only allocates (out, lse, split workspace): no fill, copy or
     # host-to-device tensor (an int cache_seqlens included), so a CUDA graph captures exactly the launches.
+    # The fused merge's arrival counters are zeroed by the first call only (the warm-up call below).
+    monkeypatch.setattr(decode, "FUSED_MERGE", fused)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fa_backend.kernels.triton import _launch
@@ -438,7 +446,7 @@ def test_no_other_device_work_per_call(monkeypatch, paged):
                 fa_backend.flash_attn_with_kvcache(q, kc, vc, *kv, cache_seqlens=sl, block_table=bt, num_splits=3,
                                                    return_softmax_lse=True, **rot)
             assert set(mode.ops) <= {"empty"}, mode.ops
-            assert log == (["append"] if kv else []) + ["decode", "merge"]
+            assert log == (["append"] if kv else []) + ["decode"] + ([] if fused else ["merge"])
 
 
 def test_checks_cached_per_metadata_still_reject():
@@ -480,5 +488,33 @@ def test_paged_tiles_with_splits_and_leftpad(page_size):
         out_p, _ = check_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=sl, block_table=bt, num_splits=3,
                                  **kw)
         out_c, _ = check_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=sl, num_splits=3, **kw)
-        if _same_tiles(page_size, 32):
+        if _same_tiles(page_size, 32, 2):
             assert torch.equal(out_p, out_c)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_fused_merge_equals_merge_launch(monkeypatch, splits):
+    # The last-arriving split merges in the decode launch, as the merge launch would (both within the bar),
+    # splits without keys (short sequences, an empty cache) included, and every arrival counter is back at
+    # zero afterwards so the next launch (or a CUDA-graph replay) starts clean.
+    q, kc, vc, k, v, _ = _case(b=3, sq=2, hq=8, hkv=2, d=32, s_cache=96, s_new=2)
+    sl = _seqlens(0, 40, 94)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+        results[fused] = check_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=sl, num_splits=splits,
+                                       causal=True)
+    for a, b in zip(results[False], results[True]):  # same splits, same fp32 weights: at most rounding apart
+        torch.testing.assert_close(a, b)
+    assert decode.arrival_counters(q.device, 1).abs().sum().item() == 0
+
+
+def test_fused_merge_counters_reused_across_shapes(monkeypatch):
+    # One counter buffer per stream serves launches of different shapes (it grows when a launch has more
+    # (batch, KV head, query block) tiles than it holds); the merged results stay those of the merge launch.
+    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+    for b, hkv in ((1, 1), (4, 2), (2, 4)):
+        q, kc, vc, k, v, _ = _case(b=b, sq=1, hq=4, hkv=hkv, d=32, s_cache=64, s_new=1)
+        check_kvcache(q, kc, vc, k, v, cache_seqlens=_seqlens(*([37, 63, 5, 20][:b])), num_splits=3)
+    assert decode.arrival_counters(q.device, 1).abs().sum().item() == 0
