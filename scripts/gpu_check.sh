@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; both need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
-# env: SHARDS, TUNE_DECODE_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# env: SHARDS, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -36,7 +36,7 @@ if [[ " $steps " == *" feature_tests "* ]]; then
 fi
 if [[ " $steps " == *" tune_features "* ]]; then
   timeout ${TUNE_TIMEOUT:-420} python3 scripts/tune_features.py --cases ${TUNE_CASES:-random_keys key_padding dropout} \
-    --seqlens ${TUNE_SEQLENS:-8192} --json "$OUT/tune_features.json" > "$OUT/tune_features.log" 2>&1 || status=1
+    --seqlens ${TUNE_SEQLENS:-8192} ${TUNE_FEATURES_ARGS:-} --json "$OUT/tune_features.json" > "$OUT/tune_features.log" 2>&1 || status=1
   grep -v -i warn "$OUT/tune_features.log" | tail -n 60
 fi
 if [[ " $steps " == *" tune "* ]]; then

@@ -26,7 +26,11 @@ from fa_backend.kernels.triton import _configs  # noqa: E402
 from fa_backend.kernels.triton._configs import BwdConfig, TileConfig as T  # noqa: E402
 
 FWD = [T(128, 64, 8, 3), T(128, 128, 8, 2), T(128, 64, 8, 2), T(64, 64, 4, 3), T(128, 32, 4, 3)]
-DKDV = [T(32, 128, 8, 1), T(32, 128, 8, 2), T(64, 64, 4, 1), T(32, 64, 4, 2), T(64, 128, 8, 1)]
+DKDV = [T(32, 128, 8, 1), T(32, 128, 8, 2), T(64, 64, 4, 1), T(32, 64, 4, 2), T(64, 128, 8, 1),
+        # dQ added from the dK/dV kernel (the dQ kernel, its second QK^T / dropout draw / mask read, skipped): fp32
+        # atomics or TMA bulk reduce-adds; the tiles that compile for sm90 without spills with dropout
+        T(32, 128, 8, 1, atomic_dq=True), T(32, 128, 8, 2, atomic_dq=True),
+        T(32, 128, 8, 1, atomic_dq=True, tma=True), T(32, 128, 8, 2, atomic_dq=True, tma=True)]
 DQ = [T(64, 32, 4, 2), T(64, 64, 4, 2), T(128, 64, 8, 2), T(64, 32, 4, 3)]
 
 
@@ -40,7 +44,8 @@ def _time(fn) -> float | None:
         return None
 
 
-def tune_case(case: str, seqlen: int, d: int = 128, tokens: int = 16384, width: int = 2048) -> list[dict]:
+def tune_case(case: str, seqlen: int, d: int = 128, tokens: int = 16384, width: int = 2048,
+              kernels: tuple[str, ...] = ("fwd", "dkdv", "dq"), match: str = "") -> list[dict]:
     batch, heads = max(1, tokens // seqlen), max(1, width // d)
     kwargs = case_arguments(case, batch, seqlen)
     q, k, v = _inputs(batch, heads, seqlen, d, torch.bfloat16)
@@ -50,7 +55,7 @@ def tune_case(case: str, seqlen: int, d: int = 128, tokens: int = 16384, width: 
     def fwd():
         return fa_backend.attention(q, k, v, **kwargs)
 
-    for cfg in FWD:
+    for cfg in FWD if "fwd" in kernels else []:
         with _configs.override(fwd=cfg):
             ms = _time(fwd)
         rows.append(dict(case=case, seqlen=seqlen, kernel="fwd", tile=str(cfg), ms=ms,
@@ -63,7 +68,9 @@ def tune_case(case: str, seqlen: int, d: int = 128, tokens: int = 16384, width: 
         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
     for kernel, cands in (("dkdv", DKDV), ("dq", DQ)):
-        for cfg in cands:
+        for cfg in cands if kernel in kernels else []:
+            if match and match not in str(cfg) and cfg != cands[0]:  # the first tile: the reference
+                continue
             pair = BwdConfig(cfg, DQ[0]) if kernel == "dkdv" else BwdConfig(DKDV[0], cfg)
             with _configs.override(bwd=pair):
                 out = fwd()
@@ -80,8 +87,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--seqlens", type=int, nargs="*", default=[8192])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--kernels", nargs="*", default=["fwd", "dkdv", "dq"])
+    parser.add_argument("--match", default="", help="only candidates whose repr contains this (and the first)")
     args = parser.parse_args()
-    rows = [r for case in args.cases for s in args.seqlens for r in tune_case(case, s)]
+    rows = [r for case in args.cases for s in args.seqlens
+            for r in tune_case(case, s, kernels=tuple(args.kernels), match=args.match)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -166,24 +166,44 @@ def _bind(layout: tuple, names: frozenset, args: tuple, kwargs: dict):
     """Every parameter's value in signature order (defaults filled in, as the JIT binds them), the runtime
     ones, the constexpr ones and the remaining keywords (compile options); None if a parameter is missing
     or a positional argument lands on a constexpr."""
-    values, runtime, consts = list(args), list(args), []
-    used = 0
-    for i, (name, is_constexpr, default) in enumerate(layout):
-        if i < len(args):
-            if is_constexpr:
-                return None
-            continue
-        if name in kwargs:
-            value = kwargs[name]
-            used += 1
+    kw_names = tuple(kwargs)
+    plan_key = (id(layout), len(args), kw_names)
+    plan = _BIND_PLANS.get(plan_key)
+    if plan is None:
+        plan = _bind_plan(layout, names, len(args), kw_names)
+        if len(_BIND_PLANS) >= 4096:
+            _BIND_PLANS.clear()
+        _BIND_PLANS[plan_key] = plan
+    if plan is False:
+        return None
+    tail_spec, runtime_tail, const_tail, option_names = plan
+    tail = [kwargs[name] if from_kw else default for name, from_kw, default in tail_spec]
+    values = [*args, *tail]
+    runtime = [*args, *[tail[j] for j in runtime_tail]]
+    return values, runtime, tuple([tail[j] for j in const_tail]), tuple([(n, kwargs[n]) for n in option_names])
+
+
+# (id(layout), number of positional arguments, keyword names in call order) -> what `_bind` does with such a
+# call, worked out once (a call site passes the same names every time): the per-call work is then a few list
+# builds instead of a walk over every parameter (~60 for the decode kernel).
+_BIND_PLANS: dict = {}
+
+
+def _bind_plan(layout: tuple, names: frozenset, n_args: int, kw_names: tuple):
+    """(tail spec, runtime indices into the tail, constexpr indices, option names) or False (unbindable)."""
+    if n_args > len(layout) or any(is_constexpr for _, is_constexpr, _ in layout[:n_args]):
+        return False
+    tail_spec, runtime_tail, const_tail = [], [], []
+    for j, (name, is_constexpr, default) in enumerate(layout[n_args:]):
+        if name in kw_names:
+            tail_spec.append((name, True, None))
         elif default is not _MISSING:
-            value = default
+            tail_spec.append((name, False, default))
         else:
-            return None
-        values.append(value)
-        (consts if is_constexpr else runtime).append(value)
-    options = tuple(kv for kv in kwargs.items() if kv[0] not in names) if used != len(kwargs) else ()
-    return values, runtime, tuple(consts), options
+            return False
+        (const_tail if is_constexpr else runtime_tail).append(j)
+    option_names = tuple(n for n in kw_names if n not in names)
+    return tuple(tail_spec), tuple(runtime_tail), tuple(const_tail), option_names
 
 
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
