@@ -70,7 +70,7 @@ def main() -> None:
         host_time()
         return
     if args.backward:
-        records = backward(args.seqlens)
+        records = backward(args.seqlens, tuple(args.dims))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
@@ -161,14 +161,14 @@ def host_time(calls: int = 2000) -> None:
           f"{statistics.median(rounds[True]):.1f} (rounds {rounds})", flush=True)
 
 
-def backward(seqlens: list[int]) -> list[dict]:
+def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict]:
     """Backward TFLOP/s per (d, causal, seqlen): the CuTe reference backward, Triton's, cuDNN's and flash's."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.ops import cute_flash
 
     fa4 = _fa4()
     records = []
-    for d in (128, 64):
+    for d in dims:
         for causal in (False, True):
             for s in seqlens:
                 b, h = 16384 // s, 2048 // d

@@ -55,6 +55,7 @@ class FasterPeer:
     max_seqlen_q: int | None = None  # only calls with at most this many queries
     max_seqlen_k: int | None = None  # only calls with at most this many keys
     gqa: bool = False  # also calls with hq != hkv
+    grad_only: bool = False  # only calls that need gradients (the evidence is about forward + backward)
     choices: frozenset[str] = frozenset({"cudnn_attention"})  # PyTorch's own picks the evidence is about
 
     def applies(self, call: AttentionCall) -> bool:
@@ -65,6 +66,7 @@ class FasterPeer:
                 and (call.dropout_p > 0.0 or not self.dropout_only)
                 and (call.mask_kind != "none" or not self.mask_only)
                 and (call.heads_q == call.heads_kv or self.gqa)
+                and (call.requires_grad or not self.grad_only)
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
                 and call.shapes_consistent and not call.subclass
                 and (self.max_seqlen_q is None or call.seqlen_q <= self.max_seqlen_q)
@@ -108,10 +110,12 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                         "of K and V): PyTorch's C++ path costs less host time per call than our Triton launch"),
     # The H200 runs of docs/benchmarks.md (torch 2.11, triton 3.6): PyTorch picks cuDNN for these calls
     # on sm90 and it ran 1.06-1.43x our Triton forward and 1.23-1.69x our backward (d=64/128,
-    # seqlen 512-16k), and was faster inside nn.MultiheadAttention at seqlen 128 too.
+    # seqlen 512-16k), and was faster inside nn.MultiheadAttention at seqlen 128 too. d=96
+    # (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): 1.24-1.37x forward, 1.55-1.63x backward.
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
-               evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward"),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128}),
+               evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward (d=64 / 128; "
+                        "d=96: 1.24-1.37x, 1.55-1.63x)"),
     # docs/benchmarks.md, "Masks and dropout" (H200, torch 2.11, bf16, d=128, seqlen 2k-16k): with dropout 0.1
     # cuDNN ran 1.42-1.46x our Triton forward and 2.42-2.55x our backward. Calls with only a mask are not in the
     # rule: ours skips what the mask hides (kernels/triton/_mask_bounds.py) and ran an explicit causal mask at
@@ -168,6 +172,12 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
                evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward; our backward is "
                         "the Triton one"),
+    # d=96 (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): the CuTe forward at 0.97-1.14x cuDNN's (calls
+    # without gradients stay ours), the CuTe backward through the op at 0.80-0.86x (cuDNN 1.16-1.25x).
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({96}), grad_only=True,
+               evidence="H200, torch 2.11, bf16, d=96, seqlen 2k-8k: cuDNN's backward 1.16-1.25x our CuTe "
+                        "backward (our forward 0.97-1.14x cuDNN's)"),
 )
 PREFERENCES = PREFERENCES + CUTE_PREFERENCES
 

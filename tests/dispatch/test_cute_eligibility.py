@@ -119,7 +119,7 @@ def test_messages_name_limit_and_value(enabled):
         (r,) = CuteBackend.why_not(dataclasses.replace(OK, **changes))
         return r.message
 
-    assert message(head_dim=256, head_dim_v=256) == "head_dim=256 (supported: 64, 128)"
+    assert message(head_dim=256, head_dim_v=256) == "head_dim=256 (supported: 64, 96, 128)"
     assert message(head_dim_v=64) == "head_dim_v=64 != head_dim=128 (supported: equal head dims)"
     assert message(capability=(10, 0)) == "compute capability (10, 0) (supported: 9.x, Hopper)"
     assert message(dtype=torch.float32) == "dtype=torch.float32 (supported: torch.bfloat16, torch.float16)"
@@ -197,3 +197,16 @@ def test_explain_lists_every_cute_reason_and_counters_count_them():
     # counters summarise a backend that is not installed by that reason alone (integrations/sdpa._passed_over)
     counted = expected[:1] if cute_backend.DSL_MISSING else expected
     assert [k for k in fa_backend.stats()["fallbacks"] if k.startswith("cute:")] == [f"cute:{c.value}" for c in counted]
+
+
+def test_head_dim_96_runs_cute_without_grad_and_cudnn_with_it(enabled):
+    # d=96 (measured on the H200): the CuTe forward beats cuDNN's at 8k and matches it at 2k, its backward does
+    # not; our Triton kernels are slower than cuDNN both ways, so a training call goes to PyTorch (cuDNN).
+    mha96 = dataclasses.replace(OK, heads_kv=8, enable_gqa=False, head_dim=96, head_dim_v=96)
+    assert select(mha96).backend == "cute"
+    decision = select(dataclasses.replace(mha96, requires_grad=True))
+    assert decision.backend == "torch"
+    assert [r.code for r in decision.rejected["cute"]] == [ReasonCode.SLOWER]
+    assert "d=96" in decision.rejected["cute"][0].message and "backward" in decision.rejected["cute"][0].message
+    assert [r.code for r in decision.rejected["triton"]] == [ReasonCode.SLOWER]
+    assert select(dataclasses.replace(mha96, requires_grad=True, capability=(8, 0))).backend == "triton"  # no cute

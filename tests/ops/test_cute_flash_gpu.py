@@ -77,7 +77,7 @@ def cute_backward(monkeypatch):
 
 @pytest.mark.parametrize("backward", ["triton", "cute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100)])
 def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, backward, request):

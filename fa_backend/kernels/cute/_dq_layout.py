@@ -39,25 +39,26 @@ def unchunk(chunks: torch.Tensor, sq: int, wgs: int = 1) -> torch.Tensor:
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
 def _dq_from_chunks(
     CHUNKS, DQ, scale, stride_b, stride_h, stride_m, HEADS, SEQ_Q, NUM_M_BLOCKS,
-    HEAD_DIM: tl.constexpr, WGS: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, WGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_block = pid % NUM_M_BLOCKS
     bh = pid // NUM_M_BLOCKS
     r = tl.arange(0, BLOCK_M)[:, None]
-    c = tl.arange(0, HEAD_DIM)[None, :]
+    c = tl.arange(0, BLOCK_D)[None, :]  # BLOCK_D: HEAD_DIM rounded up to a power of two (tl.arange), d = 96
+    col_ok = c < HEAD_DIM
     cols = HEAD_DIM // WGS  # columns per warpgroup
     cc = c % cols
     # the fragment-order position of (r, c) in its chunk (module docstring); a gather within one 32 KiB chunk,
     # while the stores below are row-contiguous
     p = ((c // cols) * (BLOCK_M * cols) + (cc // 8) * 512 + ((r // 8) % 2) * 256 + (r // 16) * 64 + (r % 8) * 8
          + ((cc // 2) % 4) * 2 + c % 2)
-    acc = tl.load(CHUNKS + pid.to(tl.int64) * (BLOCK_M * HEAD_DIM) + p)
+    acc = tl.load(CHUNKS + pid.to(tl.int64) * (BLOCK_M * HEAD_DIM) + p, mask=col_ok, other=0.0)
     rows = m_block * BLOCK_M + r
     b = bh // HEADS
     h = bh % HEADS
     dst = DQ + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows.to(tl.int64) * stride_m + c
-    tl.store(dst, (acc * scale).to(DQ.dtype.element_ty), mask=rows < SEQ_Q)
+    tl.store(dst, (acc * scale).to(DQ.dtype.element_ty), mask=(rows < SEQ_Q) & col_ok)
 
 
 def dq_from_chunks(chunks: torch.Tensor, sq: int, scale: float, dtype: torch.dtype, wgs: int = 1) -> torch.Tensor:
@@ -72,5 +73,5 @@ def dq_from_chunks(chunks: torch.Tensor, sq: int, scale: float, dtype: torch.dty
         return dq
     _launch.launch(_dq_from_chunks, _launch.grid_1d(b * hq * m_blocks), (
         chunks, dq, float(scale), *dq.stride()[:3], hq, sq, m_blocks,
-    ), dict(HEAD_DIM=d, WGS=wgs, BLOCK_M=TILE_M, num_warps=8 if d > 64 else 4))
+    ), dict(HEAD_DIM=d, WGS=wgs, BLOCK_M=TILE_M, BLOCK_D=triton.next_power_of_2(d), num_warps=8 if d > 64 else 4))
     return dq

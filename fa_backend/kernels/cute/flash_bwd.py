@@ -62,7 +62,7 @@ from ._fwd_parts import ForwardVariant  # noqa: E402
 from .flash_fwd import _DTYPES, _dynamic  # noqa: E402
 
 KERNEL_NAME = "flash_bwd_sm90"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 TILE_N = 64  # keys per warpgroup: its wgmma M
 TILE_M = _dq_layout.TILE_M  # query rows per step (64)
 THREADS = _dq_layout.THREADS  # per warpgroup (128)

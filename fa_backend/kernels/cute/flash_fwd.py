@@ -49,7 +49,7 @@ from ._fwd_parts import (  # noqa: E402
     ForwardVariant, make_tiled_mmas, mask_scores, online_softmax, sdpa_views, store_rows)
 
 KERNEL_NAME = "flash_fwd_sm90"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 TILE_M = 64  # one warpgroup's wgmma M
 TILE_N = 64
 THREADS = 128

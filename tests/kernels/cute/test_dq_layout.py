@@ -34,7 +34,7 @@ def _chunks_of(dense: torch.Tensor, wgs: int) -> torch.Tensor:
     return chunks
 
 
-@pytest.mark.parametrize("d,wgs", [(64, 1), (128, 1), (128, 2)])
+@pytest.mark.parametrize("d,wgs", [(64, 1), (96, 1), (128, 1), (128, 2)])
 def test_unchunk_inverts_the_fragment_order(d, wgs):
     b, hq, sq = 2, 3, 150
     m_blocks = -(-sq // TILE_M)
@@ -42,7 +42,7 @@ def test_unchunk_inverts_the_fragment_order(d, wgs):
     assert torch.equal(_dq_layout.unchunk(_chunks_of(dense, wgs), sq, wgs), dense[:, :, :sq])
 
 
-@pytest.mark.parametrize("d,wgs,sq", [(64, 1, 150), (128, 2, 64), (128, 1, 1)])
+@pytest.mark.parametrize("d,wgs,sq", [(64, 1, 150), (96, 1, 70), (128, 2, 64), (128, 1, 1)])
 def test_triton_conversion_equals_reorder_scale_cast(d, wgs, sq):
     b, hq = 2, 3
     m_blocks = -(-sq // TILE_M)

@@ -41,7 +41,7 @@ def check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100)])
 def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
@@ -68,7 +68,7 @@ def test_strided_inputs():
 def test_inputs_it_cannot_take_are_value_errors():
     from fa_backend.kernels.cute.flash_fwd import flash_fwd
 
-    q, k, v = _qkv(1, 2, 2, 64, 64, 96, torch.bfloat16)
+    q, k, v = _qkv(1, 2, 2, 64, 64, 80, torch.bfloat16)
     with pytest.raises(ValueError, match="head_dim"):
         flash_fwd(q, k, v)
     q, k, v = _qkv(1, 2, 2, 64, 64, 64, torch.bfloat16)

@@ -30,6 +30,7 @@ def _wgmma_counts(ptx: str) -> dict[str, int]:
     (torch.bfloat16, 128, True, False),
     (torch.float16, 64, True, True),
     (torch.float16, 128, False, False),
+    (torch.bfloat16, 96, True, False),
 ])
 def test_compiles_for_sm90a(tmp_path, dtype, d, causal, bottom_right):
     from fa_backend.kernels.cute import flash_fwd
@@ -60,7 +61,7 @@ def test_variants_are_compiled_once():
     assert len(_compile_cache.CACHE) == before + 1
 
 
-@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 96), (torch.bfloat16, 256)])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 80), (torch.bfloat16, 256)])
 def test_unsupported_variants_are_refused(dtype, d):
     from fa_backend.kernels.cute import flash_fwd
 
@@ -68,7 +69,7 @@ def test_unsupported_variants_are_refused(dtype, d):
         flash_fwd.compile_flash_fwd(dtype, d, False)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_score_accumulator_order_is_the_p_operand_order(d):
     """The kernel feeds the S accumulator's registers to P V unchanged and reads value i's row half as
     (i // 2) % 2: both hold only if the two layouts give every value the same (row, col)."""
@@ -102,13 +103,13 @@ def test_score_accumulator_order_is_the_p_operand_order(d):
         assert len(set(rows)) == 2 and all(r == rows[(i // 2) % 2 * 2] for i, r in enumerate(rows))
 
 
-@pytest.mark.parametrize("case,match", [("head_dim_96", "head_dim"), ("negative_scale", "scale"),
+@pytest.mark.parametrize("case,match", [("head_dim_80", "head_dim"), ("negative_scale", "scale"),
                                         ("strided_head_dim", "strides"), ("gqa_ratio", "multiple"),
                                         ("mixed_dtypes", "dtypes")])
 def test_runner_rejects_what_the_kernel_cannot_take(case, match):
     from fa_backend.kernels.cute.flash_fwd import _check_inputs
 
-    d = 96 if case == "head_dim_96" else 64
+    d = 80 if case == "head_dim_80" else 64
     q = torch.randn(1, 3 if case == "gqa_ratio" else 2, 64, d, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 64, d, dtype=torch.float16 if case == "mixed_dtypes" else torch.bfloat16)
     v = torch.randn(1, 2, 64, d, dtype=torch.bfloat16)

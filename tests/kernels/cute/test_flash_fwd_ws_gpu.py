@@ -27,7 +27,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES)
 @pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong", "three_consumers"])
