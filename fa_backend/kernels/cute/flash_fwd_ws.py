@@ -17,7 +17,10 @@ With overlap=True (FA3's intra-warpgroup overlap) a consumer issues block j+1's 
 GEMM together and runs block j+1's softmax while P V is in flight. With pingpong=True (overlap too; FA3's
 warp scheduling) the consumers take turns issuing their GEMMs through two named barriers, so that one
 warpgroup's GEMMs run while the other computes its softmax. With causal masking the query tiles run longest
-first (the grid's last tiles first). Not done: a TMA-store epilogue, persistent scheduling.
+first (the grid's last tiles first). persistent=True: at most PERSISTENT_CTAS CTAs, each walking tiles bid, bid +
+grid, ... (the producer reloads Q once the consumers arrive on a "Q free" barrier after their last GEMM of a tile; the
+K/V pipeline states and ping-pong turns carry across tiles): passes the GPU tests, slower than one CTA per tile at
+d=128 on the H200 (docs/perf-log.md), so the op does not use it. Not done: a TMA-store epilogue.
 Epilogue: O / l from registers to global memory (rows past seqlen_q skipped), LSE (natural log, fp32);
 rows that see no key get O = 0 and LSE = -inf.
 
@@ -66,12 +69,13 @@ CONSUMER_REGS = 240
 # (ptxas still compiles the kernel for 65536 / 512 = 128 registers per thread: see FlashForwardSm90WS.)
 CONSUMER_REGS_3 = 160
 PINGPONG_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads'): one per consumer
+PERSISTENT_CTAS = 132  # persistent variants: CTAs launched at most (one per SM of an H100 / H200, 1 CTA per SM)
 
 
-def _check_consumers(consumers: int, overlap: bool, pingpong: bool) -> None:
-    if consumers not in (2, 3) or ((overlap or pingpong) and consumers != 2):
-        raise ValueError(f"consumers={consumers} with overlap={overlap}, pingpong={pingpong} (supported: 2 "
-                         "consumers, or 3 without overlap)")
+def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False) -> None:
+    if consumers not in (2, 3) or ((overlap or pingpong or persistent) and consumers != 2):
+        raise ValueError(f"consumers={consumers} with overlap={overlap}, pingpong={pingpong}, persistent={persistent} "
+                         "(supported: 2 consumers, or 3 without overlap and not persistent)")
 
 
 class FlashForwardSm90WS(ForwardVariant):
@@ -88,9 +92,10 @@ class FlashForwardSm90WS(ForwardVariant):
     """
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
-                 pingpong: bool = False, consumers: int = CONSUMERS):
+                 pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right)
-        _check_consumers(consumers, overlap, pingpong)
+        _check_consumers(consumers, overlap, pingpong, persistent)
+        self.persistent = persistent
         self.overlap = overlap or pingpong
         self.pingpong = pingpong
         self.consumers = consumers
@@ -113,10 +118,13 @@ class FlashForwardSm90WS(ForwardVariant):
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N))
         smem_bytes = 2 * (self.tile_m + 2 * KV_STAGES * TILE_N) * d + 4 * 1024  # tiles, alignment padding, barriers
+        grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
+        if cutlass.const_expr(self.persistent):  # one CTA per SM, each walking tiles bid, bid + grid, ...
+            grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
+                    1, 1)
         self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
                     mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout).launch(
-            grid=(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3]), block=(self.threads, 1, 1),
-            smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
+            grid=grid, block=(self.threads, 1, 1), smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
     def _block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> tuple[Int32, Int32, Int32]:
@@ -140,15 +148,13 @@ class FlashForwardSm90WS(ForwardVariant):
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        m_block, head, batch = cute.arch.block_idx()
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        if cutlass.const_expr(self.causal):
-            # longest first: the last query tiles see the most keys; launched first, the short tiles fill the
-            # tail of the grid instead of one long tile running alone at the end
-            m_block = cute.ceil_div(seqlen_q, self.tile_m) - 1 - m_block
+        seqlen_k = mK.shape[0]
 
         smem = SmemAllocator()
         bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q has landed
+        bar_q_free = bar_q
+        if cutlass.const_expr(self.persistent):
+            bar_q_free = smem.allocate_array(cutlass.Int64, 1)  # the consumers are done reading Q
         bars_k = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)  # full and empty barrier per K stage
         bars_v = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)
         # 1024-byte alignment: the 128B swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
@@ -169,28 +175,100 @@ class FlashForwardSm90WS(ForwardVariant):
                                                   barrier_storage=bars_v, defer_sync=True)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_q, 1)
+            if cutlass.const_expr(self.persistent):
+                cute.arch.mbarrier_init(bar_q_free, self.consumers * WG_THREADS)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
 
-        n_blocks, n_masked, offset = self._block_range(m_block, seqlen_q, seqlen_k)
+        # tiles: one per CTA (grid = (query tiles, heads, batch)), or, persistent, tiles bid, bid + grid, ... of
+        # the same order flattened (query tile fastest)
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # one whole warp produces: the DSL wraps each TMA copy and pipeline arrive in elect.sync over
             # all 32 lanes, which a single-thread branch would leave undefined
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v,
-                              m_block, head, batch, n_blocks)
+                state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+                state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+                if cutlass.const_expr(self.persistent):
+                    first, _, _ = cute.arch.block_idx()
+                    step, _, _ = cute.arch.grid_dim()
+                    for j in cutlass.range(first, self._n_tiles(mQ), step, unroll=1):
+                        if j != first:  # the consumers are done with the previous tile's Q
+                            cute.arch.mbarrier_wait(bar_q_free, ((j - first) // step - 1) % 2)
+                        state_k, state_v = self._produce_tile(j, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q,
+                                                              pipe_k, pipe_v, state_k, state_v)
+                else:
+                    self._produce_tile(Int32(0), tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v,
+                                       state_k, state_v)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, pipe_k, pipe_v, mO, mLSE, scale_log2,
-                          warpgroup_idx - 1, tidx % WG_THREADS, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset)
+            wg = warpgroup_idx - 1
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            if cutlass.const_expr(self.pingpong):
+                if wg == 0:  # consumer 0 takes the first turn; the turns then alternate, across tiles too
+                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMERS * WG_THREADS)
+            args = (mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, pipe_k, pipe_v, mO, mLSE, scale_log2, wg,
+                    tidx % WG_THREADS)
+            if cutlass.const_expr(self.persistent):
+                first, _, _ = cute.arch.block_idx()
+                step, _, _ = cute.arch.grid_dim()
+                for j in cutlass.range(first, self._n_tiles(mQ), step, unroll=1):
+                    state_k, state_v = self._consume_tile(j, ((j - first) // step) % 2, *args, mQ, seqlen_k,
+                                                          state_k, state_v)
+            else:
+                self._consume_tile(Int32(0), 0, *args, mQ, seqlen_k, state_k, state_v)
+
+    @cute.jit
+    def _n_tiles(self, mQ: cute.Tensor) -> Int32:
+        """Query tiles times heads times batch."""
+        return cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+
+    @cute.jit
+    def _produce_tile(self, j: Int32, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                      tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                      bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+        """The producer's loads of tile j (_tile); returns the advanced pipeline states."""
+        m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
+        n_blocks, _, _ = self._block_range(m_block, mQ.shape[0], mK.shape[0])
+        return self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v, m_block, head, batch,
+                             n_blocks, state_k, state_v)
+
+    @cute.jit
+    def _consume_tile(self, j: Int32, q_phase: Int32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
+                      sK: cute.Tensor, sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, pipe_k: Any,
+                      pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
+                      mQ: cute.Tensor, seqlen_k: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+        """One consumer warpgroup's work on tile j (_tile); returns the advanced pipeline states."""
+        m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
+        n_blocks, n_masked, offset = self._block_range(m_block, mQ.shape[0], seqlen_k)
+        return self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, q_phase, pipe_k, pipe_v, mO, mLSE,
+                             scale_log2, wg, wg_tidx, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset,
+                             state_k, state_v)
+
+    @cute.jit
+    def _tile(self, j: Int32, seqlen_q: Int32, mQ: cute.Tensor) -> tuple[Int32, Int32, Int32]:
+        """(query tile, head, batch) of tile j: the CTA's block index, or, persistent, j of the flattened order
+        (query tile fastest). Causal: the last query tiles (the most keys) first."""
+        m_tiles = cute.ceil_div(seqlen_q, self.tile_m)
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.persistent):
+            m_block = j % m_tiles
+            head = (j // m_tiles) % mQ.shape[2]
+            batch = j // (m_tiles * mQ.shape[2])
+        if cutlass.const_expr(self.causal):
+            # longest first: launched first, the short tiles fill the tail instead of one long tile running
+            # alone at the end
+            m_block = m_tiles - 1 - m_block
+        return m_block, head, batch
 
     @cute.jit
     def _produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                  tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, m_block: Int32, head: Int32, batch: Int32,
-                 n_blocks: Int32):
-        """The producer warp: Q's two halves on bar_q, then K and V of each key block, last block first."""
+                 n_blocks: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+        """The producer warp, one tile: Q's two halves on bar_q, then K and V of each key block, last block first.
+        Returns the advanced pipeline states."""
         d = self.head_dim
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         one_cta = cute.make_layout(1)
@@ -204,8 +282,6 @@ class FlashForwardSm90WS(ForwardVariant):
             cute.arch.mbarrier_arrive_and_expect_tx(bar_q, self.tile_m * d * self.dtype.width // 8)
         for half in cutlass.range_constexpr(self.consumers):
             cute.copy(tma_q, tQgQ[None, m_block * self.consumers + half], tQsQ[None, half], tma_bar_ptr=bar_q)
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         for i in cutlass.range(n_blocks, unroll=1):
             n_block = n_blocks - 1 - i
             pipe_k.producer_acquire(state_k)  # waits until the consumers freed the stage, then expects its bytes
@@ -216,13 +292,16 @@ class FlashForwardSm90WS(ForwardVariant):
             cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state_v.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
             state_v.advance()
+        return state_k, state_v
 
     @cute.jit
     def _consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
-                 sV: cute.Tensor, bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor,
-                 scale_log2: Float32, wg: Int32, wg_tidx: Int32, m_block: Int32, head: Int32, batch: Int32,
-                 seqlen_k: Int32, n_blocks: Int32, n_masked: Int32, offset: Int32):
-        """One consumer warpgroup: its 64 query rows against every visited key block, then the epilogue."""
+                 sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, q_phase: Int32, pipe_k: Any,
+                 pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
+                 m_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32, n_blocks: Int32, n_masked: Int32,
+                 offset: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+        """One consumer warpgroup, one tile: its 64 query rows against every visited key block, then the epilogue.
+        Returns the advanced pipeline states."""
         d = self.head_dim
         thr_qk, thr_pv = mma_qk.get_slice(wg_tidx), mma_pv.get_slice(wg_tidx)
         tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K, consumer)
@@ -243,14 +322,20 @@ class FlashForwardSm90WS(ForwardVariant):
 
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
         t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
-        cute.arch.mbarrier_wait(bar_q, 0)
+        cute.arch.mbarrier_wait(bar_q, q_phase)
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         blocks = self._blocks_overlapped if cutlass.const_expr(self.overlap) else self._blocks
-        blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p, row_max, row_sum,
-               pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks, n_masked, wg)
+        state_k, state_v = blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p,
+                                  row_max, row_sum, pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks,
+                                  n_masked, wg, state_k, state_v)
+        if cutlass.const_expr(self.persistent):
+            # every GEMM that reads Q has been waited for: the producer may load the next tile's Q while this
+            # warpgroup stores its rows
+            cute.arch.mbarrier_arrive(bar_q_free)
 
         gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * self.consumers + wg, 0))
         store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32)
+        return state_k, state_v
 
     @cute.jit
     def _issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, t_p: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
@@ -310,10 +395,10 @@ class FlashForwardSm90WS(ForwardVariant):
     def _blocks(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor,
                 t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, pipe_k: Any, pipe_v: Any, row0: Int32,
-                seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32, wg: Int32):
-        """The key-block loop of one consumer, last block first, each GEMM waited for before the next step."""
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+                seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32, wg: Int32,
+                state_k: Any, state_v: Any) -> tuple[Any, Any]:
+        """The key-block loop of one consumer, last block first, each GEMM waited for before the next step.
+        Returns the advanced pipeline states."""
         for i in cutlass.range(n_blocks, unroll=1):
             state_k = self._scores(mma_qk, tSrQ, tSrK, acc_s, pipe_k, state_k)
             if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
@@ -321,22 +406,19 @@ class FlashForwardSm90WS(ForwardVariant):
             online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
             r_p.store(acc_s.load().to(self.dtype))
             state_v = self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
+        return state_k, state_v
 
     @cute.jit
     def _blocks_overlapped(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                            tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor,
                            r_p: cute.Tensor, t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                            pipe_k: Any, pipe_v: Any, row0: Int32, seqlen_k: Int32, offset: Int32, scale_log2: Float32,
-                           n_blocks: Int32, n_masked: Int32, wg: Int32):
+                           n_blocks: Int32, n_masked: Int32, wg: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
         """_blocks with intra-warpgroup overlap: S of block i is computed while P V of block i - 1 runs; O is
         rescaled only once that GEMM is done (alpha waits in registers). With pingpong, every GEMM issue (the
-        first S, each S + P V pair, the last P V: n_blocks + 1 turns per consumer) takes a turn."""
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        first S, each S + P V pair, the last P V: n_blocks + 1 turns per consumer) takes a turn (consumer 0's first
+        turn is handed to it once, before the first tile). Returns the advanced pipeline states."""
         alpha = cute.make_rmem_tensor((2,), Float32)
-        if cutlass.const_expr(self.pingpong):
-            if wg == 0:  # consumer 0 takes the first turn
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMERS * WG_THREADS)
         if n_blocks > 0:
             pipe_k.consumer_wait(state_k)
             self._turn_begin(wg)
@@ -378,28 +460,33 @@ class FlashForwardSm90WS(ForwardVariant):
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state_v)
             state_v.advance()
+        return state_k, state_v
 
 
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
-                         pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False) -> Any:
+                         pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
+                         persistent: bool = False) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
     (except with `dump_dir`, which always compiles, to write the PTX and cubin). `overlap`: the
     intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"; `pingpong`: overlap
     with the consumers' turns (KERNEL_NAME + "_pingpong"); `consumers`: 3 for 192-row tiles (its own tile key);
-    `pointer_args`: the _fast_call.PointerForward calling convention."""
-    _check_consumers(consumers, overlap, pingpong)  # before the cache: a bad request is not a build failure
-    name, tile = _name_and_tile(overlap, pingpong, consumers)
+    `pointer_args`: the _fast_call.PointerForward calling convention; `persistent`: at most PERSISTENT_CTAS CTAs,
+    each walking the tiles (suffix "_persistent")."""
+    # before the cache: a bad request is not a build failure
+    _check_consumers(consumers, overlap, pingpong, persistent)
+    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
-                                              consumers=consumers),
+                                              consumers=consumers, persistent=persistent),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args)
 
 
-def _name_and_tile(overlap: bool, pingpong: bool, consumers: int) -> tuple[str, tuple[int, ...]]:
+def _name_and_tile(overlap: bool, pingpong: bool, consumers: int,
+                   persistent: bool = False) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile of a variant in its compile-cache key."""
-    suffix = "_pingpong" if pingpong else "_overlap" if overlap else ""
+    suffix = ("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
     return KERNEL_NAME + suffix, TILE if consumers == CONSUMERS else (WG_M * consumers, TILE_N, KV_STAGES)
 
 
@@ -423,7 +510,8 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
     from .flash_fwd import variant_key
 
     kw = FASTEST[head_dim, causal]
-    name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS))
+    name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
+                                kw.get("persistent", False))
     return variant_key(name + ("_ptrargs" if _fast_call.ENABLED else ""), tile, dtype, head_dim, causal, bottom_right)
 
 
@@ -436,10 +524,12 @@ def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
-                 consumers: int = CONSUMERS) -> tuple[torch.Tensor, torch.Tensor]:
+                 consumers: int = CONSUMERS, persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
     (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
     flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant;
-    `pingpong`: overlap plus the consumers' turns; `consumers`: 2 or 3 consumer warpgroups."""
-    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers),
+    `pingpong`: overlap plus the consumers' turns; `consumers`: 2 or 3 consumer warpgroups; `persistent`: at
+    most PERSISTENT_CTAS CTAs walking the tiles."""
+    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
+                                  persistent=persistent),
                 q, k, v, scale, causal, bottom_right)

@@ -56,3 +56,17 @@ def test_matches_the_simple_kernel():
     torch.testing.assert_close(lse_ws, lse, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out_ws, out, atol=2e-2, rtol=2e-2)
 
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+# more tiles than PERSISTENT_CTAS: each CTA walks 2-3 tiles (256 / 360 tiles); the second shape's bottom-right
+# causal tiles past the keys visit no key block (no GEMM turn in either consumer)
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 16, 4, 1000, 1100), (3, 20, 20, 700, 300)])
+@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong"])
+def test_persistent_walks_several_tiles_per_cta(d, causal, bottom_right, b, hq, hkv, sq, sk, mode):
+    from fa_backend.kernels.cute.flash_fwd_ws import PERSISTENT_CTAS, flash_fwd_ws
+
+    assert b * hq * -(-sq // 128) > PERSISTENT_CTAS
+    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong", persistent=True)
+    check_forward(run, torch.bfloat16, d, causal, bottom_right, b, hq, hkv, sq, sk)

@@ -220,3 +220,23 @@ def test_block_range_visits_what_is_visible_and_masks_only_where_needed():
         hidden = [n for n in range(n_blocks)
                   if not all(j < sk and (not causal or j <= first + offset) for j in keys[n])]
         assert hidden == list(range(n_blocks - n_masked, n_blocks)), (causal, bottom_right, m_block, sq, sk)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "pingpong"])
+def test_persistent_variant_compiles_without_spills(tmp_path, mode):
+    # the persistent variants: one more mbarrier (the consumers free Q for the next tile's load), the tile loop in
+    # both roles, the same registers (ptxas caps 384 threads at 168) and no local memory
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    kw = {mode: True}
+    (tmp_path / "p").mkdir()
+    (tmp_path / "n").mkdir()
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path / "p"),
+                                            persistent=True, **kw).__ptx__
+    plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path / "n"),
+                                              **kw).__ptx__
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("mbarrier.init") == plain.count("mbarrier.init") + 1
+    assert "%nctaid.x" in ptx and "%nctaid.x" not in plain  # the tile stride is the grid size
+    with pytest.raises(ValueError, match="persistent"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, False, consumers=3, persistent=True)
