@@ -11,8 +11,9 @@ otherwise it writes an fp32 partial output (normalised by its own sum) and its l
 last program of the (batch, KV head, query block) to finish (an arrival counter per block) combines
 them with weights exp2(lse_s - max) (`_combine_rows`; `_merge_splits` is the same merge as a second
 launch, used when FUSED_MERGE is off). Queries are rotated (rotary) while they are loaded, so a decode
-step is one launch, plus one append launch when new keys are given (kv_append.py). A paged cache is read in tiles that never cross a page
-when BLOCK_N divides the page size (one block-table load per tile, issued a tile ahead).
+step is one launch, plus one append launch when new keys are given (kv_append.py). A paged cache is read
+in tiles that never cross a page when BLOCK_N divides the page size (one block-table load per tile,
+issued a tile ahead).
 
 Key j of batch b (0 <= j < seqlen_k[b]) is cache row leftpad[b] + j, seqlen_k = cache_seqlens[b]
 + seqlen_new - leftpad[b]. Scores: softcap * tanh(scale * q.k / softcap) (when softcap > 0) minus
@@ -56,7 +57,8 @@ def _decode_split(
 ):
     # Optional inputs are None (compile-time) when absent: CACHE_SEQLENS (then every length is SEQ_BASE),
     # BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS/SIN, LSE (not wanted), MASK and its strides (MASK_KIND 0),
-    # COUNTERS (split launches merged by _merge_splits; else one zeroed int32 per (batch, KV head, query block)).
+    # COUNTERS (None: a split launch is merged by _merge_splits; else one zeroed int32 per (batch, KV head,
+    # query block), the fused merge's arrival counters).
     # O is contiguous (b, sq, hq, d); the last dim of q and of the caches is contiguous (stride 1). The
     # mask is read through its (b, hq, sq, key) strides, 0 on broadcast dims; column j is key j.
     NUM_HEADS_Q: tl.constexpr = GROUP * NUM_HEADS_K
@@ -443,17 +445,24 @@ def _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_spli
     return plan
 
 
-def launch_constants(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None = None,
-                     has_leftpad: bool = False, num_splits: int = 0) -> dict:
-    """The decode kernel's compile-time constants (BLOCK_N, NUM_SPLITS, ...) for a call with these tensors."""
+def _launch_plan(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None, has_leftpad: bool,
+                 num_splits: int) -> tuple:
+    """The cached plan (_plan) of a call with these tensors."""
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     page_size = 0 if block_table is None else k_cache.shape[1]
     max_seqlen_k = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     key = (b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits, q.device)
-    plan = _PLANS.get(key) or _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits,
-                                    q.device)
-    return dict(plan[1])
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_splits, q.device)
+    return plan
+
+
+def launch_constants(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None = None,
+                     has_leftpad: bool = False, num_splits: int = 0) -> dict:
+    """The decode kernel's compile-time constants (BLOCK_N, NUM_SPLITS, ...) for a call with these tensors."""
+    return dict(_launch_plan(q, k_cache, block_table, has_leftpad, num_splits)[1])
 
 
 def decode_attention(
@@ -482,15 +491,9 @@ def decode_attention(
     int cache_seqlens and no cache_leftpad (every sequence has the same length).
     """
     b, sq, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    page_size = 0 if block_table is None else k_cache.shape[1]
-    max_seqlen_k = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
-    key = (b, sq, hq, hkv, d, max_seqlen_k, page_size, cache_leftpad is not None, num_splits, q.device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, cache_leftpad is not None, num_splits,
-                     q.device)
-    grid, consts, merge, ws_numel, n_tiles = plan
+    max_seqlen_k = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    grid, consts, merge, ws_numel, n_tiles = _launch_plan(q, k_cache, block_table, cache_leftpad is not None,
+                                                          num_splits)
     out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if need_lse else None
     if b * sq * hq == 0 or d == 0:
