@@ -173,7 +173,7 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward; our backward is "
                         "the Triton one"),
     # d=96 (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): the CuTe forward at 0.97-1.14x cuDNN's (calls
-    # without gradients stay ours), the CuTe backward through the op at 0.80-0.86x (cuDNN 1.16-1.25x).
+    # without gradients stay ours), the CuTe backward through the op at 0.80-0.87x (cuDNN 1.16-1.25x).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({96}), grad_only=True,
                evidence="H200, torch 2.11, bf16, d=96, seqlen 2k-8k: cuDNN's backward 1.16-1.25x our CuTe "
