@@ -380,7 +380,8 @@ FUSED_MERGE = True
 
 # Arrival counters of the fused merge, per (device, stream): zeroed once, each launch leaves them at zero
 # (the last arrival resets its counter), so launches in one stream's order can share them, and a CUDA
-# graph captured with them replays correctly. Calls on different streams get different counters.
+# graph captured with them replays correctly. Calls on different streams get different counters; two graphs
+# captured on one stream share that stream's counters, so they must not be replayed concurrently.
 _COUNTERS: dict = {}
 
 
