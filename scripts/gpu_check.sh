@@ -29,7 +29,7 @@ if [[ " $steps " == *" feature_tests "* ]]; then
   timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q -p no:cacheprovider -n ${SHARDS:-6} \
     tests/kernels/triton/test_flash_features_gpu.py tests/kernels/triton/test_varlen_gpu.py \
     tests/kernels/triton/test_kvcache_gpu.py tests/kernels/triton/test_sdpa_decode.py \
-    tests/kernels/triton/test_flash_features.py tests/kernels/triton/test_mask_bounds.py \
+    tests/kernels/triton/test_flash_features.py tests/kernels/triton/test_mask_bounds.py tests/kernels/triton/test_tma_loads.py \
     tests/integrations/test_sdpa_decode_gpu.py tests/integrations/test_routing_gpu.py \
     > "$OUT/feature_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/feature_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/feature_tests.log" | head -20

@@ -117,11 +117,12 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward (d=64 / 128; "
                         "d=96: 1.24-1.37x, 1.55-1.63x)"),
     # docs/benchmarks.md, "Masks and dropout" (H200, torch 2.11, bf16, d=128, seqlen 2k-16k): with dropout 0.1
-    # cuDNN ran 1.42-1.46x our Triton forward and 2.42-2.55x our backward. Calls with only a mask are not in the
-    # rule: ours skips what the mask hides (kernels/triton/_mask_bounds.py) and ran an explicit causal mask at
-    # 1.76-2.87x cuDNN forward / 1.55-1.86x backward, a right-padding key mask at 1.35-1.82x / 0.93-1.21x; a mask
-    # without block structure (a random 10 % of the keys) ran at 0.64-0.66x / 0.63-0.67x, which metadata
-    # cannot tell apart (force cuDNN for such masks with fa_backend.sdpa_backends(['torch'])).
+    # cuDNN ran 1.42-1.46x our Triton forward and 2.42-2.55x our backward (ninth session: 0.99-1.01x forward,
+    # 1.96-2.08x backward). Calls with only a mask are not in the rule: ours skips what the mask hides
+    # (kernels/triton/_mask_bounds.py) and ran (ninth session) an explicit causal mask at 1.85-2.82x cuDNN forward /
+    # 1.83-2.34x backward, a right-padding key mask at 1.35-1.91x / 1.18-1.59x, and a mask without block structure
+    # (a random 10 % of the keys) at 1.04-1.12x / 0.94-0.96x, which metadata cannot tell apart (force cuDNN for
+    # such masks with fa_backend.sdpa_backends(['torch'])).
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), masks=True,
                dropout=True, dropout_only=True,

@@ -49,7 +49,7 @@ def test_preferred_call_runs_pytorchs_kernel_and_forcing_runs_ours():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("d", [96, 256])
+@pytest.mark.parametrize("d", [80, 256])  # head dims no preference names (d=64 / 96 / 128 go to cuDNN on sm90)
 def test_outside_the_preference_our_kernel_runs_and_equals_the_op(d):
     q, k, v = (t.requires_grad_() for t in _qkv(s=512, d=d))
     with fa_backend.enabled():
@@ -63,7 +63,7 @@ def test_outside_the_preference_our_kernel_runs_and_equals_the_op(d):
 
 
 def test_compiled_routing_matches_eager_routing():
-    q, k, v = _qkv(s=512, d=96)
+    q, k, v = _qkv(s=512, d=80)
 
     def fn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

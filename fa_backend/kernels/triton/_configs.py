@@ -67,45 +67,64 @@ _GPU_BWD: dict[int, BwdConfig] = {
     16: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3)),
     32: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3)),
     64: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 3, tma=True)),
-    128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True), TileConfig(64, 64, 4, 2, tma=True)),
+    # d=128 dK/dV: 64 x 64 x 4 warps with Q / dO by TMA (99 KB of shared memory: two CTAs per SM) against 64 x 128 x
+    # 8 warps: 349.1 -> 369.5 TFLOP/s, causal (pointer loads before) 291.8 -> 315.4 (scripts/tune_triton.py, s=4096)
+    128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True), TileConfig(64, 64, 4, 2, tma=True)),
     # width 256: the TMA tiles (_TMA_256_*), timed at s=4096 against the pointer-load tiles 32 x 32 x 4 / 64 x 32 x 4
     # x 1 (which spill): dK/dV 146.5 -> 173.4 (causal 137.3 -> 156.9), dQ 146.9 -> 151.4 (137.3 -> 138.4) TFLOP/s
     256: BwdConfig(TileConfig(32, 64, 8, 2, tma=True), TileConfig(64, 32, 4, 2, tma=True)),
 }
 # dK/dV tiles for a launch whose Q / dO strides TMA cannot read, where the TMA tile with pointer loads would spill
 # more than the previous table's tile (sm90 compile check, width 256: 32 x 64 x 8 x 1 spills 172 / 1148 bytes,
-# 32 x 32 x 4 x 1 16 / 72); other widths run the TMA tile with pointer loads and one stage
-BWD_DKDV_WITHOUT_TMA: dict[int, TileConfig] = {256: TileConfig(32, 32, 4, 1)}
+# 32 x 32 x 4 x 1 16 / 72); width 128: the last pointer-load table tile (timed, 327.7 TFLOP/s at s=4096, where the
+# 4-warp TMA tile with pointer loads is untimed); other widths run the TMA tile with pointer loads and one stage
+BWD_DKDV_WITHOUT_TMA: dict[int, TileConfig] = {128: TileConfig(64, 128, 8, 1), 256: TileConfig(32, 32, 4, 1)}
+# the same for the attn_mask classes ("mask_bounds", "mask_rows"): their previous table's pointer-load tile (timed on
+# the H200 before the TMA tiles, +3-10 % over 32 x 128 x 8 warps)
+BWD_DKDV_WITHOUT_TMA_MASKS: dict[int, TileConfig] = {128: TileConfig(32, 64, 4, 2)}
 _GPU_BWD_CAUSAL: dict[int, BwdConfig] = {
     **_GPU_BWD,
     **{w: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3)) for w in (16, 32)},
     64: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3, tma=True)),
-    128: BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 2, tma=True)),
+    128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True), TileConfig(64, 64, 4, 2, tma=True)),
 }
-# GQA (more query heads than key/value heads) at width 128: the dK/dV programs in key-block-major order with Q / dO
-# by TMA. H200, hq = 4 hkv, scripts/tune_triton.py --group 4 --match key_major=True (dK/dV + dQ TFLOP/s against
-# the tables' tiles): causal 221.5 -> 267.3 (s=2048), 282.0 -> 328.5 (s=8192); non-causal 335.8 -> 342.8, 358.1 ->
-# 370.4. Not timed without GQA (the tables keep their order there).
-_GPU_BWD_GQA: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True, key_major=True),
-                                                     _GPU_BWD[128].dq)}
-_GPU_BWD_GQA_CAUSAL: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 128, 8, 2, tma=True, key_major=True),
+# GQA (more query heads than key/value heads) at width 128, causal: the dK/dV programs in key-block-major order
+# (the first key blocks, GROUP times longer than MHA's, start first). H200, hq = 4 hkv, scripts/tune_triton.py
+# --group 4 --match key_major=True (dK/dV + dQ TFLOP/s): 64 x 64 x 4 warps by TMA in key-major order 286.7 / 353.1
+# (s = 2k / 8k) against 257.1 / 314.1 in the table's order and 268.0 / 328.7 for the previous 64 x 128 x 8 key-major
+# tile. Non-causal GQA runs the MHA table (64 x 64 in the table's order: 379.6 / 406.3; key-major 375.9 / 388.8;
+# the previous key-major 64 x 128 336.8 / 367.4).
+_GPU_BWD_GQA: dict[int, BwdConfig] = {128: _GPU_BWD[128]}
+_GPU_BWD_GQA_CAUSAL: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True, key_major=True),
                                                             _GPU_BWD_CAUSAL[128].dq)}
 
 # Calls with optional features (mask, dropout, window, softcap, ALiBi) need more registers per score
 # tile; at width 128 the tiles below compile without spills on sm90 for every feature
-# (scripts/compile_check.py --features; dropout's dK/dV keeps a 12-16 byte spill). Not yet timed on
-# a GPU. Other widths use the plain tables.
+# (scripts/compile_check.py --features; dropout's dK/dV keeps a 12-16 byte spill). Other widths use the plain
+# tables.
 _GPU_FWD_FEATURES: dict[int, TileConfig] = {128: TileConfig(128, 64, 8, 3)}
 _GPU_BWD_FEATURES: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 128, 8, 1), TileConfig(64, 32, 4, 2))}
-# Backward of two feature classes, timed on an H200 (scripts/tune_features.py, bf16, d=128, seqlen 8192,
-# docs/perf-log.md): an attn_mask alone with block bounds (kernels/triton/_mask_bounds.py; most tiles then run
-# the unmasked loop) and dropout. dQ 64 x 64 beat 64 x 32 in both (+11-14 %), dK/dV 32 x 64 beat 32 x 128 with
-# masks (+3-10 %) but not with dropout (-4 %). Both keep small spills (sm90 compile check: 0-128 bytes).
-_GPU_BWD_MASK_BOUNDS: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 64, 4, 2))}
-# The same for a bool key mask packed 32 keys per word (_common.MASK_BITS_ROW): with it, dQ 64 x 32 in three
-# stages beat 64 x 64 by 6-8 % (random keys, right padding), where 2-D masks lose 6 % with it (explicit causal).
-_GPU_BWD_MASK_ROWS: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 32, 4, 3))}
-_GPU_BWD_DROPOUT: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 128, 8, 1), TileConfig(64, 64, 4, 2))}
+# Three feature classes timed on the H200 (scripts/tune_features.py, bf16, d=128, seqlen 8192, TFLOP/s of the
+# whole backward with the other kernel's tile fixed; docs/perf-log.md): an attn_mask alone read through block
+# bounds (kernels/triton/_mask_bounds.py; most tiles then run the unmasked loop), the same with a key mask packed
+# 32 keys per word (_common.MASK_BITS_ROW), and dropout. TMA tiles (K / V, or Q / dO, by tensor descriptors) need
+# far fewer registers with a feature (sm90 compile check: packed-mask dQ 64 x 64 255 + 24 bytes of spills -> 187
+# registers, none; dropout dQ 255 + 108 -> 224, none). dK/dV 64 x 64 x 4 warps by TMA against the previous tables'
+# tiles: explicit causal mask 537 -> 600, key padding 370 -> 420, random keys 287 -> 324, dropout 198 -> 214 (not taken, below); dQ
+# by TMA: 537 -> 596, 370 -> 391, 287 -> 313, 198 -> 206 (64 x 32 x 3 stages; 64 x 64: 205).
+_GPU_BWD_MASK_BOUNDS: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True),
+                                                            TileConfig(64, 64, 4, 2, tma=True))}
+_GPU_BWD_MASK_ROWS: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True),
+                                                          TileConfig(64, 64, 4, 2, tma=True))}
+# Dropout keeps its dK/dV tile: the 64 x 64 TMA one spills 244 bytes when causal and 176-1040 with other features
+# (sm90 compile check; 32 x 128 x 8 x 1: 0-112).
+_GPU_BWD_DROPOUT: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 128, 8, 1), TileConfig(64, 32, 4, 3, tma=True))}
+# Forward of a packed key mask: 128 x 128 x 3 stages with K / V by TMA (225 registers; the pointer-load 128 x 64
+# needs 254): key padding 587 -> 630, random keys 399 -> 463 TFLOP/s. 2-D masks keep 128 x 64 (the TMA 128 x 128
+# x 3 tile needs 246 KB of shared memory with their bounds; x 2 stages: 827 against 842), dropout too (the TMA
+# tiles lose: 272-289 against 303).
+_GPU_FWD_MASK_ROWS: dict[int, TileConfig] = {128: TileConfig(128, 128, 8, 3, tma=True)}
+_FWD_FEATURE_TABLES = {"mask_rows": _GPU_FWD_MASK_ROWS}
 _BWD_FEATURE_TABLES = {"features": _GPU_BWD_FEATURES, "mask_bounds": _GPU_BWD_MASK_BOUNDS,
                        "mask_rows": _GPU_BWD_MASK_ROWS, "dropout": _GPU_BWD_DROPOUT}
 
@@ -170,6 +189,9 @@ def dkdv_candidates(width: int) -> list[TileConfig]:
     # TMA loads free the registers of the Q / dO tile addresses: deeper pipelines of the large tiles (sm90 compile
     # check, d=128 64 x 128 x 8 warps: 2 stages spill 4 bytes instead of 36, causal 24 instead of 124)
     tma = [dataclasses.replace(c, tma=True) for c in table + plain if c.num_warps == 8 and c.block_n == 128]
+    # and 4-warp TMA tiles (two CTAs per SM at d=128: 99 KB of shared memory each); the best dK/dV tile of the
+    # feature backwards on the H200 (scripts/tune_features.py: key padding +14 %, explicit causal mask +12 %)
+    tma += [TileConfig(64, 64, 4, 2, tma=True), TileConfig(64, 64, 4, 3, tma=True), TileConfig(32, 64, 4, 2, tma=True)]
     # dQ by TMA bulk reduce-add (no per-element atomics) on tiles that leave registers for the dQ tile
     tma_atomic = [dataclasses.replace(c, tma=True, atomic_dq=True) for c in table + plain + _TMA_ATOMIC_EXTRA
                   if width <= 128 and c.block_m * (c.block_n if width <= 64 else 128) <= 64 * 128
@@ -177,7 +199,8 @@ def dkdv_candidates(width: int) -> list[TileConfig]:
     wide = _TMA_256_DKDV if width == 256 else []
     # the tables' tiles with the programs in key-block-major order (causal GQA: dK/dV programs GROUP times longer,
     # the first key blocks the longest; H200: GQA 32:8 causal backward 0.90-0.93x of MHA's)
-    key_major = [dataclasses.replace(c, key_major=True) for c in table]
+    gqa = [t[width].dkdv for t in (_GPU_BWD_GQA, _GPU_BWD_GQA_CAUSAL) if width in t]
+    key_major = [dataclasses.replace(c, key_major=True) for c in table] + gqa
     return list(dict.fromkeys(plain + atomic + tma + tma_atomic + wide + key_major))
 
 
@@ -226,23 +249,31 @@ def _width(d: int, dv: int) -> int:
     return max(pad_head_dim(d), pad_head_dim(dv))
 
 
-def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int, features: bool = False) -> TileConfig:
+def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int,
+               features: bool | str = False) -> TileConfig:
+    """Forward tile; features: False for a plain call, else a class of _features.tile_class (True: any)."""
     if _override["fwd"] is not None:
         return _override["fwd"]  # type: ignore[return-value]
     if q.device.type != "cuda" or _launch._INTERPRET:
         return _INTERPRETER_FWD
     width = _width(d, dv)
-    if features and width in _GPU_FWD_FEATURES:
-        return _GPU_FWD_FEATURES[width]
+    if features:
+        table = _FWD_FEATURE_TABLES.get(features, _GPU_FWD_FEATURES)
+        if width in table:
+            return table[width]
     return fwd_table(causal, seqlen_k)[width]
 
 
-def fwd_without_tma(cfg: TileConfig, causal: bool, d: int, dv: int) -> TileConfig:
-    """The forward tile of a launch that cannot read K / V by TMA although `cfg` asks for it: the plain table's
-    pointer-load tile (for a pinned tile: the same tile with pointer loads)."""
+def fwd_without_tma(cfg: TileConfig, causal: bool, d: int, dv: int, features: bool | str = False) -> TileConfig:
+    """The forward tile of a launch that cannot read K / V by TMA although `cfg` asks for it: the pointer-load
+    tile of its table (plain, or the feature calls' _GPU_FWD_FEATURES); for a pinned tile, the same tile with
+    pointer loads."""
     if _override["fwd"] is not None:
         return dataclasses.replace(cfg, tma=False)
-    return fwd_table(causal)[_width(d, dv)]
+    width = _width(d, dv)
+    if features and width in _GPU_FWD_FEATURES:
+        return _GPU_FWD_FEATURES[width]
+    return fwd_table(causal)[width]
 
 
 def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool | str = False,

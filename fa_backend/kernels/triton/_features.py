@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ._common import MASK_BITS_ROW
 from ._mask_bounds import as_4d, row_bits, worth_it
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -138,3 +139,17 @@ def kernel_features(
         qk_scale = 2.0**-126
     args = (*mask_args, *alibi_args, softcap_in, left_offset, *drop_args)
     return KernelFeatures(causal, causal_offset, qk_scale, args, constexprs)
+
+
+def tile_class(feat: KernelFeatures, attn_mask: torch.Tensor | None, b: int, hq: int, sq: int, sk: int,
+               d: int) -> bool | str:
+    """Which tile tables a call's launches use (_configs.fwd_config / bwd_config): False for a plain call;
+    "dropout" (with or without other features); for an attn_mask alone read through block bounds,
+    "mask_rows" (packed 32 keys per word: a key mask) or "mask_bounds" (any other mask); True otherwise."""
+    if not feat.constexprs:
+        return False
+    if "DROPOUT" in feat.constexprs:
+        return "dropout"
+    if set(feat.constexprs) == {"MASK_KIND"} and worth_it(attn_mask, b, hq, sq, sk, d):
+        return "mask_rows" if feat.constexprs["MASK_KIND"] == MASK_BITS_ROW.value else "mask_bounds"
+    return True

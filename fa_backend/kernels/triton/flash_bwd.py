@@ -23,8 +23,8 @@ import triton.language as tl
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
                       _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
                       _score_mods, _tile_ptrs, _window_lo)
-from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config
-from ._features import kernel_features
+from ._configs import BWD_DKDV_WITHOUT_TMA, BWD_DKDV_WITHOUT_TMA_MASKS, BwdConfig, bwd_config
+from ._features import kernel_features, tile_class
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 from ._tma import tma_ok as _tma_ok
@@ -552,29 +552,21 @@ def _bwd_dq_convert(
              mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False, width: int = 0) -> BwdConfig:
+def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False, width: int = 0,
+                 features: bool | str = False) -> BwdConfig:
     """The tiles of a launch that cannot use TMA where they ask for it: a dK/dV tile with one stage (its pointer
     loads gain nothing from a second one, which costs registers: the table's choice before TMA), or the
-    width's own pointer-load tile (_configs.BWD_DKDV_WITHOUT_TMA); a dQ tile with pointer loads."""
+    width's own pointer-load tile (_configs.BWD_DKDV_WITHOUT_TMA, BWD_DKDV_WITHOUT_TMA_MASKS for the mask tile
+    classes); a dQ tile with pointer loads."""
     if cfg.dkdv.tma and not use_tma:
-        fallback = BWD_DKDV_WITHOUT_TMA.get(width)
+        masks = features in ("mask_bounds", "mask_rows")
+        fallback = (BWD_DKDV_WITHOUT_TMA_MASKS if masks else BWD_DKDV_WITHOUT_TMA).get(width)
         if fallback is None:
             fallback = dataclasses.replace(cfg.dkdv, num_stages=1, tma=False)
         cfg = dataclasses.replace(cfg, dkdv=fallback)
     if cfg.dq.tma and not use_tma_dq:
         cfg = dataclasses.replace(cfg, dq=dataclasses.replace(cfg.dq, tma=False))
     return cfg
-
-
-def _bwd_feature_class(feat, attn_mask, b: int, hq: int, sq: int, sk: int, d: int) -> bool | str:
-    """Which backward tile table a call uses (_configs.bwd_config)."""
-    if not feat.constexprs:
-        return False
-    if "DROPOUT" in feat.constexprs:
-        return "dropout"
-    if set(feat.constexprs) == {"MASK_KIND"} and _mask_bounds.worth_it(attn_mask, b, hq, sq, sk, d):
-        return "mask_rows" if feat.constexprs["MASK_KIND"] == MASK_BITS_ROW.value else "mask_bounds"
-    return True
 
 
 def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
@@ -624,8 +616,8 @@ def flash_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
-    cfg = bwd_config(q, d, dv_dim, feat.causal, features=_bwd_feature_class(feat, attn_mask, b, hq, sq, sk, d),
-                     group=hq // hkv)
+    features = tile_class(feat, attn_mask, b, hq, sq, sk, d)
+    cfg = bwd_config(q, d, dv_dim, feat.causal, features=features, group=hq // hkv)
     block_d, block_dv = tile_dims(d, dv_dim)
 
     if sq * sk <= EXACT_DELTA_MAX_SCORES:
@@ -639,7 +631,7 @@ def flash_bwd(
     atomic = cfg.dkdv.atomic_dq and not torch.are_deterministic_algorithms_enabled()
     use_tma = cfg.dkdv.tma and _tma_ok(q, dout)
     use_tma_dq = cfg.dq.tma and _tma_ok(k, v)
-    cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv))
+    cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv), features)
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
@@ -704,8 +696,8 @@ def flash_bwd_varlen(
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
     cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
-    cfg = _without_tma(cfg, False, False)  # packed sequences: pointer loads
     block_d, block_dv = tile_dims(d, dv_dim)
+    cfg = _without_tma(cfg, False, False, max(block_d, block_dv))  # packed sequences: pointer loads
 
     if max_seqlen_q * max_seqlen_k <= EXACT_DELTA_MAX_SCORES:  # as in flash_bwd: delta from an fp32 O
         out = flash_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,

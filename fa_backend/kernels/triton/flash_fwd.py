@@ -19,7 +19,7 @@ from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCA
                       _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_descs, _tile_ptrs,
                       _window_lo)
 from ._configs import fwd_config, fwd_without_tma
-from ._features import dropout_draw, kernel_features
+from ._features import dropout_draw, kernel_features, tile_class
 from . import _launch, _mask_bounds
 from ._tma import tma_ok
 from ._launch import cdiv, grid_1d, tile_dims
@@ -355,9 +355,10 @@ def flash_fwd(
         return out, lse
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
-    cfg = fwd_config(q, d, dv, feat.causal, sk, features=bool(feat.constexprs))
+    features = tile_class(feat, attn_mask, b, hq, sq, sk, d)
+    cfg = fwd_config(q, d, dv, feat.causal, sk, features=features)
     if cfg.tma and not tma_ok(k, v):
-        cfg = fwd_without_tma(cfg, feat.causal, d, dv)
+        cfg = fwd_without_tma(cfg, feat.causal, d, dv, features)
     num_m_blocks = cdiv(sq, cfg.block_m)
     block_d, block_dv = tile_dims(d, dv)
     _launch.launch(_attn_fwd, grid_1d(num_m_blocks * b * hq), (

@@ -275,9 +275,9 @@ def test_bool_mask_with_zero_or_negative_scale(scale, mask_form):
 
 
 def test_backward_tile_class_of_masked_calls(monkeypatch):
-    # Timed tables (kernels/triton/_configs.py): packed key masks and 2-D masks have their own backward tiles.
+    # Timed tables (kernels/triton/_configs.py): packed key masks and 2-D masks have their own tiles.
     monkeypatch.setattr(_mask_bounds, "MIN_FLOPS", 2**33)
-    from fa_backend.kernels.triton.flash_bwd import _bwd_feature_class
+    from fa_backend.kernels.triton._features import tile_class
 
     b, hq, s, d = 8, 16, 2048, 128  # 2**38 forward FLOPs
     q, k = torch.empty(b, hq, s, d), torch.empty(b, hq, s, d)
@@ -285,10 +285,10 @@ def test_backward_tile_class_of_masked_calls(monkeypatch):
     two_d = torch.ones(s, s, dtype=torch.bool).tril()
     for mask, expected in ((key_mask, "mask_rows"), (two_d, "mask_bounds"), (two_d.float(), "mask_bounds")):
         feat = kernel_features(q, k, 0.1, False, False, mask)
-        assert _bwd_feature_class(feat, mask, b, hq, s, s, d) == expected
+        assert tile_class(feat, mask, b, hq, s, s, d) == expected
     small = kernel_features(q[:1, :1, :64], k[:1, :1, :64], 0.1, False, False, key_mask[:1, ..., :64])
     assert small.constexprs["MASK_KIND"] == 3  # below the threshold: the byte mask, no packing
-    assert _bwd_feature_class(small, key_mask[:1, ..., :64], 1, 1, 64, 64, d) is True
+    assert tile_class(small, key_mask[:1, ..., :64], 1, 1, 64, 64, d) is True
 
 
 def test_packed_key_mask_with_other_features():

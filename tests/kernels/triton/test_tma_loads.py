@@ -101,7 +101,8 @@ def test_gqa_calls_take_the_key_major_tiles(monkeypatch):
     for causal in (False, True):
         gqa = _configs.bwd_config(cuda_q, 128, 128, causal, group=4)
         mha = _configs.bwd_config(cuda_q, 128, 128, causal, group=1)
-        assert gqa.dkdv.key_major and gqa.dkdv.tma and not mha.dkdv.key_major
+        # key-major order for causal GQA (its first key blocks are the longest); non-causal GQA: the MHA tiles
+        assert gqa.dkdv.key_major == causal and gqa.dkdv.tma and not mha.dkdv.key_major
         assert gqa.dq == mha.dq == _configs.bwd_table(causal)[128].dq
         assert _configs.bwd_config(cuda_q, 64, 64, causal, group=4) == _configs.bwd_table(causal)[64]  # no GQA tile
         # calls with features keep their own tables
@@ -131,3 +132,62 @@ def test_long_causal_forward_on_the_table_tile(monkeypatch, aligned):
                     grad=False)
     assert (kwargs[0].get("USE_TMA") is True) == aligned
     assert (kwargs[0]["BLOCK_N"], kwargs[0]["num_stages"]) == ((128, 3) if aligned else (64, 3))
+
+
+def test_feature_tables_by_tile_class(monkeypatch):
+    # Key masks (packed) read K / V by TMA in the forward; every mask class and dropout read K / V by TMA in the dQ
+    # kernel; the pointer-load fallback of a feature forward is the feature table's tile, not the plain one.
+    monkeypatch.setattr(_configs._launch, "_INTERPRET", False)
+    cuda_q = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    rows = _configs.fwd_config(cuda_q, 128, 128, False, 4096, features="mask_rows")
+    assert rows.tma and (rows.block_m, rows.block_n) == (128, 128)
+    for cls in (True, "mask_bounds", "dropout"):
+        assert _configs.fwd_config(cuda_q, 128, 128, False, 4096, features=cls) == _configs._GPU_FWD_FEATURES[128]
+    assert _configs.fwd_without_tma(rows, False, 128, 128, "mask_rows") == _configs._GPU_FWD_FEATURES[128]
+    # backward: pointer-load dK/dV tiles timed before TMA (the mask classes' own one, the plain table's 64 x 128)
+    from fa_backend.kernels.triton.flash_bwd import _without_tma
+    for cls, dkdv in (("mask_rows", TileConfig(32, 64, 4, 2)), ("mask_bounds", TileConfig(32, 64, 4, 2)),
+                      (False, TileConfig(64, 128, 8, 1))):
+        cfg = _configs.bwd_config(cuda_q, 128, 128, False, features=cls)
+        assert cfg.dkdv.tma and _without_tma(cfg, False, False, 128, cls).dkdv == dkdv
+    for cls in ("mask_rows", "mask_bounds", "dropout"):
+        assert _configs.bwd_config(cuda_q, 128, 128, False, features=cls).dq.tma
+    assert _configs.fwd_config(cuda_q, 64, 64, False, 4096, features="mask_rows") == _configs._GPU_FWD[64]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the feature tables' tiles run on the GPU")
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("case", ["key_padding", "two_d", "dropout"])
+def test_feature_tables_on_the_gpu(monkeypatch, case, aligned):
+    # The timed feature tiles (TMA forward for key masks, TMA dQ, 64 x 64 TMA dK/dV for masks) at d=128, and
+    # their pointer-load fallbacks for K / V rows 264 bytes apart, against the float64 reference.
+    from fa_backend.kernels.triton import _mask_bounds
+    monkeypatch.setattr(_mask_bounds, "MIN_FLOPS", 0)
+    kwargs = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch",
+                        lambda kernel, grid, args, kw: kwargs.append(kw) or real(kernel, grid, args, kw))
+    b, h, s = 2, 4, 1100
+    q = torch.randn(b, h, s, 128, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (torch.randn(b, h, s, 128 if aligned else 132, dtype=torch.bfloat16, device=DEVICE)[..., :128]
+            for _ in range(2))
+    if case == "dropout":
+        from fa_backend.kernels.triton import dropout_keep_mask
+        from fa_backend.ops import new_rng_state, triton_flash_attention
+        rng = new_rng_state()
+        keep = dropout_keep_mask(b, h, s, s, 0.1, tuple(rng.tolist()), "cuda")
+        check_features(lambda q, k, v: triton_flash_attention(q, k, v, None, False, False, dropout_p=0.1,
+                                                              rng_state=rng)[0],
+                       q, k, v, dropout_keep=keep, dropout_p=0.1)
+    else:
+        if case == "key_padding":
+            lengths = torch.tensor([s - 300, s - 7], device=DEVICE).view(b, 1, 1, 1)
+            mask = torch.arange(s, device=DEVICE) < lengths
+        else:
+            mask = torch.rand(s, s, device=DEVICE) < 0.8
+        check_features(lambda q, k, v: fa_backend.attention(q, k, v, attn_mask=mask), q, k, v, attn_mask=mask)
+    # launches: forward, then delta, dK/dV and dQ (the kernels with a CAUSAL flag: forward, dK/dV, dQ)
+    tiled = [kw for kw in kwargs if "CAUSAL" in kw]
+    assert (tiled[0].get("USE_TMA") is True) == (aligned and case == "key_padding")
+    assert bool(tiled[-1].get("USE_TMA")) == aligned  # dQ: K / V by TMA in every feature table
