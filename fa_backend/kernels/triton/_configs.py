@@ -230,7 +230,11 @@ def dq_candidates(width: int) -> list[TileConfig]:
     of two 2-stage tiles at width 256."""
     plain = _plain_dq_candidates(width)
     tma = [dataclasses.replace(c, tma=True) for c in plain if width <= 128 and c.num_stages >= 2]
-    return plain + tma + (_TMA_256_DQ if width == 256 else [])
+    # wider key steps and a third stage, which TMA's register savings allow at width 128 (sm90 compile check: 174-255
+    # registers, at most 8 bytes of spills)
+    wide = [TileConfig(64, 64, 4, 3, tma=True), TileConfig(64, 128, 4, 2, tma=True), TileConfig(64, 128, 8, 2, tma=True),
+            TileConfig(128, 128, 8, 2, tma=True)] if width == 128 else []
+    return list(dict.fromkeys(plain + tma + wide + (_TMA_256_DQ if width == 256 else [])))
 
 
 def _plain_dq_candidates(width: int) -> list[TileConfig]:
