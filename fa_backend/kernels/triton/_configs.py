@@ -76,12 +76,14 @@ _GPU_BWD: dict[int, BwdConfig] = {
 }
 # dK/dV tiles for a launch whose Q / dO strides TMA cannot read, where the TMA tile with pointer loads would spill
 # more than the previous table's tile (sm90 compile check, width 256: 32 x 64 x 8 x 1 spills 172 / 1148 bytes,
-# 32 x 32 x 4 x 1 16 / 72); width 128: the last pointer-load table tile (timed, 327.7 TFLOP/s at s=4096, where the
-# 4-warp TMA tile with pointer loads is untimed); other widths run the TMA tile with pointer loads and one stage
-BWD_DKDV_WITHOUT_TMA: dict[int, TileConfig] = {128: TileConfig(64, 128, 8, 1), 256: TileConfig(32, 32, 4, 1)}
-# the same for the attn_mask classes ("mask_bounds", "mask_rows"): their previous table's pointer-load tile (timed on
-# the H200 before the TMA tiles, +3-10 % over 32 x 128 x 8 warps)
-BWD_DKDV_WITHOUT_TMA_MASKS: dict[int, TileConfig] = {128: TileConfig(32, 64, 4, 2)}
+# 32 x 32 x 4 x 1 16 / 72); other widths run the TMA tile with pointer loads and one stage: the same tile shape, so
+# that a launch with a broadcast dout (eager autograd's gradient of a sum) and one with a contiguous dout (the same
+# graph compiled) sum in the same order (tests/kernels/triton/test_flash_attention_gpu.py compares them bitwise)
+BWD_DKDV_WITHOUT_TMA: dict[int, TileConfig] = {256: TileConfig(32, 32, 4, 1)}
+# Packed-sequence (varlen) launches read Q / dO by pointers; without features they keep the dK/dV tiles the width-128
+# tables had before the 4-warp TMA tile, with which docs/benchmarks.md's varlen figures were measured
+BWD_DKDV_VARLEN: dict[tuple[int, bool], TileConfig] = {(128, False): TileConfig(64, 128, 8, 1),
+                                                       (128, True): TileConfig(64, 128, 8, 2)}
 _GPU_BWD_CAUSAL: dict[int, BwdConfig] = {
     **_GPU_BWD,
     **{w: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3)) for w in (16, 32)},
@@ -278,6 +280,17 @@ def fwd_without_tma(cfg: TileConfig, causal: bool, d: int, dv: int, features: bo
     if features and width in _GPU_FWD_FEATURES:
         return _GPU_FWD_FEATURES[width]
     return fwd_table(causal)[width]
+
+
+def bwd_config_varlen(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool = False) -> BwdConfig:
+    """Backward tiles of a packed-sequence launch: bwd_config's, with BWD_DKDV_VARLEN's dK/dV tile for a plain
+    call on the GPU (not under a pinned tile)."""
+    cfg = bwd_config(q, d, dv, causal, features)
+    if _override["bwd"] is None and not features and q.device.type == "cuda" and not _launch._INTERPRET:
+        dkdv = BWD_DKDV_VARLEN.get((_width(d, dv), causal))
+        if dkdv is not None:
+            cfg = dataclasses.replace(cfg, dkdv=dkdv)
+    return cfg
 
 
 def bwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, features: bool | str = False,

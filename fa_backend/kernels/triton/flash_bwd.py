@@ -23,7 +23,7 @@ import triton.language as tl
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
                       _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
                       _score_mods, _tile_ptrs, _window_lo)
-from ._configs import BWD_DKDV_WITHOUT_TMA, BWD_DKDV_WITHOUT_TMA_MASKS, BwdConfig, bwd_config
+from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config, bwd_config_varlen
 from ._features import kernel_features, tile_class
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
@@ -552,15 +552,12 @@ def _bwd_dq_convert(
              mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False, width: int = 0,
-                 features: bool | str = False) -> BwdConfig:
+def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False, width: int = 0) -> BwdConfig:
     """The tiles of a launch that cannot use TMA where they ask for it: a dK/dV tile with one stage (its pointer
     loads gain nothing from a second one, which costs registers: the table's choice before TMA), or the
-    width's own pointer-load tile (_configs.BWD_DKDV_WITHOUT_TMA, BWD_DKDV_WITHOUT_TMA_MASKS for the mask tile
-    classes); a dQ tile with pointer loads."""
+    width's own pointer-load tile (_configs.BWD_DKDV_WITHOUT_TMA); a dQ tile with pointer loads."""
     if cfg.dkdv.tma and not use_tma:
-        masks = features in ("mask_bounds", "mask_rows")
-        fallback = (BWD_DKDV_WITHOUT_TMA_MASKS if masks else BWD_DKDV_WITHOUT_TMA).get(width)
+        fallback = BWD_DKDV_WITHOUT_TMA.get(width)
         if fallback is None:
             fallback = dataclasses.replace(cfg.dkdv, num_stages=1, tma=False)
         cfg = dataclasses.replace(cfg, dkdv=fallback)
@@ -631,7 +628,7 @@ def flash_bwd(
     atomic = cfg.dkdv.atomic_dq and not torch.are_deterministic_algorithms_enabled()
     use_tma = cfg.dkdv.tma and _tma_ok(q, dout)
     use_tma_dq = cfg.dq.tma and _tma_ok(k, v)
-    cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv), features)
+    cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv))
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
@@ -695,9 +692,9 @@ def flash_bwd_varlen(
         return dq.zero_(), dk.zero_(), dv.zero_()
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
-    cfg = bwd_config(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
+    cfg = bwd_config_varlen(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))
+    cfg = _without_tma(cfg, False, False)  # packed sequences: pointer loads
     block_d, block_dv = tile_dims(d, dv_dim)
-    cfg = _without_tma(cfg, False, False, max(block_d, block_dv))  # packed sequences: pointer loads
 
     if max_seqlen_q * max_seqlen_k <= EXACT_DELTA_MAX_SCORES:  # as in flash_bwd: delta from an fp32 O
         out = flash_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,

@@ -4,6 +4,7 @@ to pointer loads where TMA's alignment rules do not hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -144,12 +145,20 @@ def test_feature_tables_by_tile_class(monkeypatch):
     for cls in (True, "mask_bounds", "dropout"):
         assert _configs.fwd_config(cuda_q, 128, 128, False, 4096, features=cls) == _configs._GPU_FWD_FEATURES[128]
     assert _configs.fwd_without_tma(rows, False, 128, 128, "mask_rows") == _configs._GPU_FWD_FEATURES[128]
-    # backward: pointer-load dK/dV tiles timed before TMA (the mask classes' own one, the plain table's 64 x 128)
+    # packed sequences keep the pointer-load dK/dV tiles their benchmark was measured with
+    for causal in (False, True):
+        assert _configs.bwd_config_varlen(cuda_q, 128, 128, causal) == dataclasses.replace(
+            _configs.bwd_config(cuda_q, 128, 128, causal), dkdv=TileConfig(64, 128, 8, 2 if causal else 1))
+        assert _configs.bwd_config_varlen(cuda_q, 128, 128, causal, True) == _configs._GPU_BWD_FEATURES[128]
+    # backward: the same dK/dV tile shape with pointer loads (a launch with a broadcast dout sums as one without)
     from fa_backend.kernels.triton.flash_bwd import _without_tma
-    for cls, dkdv in (("mask_rows", TileConfig(32, 64, 4, 2)), ("mask_bounds", TileConfig(32, 64, 4, 2)),
-                      (False, TileConfig(64, 128, 8, 1))):
-        cfg = _configs.bwd_config(cuda_q, 128, 128, False, features=cls)
-        assert cfg.dkdv.tma and _without_tma(cfg, False, False, 128, cls).dkdv == dkdv
+    for cls in ("mask_rows", "mask_bounds", False):
+        for causal in (False, True):
+            cfg = _configs.bwd_config(cuda_q, 128, 128, causal, features=cls, group=4)
+            pointer = _without_tma(cfg, False, False, 128).dkdv
+            assert cfg.dkdv.tma and not pointer.tma
+            assert (pointer.block_m, pointer.block_n, pointer.num_warps) == (cfg.dkdv.block_m, cfg.dkdv.block_n,
+                                                                              cfg.dkdv.num_warps)
     for cls in ("mask_rows", "mask_bounds", "dropout"):
         assert _configs.bwd_config(cuda_q, 128, 128, False, features=cls).dq.tma
     assert _configs.fwd_config(cuda_q, 64, 64, False, 4096, features="mask_rows") == _configs._GPU_FWD[64]
