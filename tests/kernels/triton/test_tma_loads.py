@@ -164,6 +164,43 @@ def test_feature_tables_by_tile_class(monkeypatch):
     assert _configs.fwd_config(cuda_q, 64, 64, False, 4096, features="mask_rows") == _configs._GPU_FWD[64]
 
 
+@pytest.mark.parametrize("case", ["key_mask", "two_d", "dropout"])
+def test_tma_tiles_with_masks_and_dropout(monkeypatch, case):
+    # The feature tables' kind of tiles (K / V by TMA in the forward and dQ, Q / dO in dK/dV) with a packed key mask
+    # read through block bounds, a 2-D mask through block bounds, and dropout; small tiles under the interpreter.
+    from fa_backend.kernels.triton import _mask_bounds
+    monkeypatch.setattr(_mask_bounds, "MIN_FLOPS", 0)
+    kwargs = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch",
+                        lambda kernel, grid, args, kw: kwargs.append(kw) or real(kernel, grid, args, kw))
+    b, h, sq, sk, d = (2, 2, 40, 70, 32) if DEVICE == "cpu" else (2, 4, 1000, 1100, 128)
+    q, k, v = _qkv(b, h, h, sq, sk, d)
+    fwd_tile = TileConfig(16, 16, 4, 1, tma=True) if DEVICE == "cpu" else TileConfig(128, 64, 8, 3, tma=True)
+    with _configs.override(fwd=fwd_tile, bwd=TMA_BWD):
+        if case == "dropout":
+            from fa_backend.kernels.triton import dropout_keep_mask
+            from fa_backend.ops import new_rng_state, triton_flash_attention
+            rng = new_rng_state()
+            keep = dropout_keep_mask(b, h, sq, sk, 0.2, tuple(rng.tolist()), DEVICE)
+            check_features(lambda q, k, v: triton_flash_attention(q, k, v, None, False, False, dropout_p=0.2,
+                                                                  rng_state=rng)[0],
+                           q, k, v, dropout_keep=keep, dropout_p=0.2)
+        else:
+            gen = torch.Generator().manual_seed(7)
+            if case == "key_mask":  # right padding, one sequence padded past a whole tile, 10 % random holes
+                mask = (torch.arange(sk) < torch.tensor([sk - 37, sk]).view(b, 1, 1, 1)) & (
+                    torch.rand(b, 1, 1, sk, generator=gen) >= 0.1)
+            else:
+                mask = torch.rand(sq, sk, generator=gen) < 0.7
+            mask = mask.to(DEVICE)
+            check_features(lambda q, k, v: fa_backend.attention(q, k, v, attn_mask=mask), q, k, v, attn_mask=mask)
+    tiled = [kw for kw in kwargs if "CAUSAL" in kw]
+    assert tiled and all(kw.get("USE_TMA") for kw in tiled)
+    if case != "dropout":
+        assert all(kw.get("MASK_BOUNDS") for kw in tiled)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the feature tables' tiles run on the GPU")
 @pytest.mark.parametrize("aligned", [True, False])
