@@ -3,7 +3,8 @@
 For each case (bench_features.case_arguments: causal_mask, key_padding, random_keys, dropout) it times the
 forward with the tables' tile ("table") and each forward candidate, then the backward with the case's table
 tiles, with each dK/dV candidate (the table's dQ tile) and each dQ candidate (the table's dK/dV tile); the
-two backward kernels are separate launches, so their best tiles combine. TFLOP/s count the full (non-causal) matrix, as bench --features does.
+two backward kernels are separate launches, so their best tiles combine. TFLOP/s count the full (non-causal) matrix,
+as bench --features does.
 
     python scripts/tune_features.py --cases key_padding dropout --seqlens 8192 --json out/tune_features.json
 """

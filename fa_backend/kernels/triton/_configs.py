@@ -112,8 +112,8 @@ _GPU_BWD_FEATURES: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(32, 128, 8,
 # 32 keys per word (_common.MASK_BITS_ROW), and dropout. TMA tiles (K / V, or Q / dO, by tensor descriptors) need
 # far fewer registers with a feature (sm90 compile check: packed-mask dQ 64 x 64 255 + 24 bytes of spills -> 187
 # registers, none; dropout dQ 255 + 108 -> 224, none). dK/dV 64 x 64 x 4 warps by TMA against the previous tables'
-# tiles: explicit causal mask 537 -> 600, key padding 370 -> 420, random keys 287 -> 324, dropout 198 -> 214 (not taken, below); dQ
-# by TMA: 537 -> 596, 370 -> 391, 287 -> 313, 198 -> 206 (64 x 32 x 3 stages; 64 x 64: 205).
+# tiles: explicit causal mask 537 -> 600, key padding 370 -> 420, random keys 287 -> 324, dropout 198 -> 214 (not
+# taken, below); dQ by TMA: 537 -> 596, 370 -> 391, 287 -> 313, 198 -> 206 (64 x 32 x 3 stages; 64 x 64: 205).
 _GPU_BWD_MASK_BOUNDS: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True),
                                                             TileConfig(64, 64, 4, 2, tma=True))}
 _GPU_BWD_MASK_ROWS: dict[int, BwdConfig] = {128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True),
@@ -234,8 +234,8 @@ def dq_candidates(width: int) -> list[TileConfig]:
     tma = [dataclasses.replace(c, tma=True) for c in plain if width <= 128 and c.num_stages >= 2]
     # wider key steps and a third stage, which TMA's register savings allow at width 128 (sm90 compile check: 174-255
     # registers, at most 8 bytes of spills)
-    wide = [TileConfig(64, 64, 4, 3, tma=True), TileConfig(64, 128, 4, 2, tma=True), TileConfig(64, 128, 8, 2, tma=True),
-            TileConfig(128, 128, 8, 2, tma=True)] if width == 128 else []
+    wide = [TileConfig(64, 64, 4, 3, tma=True), TileConfig(64, 128, 4, 2, tma=True),
+            TileConfig(64, 128, 8, 2, tma=True), TileConfig(128, 128, 8, 2, tma=True)] if width == 128 else []
     return list(dict.fromkeys(plain + tma + wide + (_TMA_256_DQ if width == 256 else [])))
 
 
