@@ -566,6 +566,17 @@ def _without_tma(cfg: BwdConfig, use_tma: bool, use_tma_dq: bool = False, width:
     return cfg
 
 
+def _dense_grad(dout: torch.Tensor) -> torch.Tensor:
+    """dout itself, or a contiguous copy when it broadcasts (a zero stride over a dim of size > 1, e.g. the
+    gradient of out.sum() in eager autograd) or its head dim is strided: Triton specialises a kernel on unit and
+    16-divisible strides and TMA needs dense rows, so without the copy a broadcast dout would run other code
+    (another reduction order in the delta pass, another tile) than the dense dout torch.compile passes for the
+    same values, and the gradients would differ in the last bits."""
+    if dout.stride(-1) != 1 or any(st == 0 and n > 1 for st, n in zip(dout.stride(), dout.shape)):
+        return dout.contiguous()
+    return dout
+
+
 def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
               block_dv: int | None = None) -> torch.Tensor:
     """delta = rowsum(dO * O) - dlse in fp32, (b, hq, sq), for out / dout (b, hq, sq, dv) of any strides: the
@@ -604,6 +615,7 @@ def flash_bwd(
     """
     b, hq, sq, d = q.shape
     hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
+    dout = _dense_grad(dout)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -684,6 +696,7 @@ def flash_bwd_varlen(
     total_q, hq, d = q.shape
     total_k, hkv, dv_dim = k.shape[0], k.shape[1], v.shape[2]
     b = cu_seqlens_q.shape[0] - 1
+    dout = _dense_grad(dout)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv

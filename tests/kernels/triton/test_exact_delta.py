@@ -72,3 +72,42 @@ def test_fp32_delta_lowers_the_gradient_error_of_small_calls(monkeypatch):
             dq, dk, _ = _grads(q, k, v, dout, True)
             totals[exact] += max_err(dq, ref[0]) + max_err(dk, ref[1])
     assert totals[True] < totals[False], totals
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("layout", ["broadcast", "rows_broadcast", "strided_head_dim"])
+def test_backward_kernels_read_a_dense_dout(monkeypatch, varlen, layout):
+    # A broadcast or head-dim-strided dout is copied dense before any launch: Triton specialises kernels on its
+    # strides and TMA needs dense rows, so otherwise eager autograd's dout (the gradient of a sum, stride 0) and the
+    # dense dout of torch.compile would run different code and the gradients differ in the last bits.
+    seen = []
+    real = bwd_module.bwd_delta
+    monkeypatch.setattr(bwd_module, "bwd_delta", lambda out, dout, *a, **kw: seen.append(dout) or real(out, dout, *a,
+                                                                                                     **kw))
+    dtype = torch.float16
+    b, h, s, d = 2, 2, 24, 16
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=DEVICE) for _ in range(3))
+    if layout == "broadcast":
+        dout = torch.randn((), dtype=dtype, device=DEVICE).expand(b, h, s, d)
+    elif layout == "rows_broadcast":
+        dout = torch.randn(d, dtype=dtype, device=DEVICE).expand(b, h, s, d)
+    else:
+        dout = torch.randn(b, h, s, 2 * d, dtype=dtype, device=DEVICE)[..., ::2]
+    scale = d ** -0.5
+    if varlen:
+        cu = torch.tensor([0, s, 2 * s], dtype=torch.int32, device=DEVICE)
+        packed = [t.transpose(1, 2).reshape(b * s, h, d) for t in (q, k, v)]
+        dout_p = dout.transpose(1, 2).reshape(b * s, h, d) if layout != "broadcast" else \
+            dout[0, 0, 0, 0].expand(b * s, h, d)
+        if layout == "strided_head_dim":
+            dout_p = torch.randn(b * s, h, 2 * d, dtype=dtype, device=DEVICE)[..., ::2]
+        out, lse = flash_fwd_varlen(*packed, cu, cu, s, s, scale, True)
+        grads = flash_bwd_varlen(dout_p, *packed, out, lse, cu, cu, s, s, scale, True)
+        dense = flash_bwd_varlen(dout_p.contiguous(), *packed, out, lse, cu, cu, s, s, scale, True)
+    else:
+        out, lse = flash_fwd(q, k, v, scale, True, True)
+        grads = flash_bwd(dout, q, k, v, out, lse, scale, True, True)
+        dense = flash_bwd(dout.contiguous(), q, k, v, out, lse, scale, True, True)
+    assert len(seen) == 2 and all(t.stride(-1) == 1 and 0 not in t.stride() for t in seen)
+    for a, b_ in zip(grads, dense):
+        assert torch.equal(a, b_)
