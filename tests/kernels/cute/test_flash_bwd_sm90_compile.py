@@ -8,13 +8,12 @@ It cannot run here; its numerics test (test_flash_bwd_gpu.py) needs an H200.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
+from tests.kernels.cute.ptxas import needs_ptxas, ptxas_report
 
 pytestmark = [pytest.mark.cute, pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}")]
 
@@ -106,7 +105,7 @@ def test_unsupported_variants_are_value_errors():
         flash_bwd.compile_flash_bwd(torch.bfloat16, 64, False, wgs=2)
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+@needs_ptxas
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, pipelined):
     """ptxas keeps every wgmma group asynchronous (no C7514 / C7515 serialisation, no injected waits or arrives:
@@ -115,13 +114,6 @@ def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, pipelined):
 
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path), wgs=2,
                                       pipelined=pipelined).__ptx__
-    path = tmp_path / "kernel.ptx"
-    path.write_text(ptx)
-    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "kernel.cubin")],
-                         capture_output=True, text=True)
-    if run.returncode and "Unsupported .version" in run.stderr:
-        pytest.skip(f"this ptxas is older than the DSL's PTX: {run.stderr.strip()[:200]}")
-    assert run.returncode == 0, run.stderr
-    report = run.stderr
+    report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report

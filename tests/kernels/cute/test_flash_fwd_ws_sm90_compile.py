@@ -7,13 +7,12 @@ It cannot run here (no GPU) and is not routed; numerics on an H200 are still to 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
+from tests.kernels.cute.ptxas import needs_ptxas, ptxas_report
 
 pytestmark = [pytest.mark.cute, pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}")]
 
@@ -106,17 +105,10 @@ def test_softmax_exp2_count_and_no_local_memory(compiled):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+@needs_ptxas
 def test_ptxas_allocates_without_spills(compiled):
     _, ptx, dump = compiled
-    path = dump / "kernel.ptx"
-    path.write_text(ptx)
-    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(dump / "kernel.cubin")],
-                         capture_output=True, text=True)
-    if run.returncode and "Unsupported .version" in run.stderr:
-        pytest.skip(f"this ptxas is older than the DSL's PTX: {run.stderr.strip()[:200]}")
-    assert run.returncode == 0, run.stderr
-    report = run.stderr
+    report = ptxas_report(ptx, dump)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     registers = int(re.search(r"Used (\d+) registers", report)[1])
     assert registers <= 65536 // 384  # 384 threads must fit before setmaxnreg moves registers
