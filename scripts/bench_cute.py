@@ -182,10 +182,10 @@ def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict
                 row = dict(d=d, causal=causal, seqlen=s, batch=b, heads=h)
                 variants = [("cute_bwd", dict())]  # the atomic-dQ variant (136-160 TFLOP/s at 8k) is no longer timed
                 if d != 128:
-                    variants.append(("cute_bwd_pipe", dict(pipelined=True)))
+                    variants.append(("cute_bwd_dqbuf", dict(dq_buffer=True)))
                 if d == 128:
                     variants.append(("cute_bwd_2wg", dict(wgs=2)))
-                    variants.append(("cute_bwd_2wg_pipe", dict(wgs=2, pipelined=True)))
+                    variants.append(("cute_bwd_2wg_dqbuf", dict(wgs=2, dq_buffer=True)))
                 for name, kw in variants:
                     t0 = time.perf_counter()
                     flash_bwd(dout, q, k, v, out, lse, causal=causal, **kw)
@@ -212,11 +212,11 @@ def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict
                     ms = _time_fa4(fa4, q, k, v, causal, dout)
                     row["fa4"] = None if ms is None else flops / ms / 1e9
                 records.append(row)
-                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "cute_bwd_pipe", "cute_bwd_2wg", "cute_bwd_2wg_pipe",
+                cells = "  ".join(f"{n} {row[n]:6.1f}" for n in ("cute_bwd", "cute_bwd_dqbuf", "cute_bwd_2wg", "cute_bwd_2wg_dqbuf",
                                                                   "cute_op", "triton",
                                                                   "cudnn", "flash", "fa4")
                                   if row.get(n) is not None)
-                best = max(row[n] for n in ("cute_bwd", "cute_bwd_pipe", "cute_bwd_2wg", "cute_bwd_2wg_pipe", "cute_op")
+                best = max(row[n] for n in ("cute_bwd", "cute_bwd_dqbuf", "cute_bwd_2wg", "cute_bwd_2wg_dqbuf", "cute_op")
                            if n in row)
                 print(f"bwd d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  best cute/cudnn "
                       f"{best / row['cudnn']:.2f}  cute_op/triton {row['cute_op'] / row['triton']:.2f}", flush=True)

@@ -24,7 +24,9 @@ spills; 5-13 % faster than one warpgroup on the H200. With one:
   the shared memory of the step's Q and dO stage (free once the GEMMs are done; 2 CTAs per SM still fit at
   d=128), and one lane adds it with two bulk reduce-adds (_bulk.py) into a buffer of per-block chunks in that
   order (_dq_layout.dq_from_chunks reorders, scales and casts it in one Triton pass); warp 0 waits for their reads before it loads that stage again.
-  With dq_atomic=True (the first version) by one fp32 atomic add per value into a (b, hq, sq, d) buffer.
+  With dq_atomic=True (the first version) by one fp32 atomic add per value into a (b, hq, sq, d) buffer; with
+  dq_buffer=True (opt-in, timed neutral at d=128) through its own buffer, one CTA barrier per step.
+- dS^T reaches shared memory by stmatrix (four 8 x 8 matrices per instruction), from its accumulator-ordered registers.
 
 Inputs: q, do (b, hq, sq, d); k, v (b, hkv, sk, d), SDPA's layout, head_dim contiguous, other strides
 multiples of 8 elements (TMA); lse (b, hq, sq) the forward's natural-log LSE (fp32); delta (b, hq, sq) fp32,
@@ -50,8 +52,8 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp  # noqa: E402
 from cutlass.cute.runtime import make_fake_stream  # noqa: E402
-from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
@@ -68,9 +70,6 @@ TILE_N = 64  # keys per warpgroup: its wgmma M
 TILE_M = _dq_layout.TILE_M  # query rows per step (64)
 THREADS = _dq_layout.THREADS  # per warpgroup (128)
 QDO_STAGES = 2  # Q / dO / LSE / delta of the next query block load while this one is computed
-# pipelined variant: three stages, step + 2's Q / dO loaded at the end of a step and step + 1's S^T / dP^T GEMMs
-# issued before this step's dQ epilogue
-PIPELINED_STAGES = 3
 WARPGROUPS = (1, 2)  # per CTA; 2 (128 keys, FA3's backward tile at d=128) needs head_dim 128
 _LOG2E = math.log2(math.e)
 
@@ -85,15 +84,6 @@ def _gemm(mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tens
         mma.set(warpgroup.Field.ACCUMULATE, True)
 
 
-def _with_accumulate(mma: cute.TiledMma, accumulate: bool) -> cute.TiledMma:
-    """A copy of `mma` with its ACCUMULATE field set: GEMMs issued under a runtime branch use such copies, set once
-    outside it (a set inside the branch would leave `mma` holding a value the branch defines, which a later use
-    outside it cannot see)."""
-    copy = new_from_mlir_values(mma, extract_mlir_values(mma))
-    copy.set(warpgroup.Field.ACCUMULATE, accumulate)
-    return copy
-
-
 def _transposed(t: cute.Tensor) -> cute.Tensor:
     """The same (shared-memory) tensor with its first two modes swapped (a stage mode stays last)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, *range(2, cute.rank(t.layout))]))
@@ -104,17 +94,18 @@ class FlashBackwardSm90(ForwardVariant):
     dq_atomic: dQ by one atomic add per value instead of the shared-memory block and bulk reduce-adds.
     wgs: warpgroups per CTA, each with its own TILE_N keys; they share the Q / dO stages, and with 2 each computes
     half of the dQ block's columns over all 128 keys (FA3's split at d=128).
-    pipelined: PIPELINED_STAGES Q / dO stages; a step's dQ epilogue (waiting for the dQ GEMM, the dQ block through
-    shared memory, the bulk adds) runs while the next step's S^T / dP^T GEMMs do, and step + 2's Q / dO are
-    loaded a whole step before they are needed (bulk adds only)."""
+    dq_buffer: the dQ block goes through its own shared-memory buffer (not the stage's Q / dO memory) and dS through
+    two alternating tiles, so that a step has one CTA barrier (dS) instead of three: each warpgroup hands its dQ
+    part to its own bulk add behind barriers of its 128 threads, and step + 1's Q / dO load waits for no bulk
+    read (bulk adds only)."""
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, dq_atomic: bool = False,
-                 wgs: int = 1, pipelined: bool = False):
+                 wgs: int = 1, dq_buffer: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right)
         self.dq_atomic = dq_atomic
         self.wgs = wgs
-        self.pipelined = pipelined
-        self.stages = PIPELINED_STAGES if pipelined else QDO_STAGES
+        self.dq_buffer = dq_buffer
+        self.ds_tiles = wgs * (2 if dq_buffer else 1)  # dS tiles: one per warpgroup, twice with dq_buffer
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -141,8 +132,8 @@ class FlashBackwardSm90(ForwardVariant):
         # K and V: A operands (M = keys, K = d), one tile per warpgroup; Q and dO: B operands (N = queries, K = d),
         # QDO_STAGES deep; dS: A (M = queries, K = keys), queries contiguous, one tile per warpgroup
         sK_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, wgs)
-        sQ_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, self.stages)
-        sdS_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, wgs)
+        sQ_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, QDO_STAGES)
+        sdS_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, self.ds_tiles)
         load = cpasync.CopyBulkTensorTileG2SOp()
         one_k = cute.slice_(sK_layout, (None, None, 0))
         one_stage = cute.slice_(sQ_layout, (None, None, 0))
@@ -151,9 +142,9 @@ class FlashBackwardSm90(ForwardVariant):
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, one_stage, (TILE_M, d))
         tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, one_stage, (TILE_M, d))
         # K, V, the Q and dO stages, dS, the LSE and delta stages, alignment padding and barriers: 107 KB at
-        # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (180 KB pipelined)
-        smem_bytes = (2 * (2 * TILE_N * wgs + 2 * self.stages * TILE_M) * d + 2 * TILE_M * TILE_N * wgs
-                      + 2 * 4 * self.stages * TILE_M + 2 * 1024)
+        # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (dq_buffer: + 32 KB of dQ block, + 16 KB of dS)
+        smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * TILE_M) * d + 2 * TILE_M * TILE_N * self.ds_tiles
+                      + 2 * 4 * QDO_STAGES * TILE_M + 2 * 1024 + (4 * TILE_M * d if self.dq_buffer else 0))
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                     lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                     sK_layout, sQ_layout, sdS_layout).launch(
@@ -168,7 +159,6 @@ class FlashBackwardSm90(ForwardVariant):
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
         d = self.head_dim
         wgs = self.wgs
-        n_stages = self.stages
         tidx, _, _ = cute.arch.thread_idx()
         # this thread's warpgroup (its keys and dQ columns) and its index in it; compile-time 0 / tidx with one
         wg, wt = 0, tidx
@@ -181,24 +171,26 @@ class FlashBackwardSm90(ForwardVariant):
 
         smem = SmemAllocator()
         bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
-        bar_q = smem.allocate_array(cutlass.Int64, n_stages)  # Q and dO of a stage have landed
+        bar_q = smem.allocate_array(cutlass.Int64, QDO_STAGES)  # Q and dO of a stage have landed
         # 1024-byte alignment: the swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
         sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         # the Q stages then the dO stages in one allocation: after a block's dQ GEMM its Q and dO stage (two
         # regions of TILE_M * d / 2 fp32 values) hold the dQ block on its way to the bulk adds
         stage_bytes = TILE_M * d * self.dtype.width // 8
-        qdo = smem.allocate(2 * n_stages * stage_bytes, byte_alignment=1024)
+        qdo = smem.allocate(2 * QDO_STAGES * stage_bytes, byte_alignment=1024)
         sQ = cute.make_tensor(cute.recast_ptr(qdo, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
-        sdO = cute.make_tensor(cute.recast_ptr(qdo + n_stages * stage_bytes, sQ_layout.inner, dtype=self.dtype),
+        sdO = cute.make_tensor(cute.recast_ptr(qdo + QDO_STAGES * stage_bytes, sQ_layout.inner, dtype=self.dtype),
                                sQ_layout.outer)
-        sdQ = cute.make_tensor(cute.recast_ptr(qdo, dtype=Float32), cute.make_layout(2 * n_stages * stage_bytes // 4))
+        sdQ = cute.make_tensor(cute.recast_ptr(qdo, dtype=Float32), cute.make_layout(2 * QDO_STAGES * stage_bytes // 4))
         sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
-        sLSE = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, n_stages)), byte_alignment=16)
-        sDelta = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, n_stages)), byte_alignment=16)
+        if cutlass.const_expr(self.dq_buffer):  # the dQ block in its chunk's order (_dq_slot), warpgroup g's part g
+            sdQ = smem.allocate_tensor(Float32, cute.make_layout(TILE_M * d), byte_alignment=128)
+        sLSE = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, QDO_STAGES)), byte_alignment=16)
+        sDelta = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, QDO_STAGES)), byte_alignment=16)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_kv, 1)
-            for s in cutlass.range_constexpr(n_stages):
+            for s in cutlass.range_constexpr(QDO_STAGES):
                 cute.arch.mbarrier_init(bar_q + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -210,6 +202,8 @@ class FlashBackwardSm90(ForwardVariant):
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync) and the dQ bulk adds
         producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        # dq_buffer: the first warp of each warpgroup issues that warpgroup's bulk adds
+        adder_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % (THREADS // 32) == 0
         if producer_warp:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * wgs * TILE_N * d * self.dtype.width // 8)
@@ -235,13 +229,6 @@ class FlashBackwardSm90(ForwardVariant):
         tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d // wgs)))
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dp = cute.make_rmem_tensor(tScS.shape, Float32)
-        # pipelined: the next step's S^T / dP^T accumulate apart and are copied into acc_s / acc_dp once done. With
-        # the GEMMs writing acc_s / acc_dp themselves, their result is the loop's carried value, and the compiler
-        # moves registers between the in-flight wgmmas to place it (ptxas then serialises them: C7514)
-        acc_s_next, acc_dp_next = acc_s, acc_dp
-        if cutlass.const_expr(self.pipelined):
-            acc_s_next = cute.make_rmem_tensor(tScS.shape, Float32)
-            acc_dp_next = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dk = cute.make_rmem_tensor(tKcK.shape, Float32)
         acc_dv = cute.make_rmem_tensor(tKcK.shape, Float32)
         acc_dq = cute.make_rmem_tensor(tQcQ.shape, Float32)
@@ -249,6 +236,13 @@ class FlashBackwardSm90(ForwardVariant):
         acc_dv.fill(0.0)
         a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
         sdS_kq = _transposed(sdS)  # dS^T's (key, query, key tile) coordinates into the dS tiles
+        # dS^T from its accumulator-ordered registers into the (key, query) view with stmatrix: queries are the
+        # tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16 contiguous bytes
+        # (no transpose); 4 instructions per thread instead of 32 scalar 16-bit stores (Nsight Compute, d=128,
+        # two warpgroups: 35 bank conflicts per warp and step, mostly theirs)
+        store_ds = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_ss)
+        thr_store_ds = store_ds.get_slice(wt)
+        tDSsdS = thr_store_ds.partition_D(sdS_kq)  # (..., key tile)
 
         # queries that see key j: i >= j - offset (causal); the first query block that sees the CTA's first key
         offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
@@ -259,13 +253,9 @@ class FlashBackwardSm90(ForwardVariant):
         # the CTA's steps: (query head of the GQA group, query block), query blocks fastest
         n_m = m_blocks - m_start
         steps = group * n_m
-        if steps > 0:  # step 0's loads into stage 0 (pipelined: step 1's into stage 1 as well)
+        if steps > 0:  # step 0's loads into stage 0
             if producer_warp:
                 self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group, m_start, batch, 0)
-                if cutlass.const_expr(self.pipelined):
-                    if steps > 1:
-                        self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group + 1 // n_m,
-                                       m_start + 1 % n_m, batch, 1)
             if tidx < TILE_M:
                 row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + tidx, batch)
                 sLSE[tidx, 0] = row_lse
@@ -273,20 +263,8 @@ class FlashBackwardSm90(ForwardVariant):
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar_kv, 0)
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
-        mma_scores = (_with_accumulate(mma_ss, False), _with_accumulate(mma_ss, True))
-        if cutlass.const_expr(self.pipelined):
-            # step 0's S^T and dP^T; every later step's are issued by the step before it. The GEMMs are issued
-            # outside any runtime branch (a branch would copy their accumulators while they run, and ptxas then
-            # serialises the wgmmas): without a step they read whatever the stage holds, and nothing uses them
-            if steps > 0:
-                cute.arch.mbarrier_wait(bar_q, 0)
-            self._scores_gemms(mma_scores, acc_s_next, acc_dp_next, tSrK, tSrV, tSrQ, tSrdO, 0)
-            warpgroup.wait_group(0)
-            acc_s.store(acc_s_next.load())
-            acc_dp.store(acc_dp_next.load())
         for step in cutlass.range(steps, unroll=1):
-            stage = step % n_stages
-            next_stage = (step + 1) % n_stages
+            stage = step % QDO_STAGES
             head = head_kv * group + step // n_m
             m_block = m_start + step % n_m
             row0 = m_block * TILE_M
@@ -298,11 +276,14 @@ class FlashBackwardSm90(ForwardVariant):
             if step + 1 < steps:
                 if tidx < TILE_M:
                     next_lse, next_delta = self._rows(mLSE, mDelta, next_head, next_m * TILE_M + tidx, batch)
-            if cutlass.const_expr(not self.pipelined):
-                # S^T = K Q^T and dP^T = V dO^T (this warpgroup's keys)
-                cute.arch.mbarrier_wait(bar_q + stage, (step // n_stages) % 2)
-                self._scores_gemms(mma_scores, acc_s, acc_dp, tSrK, tSrV, tSrQ, tSrdO, stage)
-                warpgroup.wait_group(0)
+            cute.arch.mbarrier_wait(bar_q + stage, (step // QDO_STAGES) % 2)
+
+            # S^T = K Q^T and dP^T = V dO^T (this warpgroup's keys)
+            warpgroup.fence()
+            _gemm(mma_ss, acc_s, tSrK, tSrQ[None, None, None, stage])
+            _gemm(mma_ss, acc_dp, tSrV, tSrdO[None, None, None, stage])
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
 
             # P^T (masked: keys past seqlen_k, and after the diagonal when causal) and dS^T = P^T (dP^T - delta)
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):
@@ -331,9 +312,16 @@ class FlashBackwardSm90(ForwardVariant):
                 cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk, stage], acc_dk)
             warpgroup.commit_group()
 
-            # dS to shared memory (the dQ GEMM's A operand, every warpgroup's tile), visible to the async proxy
-            for i in cutlass.range(cute.size(r_ds), unroll_full=True):
-                sdS_kq[tScS[i][0], tScS[i][1], wg] = r_ds[i]
+            # dS to shared memory (the dQ GEMM's A operand, every warpgroup's tile), visible to the async proxy.
+            # dq_buffer: the step's pair of dS tiles alternates, and step + 1's LSE and delta rows are published by
+            # this step's one barrier (their slot's last readers, step - 1's softmax, passed step - 1's barrier)
+            ds_tile0 = 0
+            if cutlass.const_expr(self.dq_buffer):
+                ds_tile0 = (step % 2) * wgs
+                if tidx < TILE_M:
+                    sLSE[tidx, 1 - stage] = next_lse
+                    sDelta[tidx, 1 - stage] = next_delta
+            cute.copy(store_ds, thr_store_ds.retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
 
@@ -341,30 +329,37 @@ class FlashBackwardSm90(ForwardVariant):
             # is done with Q and dO
             warpgroup.fence()
             for j in cutlass.range_constexpr(wgs):
-                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, j], tQrKt[j], accumulate=j > 0)
+                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_tile0 + j], tQrKt[j], accumulate=j > 0)
             warpgroup.commit_group()
-            if cutlass.const_expr(self.pipelined):
-                # step + 1's S^T and dP^T run during this step's dQ epilogue: issued once the dK / dV GEMMs are
-                # done with the P^T / dS^T registers (wait_group(1): the dQ GEMM may still run), and waited for
-                # at the end of this step (not across the loop's back edge, where the accumulators are copied as loop
-                # values: ptxas would serialise the wgmmas). The last step issues them too, on a stage no load writes any more (its
-                # previous block's dQ adds at most read it): unused, but issued outside a runtime branch
-                warpgroup.wait_group(1)
-                if step + 1 < steps:
-                    cute.arch.mbarrier_wait(bar_q + next_stage, ((step + 1) // n_stages) % 2)
-                self._scores_gemms(mma_scores, acc_s_next, acc_dp_next, tSrK, tSrV, tSrQ, tSrdO, next_stage)
-                warpgroup.wait_group(1)  # the dQ GEMM (step + 1's scores may still run)
-            else:
-                # step + 1's Q and dO into the other stage, free since the end of step - 1 once the bulk adds of
-                # step - 1 have read it: issued this late so that waiting for those reads never stalls the GEMMs
-                if step + 1 < steps:
-                    if producer_warp:
-                        if cutlass.const_expr(not self.dq_atomic):
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, next_head, next_m, batch, next_stage)
-                warpgroup.wait_group(0)
+            # step + 1's Q and dO into the other stage, free since the end of step - 1 once the bulk adds of
+            # step - 1 have read it: issued this late so that waiting for those reads never stalls the GEMMs.
+            # dq_buffer: free once every warpgroup's step - 1 GEMMs are done, which the barrier above follows
+            if step + 1 < steps:
+                if producer_warp:
+                    if cutlass.const_expr(not self.dq_atomic and not self.dq_buffer):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, next_head, next_m, batch, 1 - stage)
+            warpgroup.wait_group(0)
             gdQ = mdQacc[None, None, head, batch]  # dq_atomic: (sq, d) rows; else (blocks, TILE_M * d) chunks
-            if cutlass.const_expr(self.dq_atomic):
+            if cutlass.const_expr(self.dq_buffer):
+                # this warpgroup's part of the block, once its previous bulk add has read the buffer: the adder
+                # lane waits for that read, a barrier of the warpgroup's threads, the stores, a second barrier, and
+                # the adder lane adds the part (a contiguous run of the block's chunk)
+                part = TILE_M * d // wgs
+                if adder_warp:
+                    if cute.arch.lane_idx() == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=THREADS)
+                for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
+                    sdQ[self._dq_slot(wt, i, stage, wg)] = acc_dq[i]
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=THREADS)
+                if adder_warp:
+                    if cute.arch.lane_idx() == 0:
+                        chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
+                        bulk_reduce_add_f32(sdQ.iterator + wg * part, chunk + wg * part, 4 * part)
+                        cute.arch.cp_async_bulk_commit_group()
+            elif cutlass.const_expr(self.dq_atomic):
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
                     row = row0 + tQcQ[i][0]
                     if row < seqlen_q:
@@ -373,12 +368,12 @@ class FlashBackwardSm90(ForwardVariant):
             else:
                 if cutlass.const_expr(wgs > 1):
                     # this warpgroup's dQ half overwrites the stage's Q (or dO), which the other warpgroup's dK / dV
-                    # GEMMs read and only that warpgroup's wait_group retires: a barrier after both waits. It
+                    # GEMMs read and only that warpgroup's wait_group(0) retires: a barrier after both waits. It
                     # and the next one also publish step + 1's LSE and delta rows (stored first) and put every
                     # dQ GEMM's dS reads before step + 1's dS stores, which is all the end-of-step barrier did
                     if tidx < TILE_M:
-                        sLSE[tidx, next_stage] = next_lse
-                        sDelta[tidx, next_stage] = next_delta
+                        sLSE[tidx, 1 - stage] = next_lse
+                        sDelta[tidx, 1 - stage] = next_delta
                     cute.arch.sync_threads()
                 # the block in fragment order (_dq_slot) into this stage's Q and dO memory, then one lane adds
                 # each half (a contiguous run of the chunked dQ buffer) with one bulk reduce-add
@@ -391,28 +386,20 @@ class FlashBackwardSm90(ForwardVariant):
                         half = TILE_M * d // 2
                         chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
                         for region in cutlass.range_constexpr(2):
-                            bulk_reduce_add_f32(sdQ.iterator + region * n_stages * half + stage * half,
+                            bulk_reduce_add_f32(sdQ.iterator + region * QDO_STAGES * half + stage * half,
                                                 chunk + region * half, 4 * half)
                         cute.arch.cp_async_bulk_commit_group()
-                    if cutlass.const_expr(self.pipelined):
-                        # step + 2's Q and dO into the stage of step - 1, once step - 1's bulk adds have read its
-                        # dQ block (wait_group(1): this step's may still run); needed a whole step from now
-                        if step + 2 < steps:
-                            cute.arch.cp_async_bulk_wait_group(1, read=True)
-                            self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group + (step + 2) // n_m,
-                                           m_start + (step + 2) % n_m, batch, (step + 2) % n_stages)
-            if cutlass.const_expr(wgs == 1 or self.dq_atomic):  # two warpgroups with bulk adds: done above
+            if cutlass.const_expr((wgs == 1 or self.dq_atomic) and not self.dq_buffer):  # else done above
                 if tidx < TILE_M:
-                    sLSE[tidx, next_stage] = next_lse
-                    sDelta[tidx, next_stage] = next_delta
+                    sLSE[tidx, 1 - stage] = next_lse
+                    sDelta[tidx, 1 - stage] = next_delta
                 cute.arch.sync_threads()  # every warp is done with this stage and dS before they are written again
-            if cutlass.const_expr(self.pipelined):
-                warpgroup.wait_group(0)  # step + 1's S^T and dP^T
-                acc_s.store(acc_s_next.load())
-                acc_dp.store(acc_dp_next.load())
 
-        if cutlass.const_expr(not self.dq_atomic):
-            if producer_warp:  # shared memory must outlive the last bulk adds' reads
+        if cutlass.const_expr(self.dq_buffer):
+            if adder_warp:  # shared memory must outlive the last bulk adds' reads
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        elif cutlass.const_expr(not self.dq_atomic):
+            if producer_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # epilogue: dK = scale * dS^T Q and dV, rows past seqlen_k skipped
         gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block * wgs + wg, 0))
@@ -421,17 +408,6 @@ class FlashBackwardSm90(ForwardVariant):
             if key0 + tKcK[i][0] < seqlen_k:
                 gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
                 gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
-
-    @cute.jit
-    def _scores_gemms(self, mma_ss: tuple[cute.TiledMma, cute.TiledMma], acc_s: cute.Tensor, acc_dp: cute.Tensor,
-                      tSrK: cute.Tensor, tSrV: cute.Tensor, tSrQ: cute.Tensor, tSrdO: cute.Tensor, stage: Int32):
-        """Issue S^T = K Q^T and dP^T = V dO^T on a stage's Q and dO as one wgmma group (waited for by the caller);
-        mma_ss: the S^T MMA without and with accumulation (_with_accumulate)."""
-        warpgroup.fence()
-        for acc, t_a, t_b in ((acc_s, tSrK, tSrQ), (acc_dp, tSrV, tSrdO)):
-            for kk in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-                cute.gemm(mma_ss[min(kk, 1)], acc, t_a[None, None, kk], t_b[None, None, kk, stage], acc)
-        warpgroup.commit_group()
 
     @cute.jit
     def _load_qdo(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
@@ -469,23 +445,25 @@ class FlashBackwardSm90(ForwardVariant):
         p = wg * TILE_M * d / wgs + (i // 2) * 2 * THREADS + 2 * thread + i % 2 of the block's chunk (one warp's pair
         of values i, i + 1 fills 256 contiguous bytes: no bank conflict), the chunk's first half in the stage's Q
         region, the second in its dO region. The chunked dQ buffer holds each block in this order (_dq_layout undoes
-        it on the host)."""
+        it on the host); with dq_buffer, position p of the dQ buffer."""
         d = self.head_dim
         half = TILE_M * d // 2  # fp32 values of one stage's Q (or dO) region
         p = wg * (TILE_M * d // self.wgs) + (i // 2) * 2 * THREADS + 2 * thread + i % 2
+        if cutlass.const_expr(self.dq_buffer):
+            return p  # the buffer holds the chunk as it is
         if cutlass.const_expr(self.wgs == 1):
             region = p // half  # i is a compile-time index: so is the region
-            return (region * self.stages + stage) * half + p % half
+            return (region * QDO_STAGES + stage) * half + p % half
         # two warpgroups: each one's part is exactly one region
-        return (wg * self.stages + stage) * half + p - wg * half
+        return (wg * QDO_STAGES + stage) * half + p - wg * half
 
 
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
-                      wgs: int = 1, pointer_args: bool = False, pipelined: bool = False) -> Any:
+                      wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
-    calling convention of _fast_call.PointerBackward; `pipelined`: FlashBackwardSm90's (not with dq_atomic).
+    calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -496,15 +474,15 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
     if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128):
         raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128)")
-    if pipelined and dq_atomic:
-        raise ValueError("pipelined=True needs the bulk-add dQ (dq_atomic=False)")
+    if dq_buffer and dq_atomic:
+        raise ValueError("dq_buffer=True needs the bulk-add dQ (dq_atomic=False)")
 
     def build() -> Any:
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
         q, k, v, do, dk, dv = (_dynamic(example) for _ in range(6))
         rows = [_dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4) for _ in range(2)]
         dqacc = _dynamic(torch.empty(1, 1, 8, head_dim, dtype=torch.float32))
-        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, pipelined)
+        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
             from . import _fast_call
 
@@ -516,7 +494,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     if dump_dir is not None:
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
-    name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_pipelined" if pipelined else "")
+    name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
             + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, TILE_M), arch)
     return CACHE.get_or_compile(key, build)
@@ -525,12 +503,12 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
-              wgs: int = 1, pipelined: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              wgs: int = 1, dq_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
-    (2: 128 keys per CTA, head_dim 128 only). pipelined: FlashBackwardSm90's three-stage variant. The three
+    (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant. The three
     gradients are contiguous whatever the inputs' strides."""
     from cuda.bindings import driver
 
@@ -546,7 +524,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
-                                 pointer_args=fast, pipelined=pipelined)
+                                 pointer_args=fast, dq_buffer=dq_buffer)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape

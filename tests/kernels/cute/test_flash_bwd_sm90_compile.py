@@ -60,38 +60,42 @@ def test_compiles_for_sm90a(tmp_path, dtype, d, causal, bottom_right, dq_atomic)
         assert not atomics and len(bulk_adds) == 2
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx  # TMA from the 4-D (s, d, h, b) views
     assert ptx.count("ex2.approx") == n * m // flash_bwd.THREADS  # one exp2 per score the thread holds
+    # dS^T to shared memory: 8 x 8 matrices by stmatrix (four per instruction), no scalar 16-bit stores
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == n * m // (flash_bwd.THREADS * 8)
+    assert "st.shared.b16" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("dq_buffer", [False, True])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
-def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right, pipelined):
+def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right, dq_buffer):
     """wgs=2: 128 keys per CTA, each warpgroup its own S^T / dP^T / dV / dK over 64 keys and half of the dQ block's
-    columns over all 128 keys (two chains of K = 64), the dQ block by two bulk adds. pipelined: the S^T / dP^T
-    GEMMs once more (the prologue's, before the loop) and their wait at the end of each step, not across the
-    loop's back edge."""
+    columns over all 128 keys (two chains of K = 64), the dQ block by two bulk adds (dq_buffer: one per warpgroup,
+    from the same instruction)."""
     from fa_backend.kernels.cute import flash_bwd
 
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path),
-                                      wgs=2, pipelined=pipelined).__ptx__
+                                      wgs=2, dq_buffer=dq_buffer).__ptx__
     n, m, d = flash_bwd.TILE_N, flash_bwd.TILE_M, 128
     half = _wgmma_lines(ptx, f"m64n{d // 2}k16.f32.bf16.bf16")  # S^T, dP^T (N = TILE_M = 64) and dQ (N = d / 2)
     full = _wgmma_lines(ptx, f"m64n{d}k16.f32.bf16.bf16")  # dV, dK
-    assert len(half) == (2 if pipelined else 1) * 2 * d // 16 + 2 * n // 16 and len(full) == 2 * m // 16
-    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", ptx)
-    # pipelined: the prologue's wait, two wait_group(1) (the dK / dV GEMMs, then the dQ GEMM, while the next
-    # scores run) and the end-of-step wait; the two-stage kernel waits for everything twice per step
-    assert waits == (["0", "1", "1", "0"] if pipelined else ["0", "0"])
-    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 2
+    assert len(half) == 2 * d // 16 + 2 * n // 16 and len(full) == 2 * m // 16
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == (1 if dq_buffer else 2)
     assert not re.findall(r"(?:red|atom)\.global\.[a-z.]*f32", ptx)
     assert ptx.count("ex2.approx") == n * m // flash_bwd.THREADS
     assert "ld.local" not in ptx and "st.local" not in ptx
-    # the dQ halves overwrite the stage's Q / dO, which the other warpgroup's dK / dV GEMMs read: a barrier after
-    # the dQ GEMM's wait comes before the first dQ store; three per step still (dS, that one, dQ), five in all
-    dq_wait = [w.start() for w in re.finditer(r"wgmma\.wait_group\.sync\.aligned", ptx)][2 if pipelined else -1]
-    dq_tail = ptx[dq_wait:ptx.index("cp.reduce.async.bulk")]
-    assert "st.shared.v2" not in dq_tail[:dq_tail.index("bar.sync")] and dq_tail.count("bar.sync") == 2
-    assert ptx.count("bar.sync") == 5
+    dq_tail = ptx[ptx.rindex("wgmma.wait_group.sync.aligned"):ptx.index("cp.reduce.async.bulk")]
+    if dq_buffer:
+        # one CTA barrier per step (dS; setup and the first stage's rows add two), the dQ part behind two barriers
+        # of the warpgroup's 128 threads (ids 1 and 2: bar.sync with a thread count)
+        named = re.findall(r"bar\.sync\s+(%r\d+|\d+),\s*128;", dq_tail)
+        assert len(named) == 2 and "st.shared.v2" not in dq_tail[:dq_tail.index("bar.sync")]
+        assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 3
+    else:
+        # the dQ halves overwrite the stage's Q / dO, which the other warpgroup's dK / dV GEMMs read: a barrier after
+        # the dQ GEMM's wait comes before the first dQ store; three per step still (dS, that one, dQ), five in all
+        assert "st.shared.v2" not in dq_tail[:dq_tail.index("bar.sync")] and dq_tail.count("bar.sync") == 2
+        assert ptx.count("bar.sync") == 5
 
 
 def test_unsupported_variants_are_value_errors():
@@ -106,14 +110,14 @@ def test_unsupported_variants_are_value_errors():
 
 
 @needs_ptxas
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, pipelined):
-    """ptxas keeps every wgmma group asynchronous (no C7514 / C7515 serialisation, no injected waits or arrives:
-    what the pipelined variant's separate next-step accumulators are for) and allocates without spills."""
+@pytest.mark.parametrize("dq_buffer", [False, True])
+def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, dq_buffer):
+    """ptxas keeps every wgmma group asynchronous (no C7514 / C7515 serialisation, no injected waits or arrives)
+    and allocates without spills."""
     from fa_backend.kernels.cute import flash_bwd
 
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path), wgs=2,
-                                      pipelined=pipelined).__ptx__
+                                      dq_buffer=dq_buffer).__ptx__
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
