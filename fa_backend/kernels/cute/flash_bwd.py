@@ -203,6 +203,10 @@ class FlashBackwardSm90(ForwardVariant):
         # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync) and the dQ bulk adds
         producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         # dq_buffer: the first warp of each warpgroup issues that warpgroup's bulk adds
+        # the LSE / delta rows of a query block: loaded by the first TILE_M threads of the last warpgroup (with two,
+        # not the one whose warp 0 also issues the TMA loads and bulk adds: less for the other to wait for at barriers)
+        row_t = tidx - (wgs - 1) * THREADS
+        row_loader = (row_t >= 0) & (row_t < TILE_M)
         adder_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % (THREADS // 32) == 0
         if producer_warp:
             with cute.arch.elect_one():
@@ -256,10 +260,10 @@ class FlashBackwardSm90(ForwardVariant):
         if steps > 0:  # step 0's loads into stage 0
             if producer_warp:
                 self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group, m_start, batch, 0)
-            if tidx < TILE_M:
-                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + tidx, batch)
-                sLSE[tidx, 0] = row_lse
-                sDelta[tidx, 0] = row_delta
+            if row_loader:
+                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + row_t, batch)
+                sLSE[row_t, 0] = row_lse
+                sDelta[row_t, 0] = row_delta
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar_kv, 0)
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
@@ -274,8 +278,8 @@ class FlashBackwardSm90(ForwardVariant):
             next_head = head_kv * group + (step + 1) // n_m
             next_m = m_start + (step + 1) % n_m
             if step + 1 < steps:
-                if tidx < TILE_M:
-                    next_lse, next_delta = self._rows(mLSE, mDelta, next_head, next_m * TILE_M + tidx, batch)
+                if row_loader:
+                    next_lse, next_delta = self._rows(mLSE, mDelta, next_head, next_m * TILE_M + row_t, batch)
             cute.arch.mbarrier_wait(bar_q + stage, (step // QDO_STAGES) % 2)
 
             # S^T = K Q^T and dP^T = V dO^T (this warpgroup's keys)
@@ -318,9 +322,9 @@ class FlashBackwardSm90(ForwardVariant):
             ds_tile0 = 0
             if cutlass.const_expr(self.dq_buffer):
                 ds_tile0 = (step % 2) * wgs
-                if tidx < TILE_M:
-                    sLSE[tidx, 1 - stage] = next_lse
-                    sDelta[tidx, 1 - stage] = next_delta
+                if row_loader:
+                    sLSE[row_t, 1 - stage] = next_lse
+                    sDelta[row_t, 1 - stage] = next_delta
             cute.copy(store_ds, thr_store_ds.retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -371,9 +375,9 @@ class FlashBackwardSm90(ForwardVariant):
                     # GEMMs read and only that warpgroup's wait_group(0) retires: a barrier after both waits. It
                     # and the next one also publish step + 1's LSE and delta rows (stored first) and put every
                     # dQ GEMM's dS reads before step + 1's dS stores, which is all the end-of-step barrier did
-                    if tidx < TILE_M:
-                        sLSE[tidx, 1 - stage] = next_lse
-                        sDelta[tidx, 1 - stage] = next_delta
+                    if row_loader:
+                        sLSE[row_t, 1 - stage] = next_lse
+                        sDelta[row_t, 1 - stage] = next_delta
                     cute.arch.sync_threads()
                 # the block in fragment order (_dq_slot) into this stage's Q and dO memory, then one lane adds
                 # each half (a contiguous run of the chunked dQ buffer) with one bulk reduce-add
@@ -390,9 +394,9 @@ class FlashBackwardSm90(ForwardVariant):
                                                 chunk + region * half, 4 * half)
                         cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr((wgs == 1 or self.dq_atomic) and not self.dq_buffer):  # else done above
-                if tidx < TILE_M:
-                    sLSE[tidx, 1 - stage] = next_lse
-                    sDelta[tidx, 1 - stage] = next_delta
+                if row_loader:
+                    sLSE[row_t, 1 - stage] = next_lse
+                    sDelta[row_t, 1 - stage] = next_delta
                 cute.arch.sync_threads()  # every warp is done with this stage and dS before they are written again
 
         if cutlass.const_expr(self.dq_buffer):
