@@ -262,7 +262,7 @@ class FlashBackwardSm90(ForwardVariant):
                 self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group, m_start, batch, 0)
             if row_loader:
                 row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + row_t, batch)
-                sLSE[row_t, 0] = row_lse
+                sLSE[row_t, 0] = self._lse_log2(row_lse)
                 sDelta[row_t, 0] = row_delta
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar_kv, 0)
@@ -273,7 +273,7 @@ class FlashBackwardSm90(ForwardVariant):
             m_block = m_start + step % n_m
             row0 = m_block * TILE_M
             # step + 1's LSE and delta rows go to registers now, to shared memory at the end of the step
-            next_lse = Float32.inf
+            next_lse = -Float32.inf
             next_delta = Float32(0.0)
             next_head = head_kv * group + (step + 1) // n_m
             next_m = m_start + (step + 1) % n_m
@@ -323,7 +323,7 @@ class FlashBackwardSm90(ForwardVariant):
             if cutlass.const_expr(self.dq_buffer):
                 ds_tile0 = (step % 2) * wgs
                 if row_loader:
-                    sLSE[row_t, 1 - stage] = next_lse
+                    sLSE[row_t, 1 - stage] = self._lse_log2(next_lse)
                     sDelta[row_t, 1 - stage] = next_delta
             cute.copy(store_ds, thr_store_ds.retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -376,7 +376,7 @@ class FlashBackwardSm90(ForwardVariant):
                     # and the next one also publish step + 1's LSE and delta rows (stored first) and put every
                     # dQ GEMM's dS reads before step + 1's dS stores, which is all the end-of-step barrier did
                     if row_loader:
-                        sLSE[row_t, 1 - stage] = next_lse
+                        sLSE[row_t, 1 - stage] = self._lse_log2(next_lse)
                         sDelta[row_t, 1 - stage] = next_delta
                     cute.arch.sync_threads()
                 # the block in fragment order (_dq_slot) into this stage's Q and dO memory, then one lane adds
@@ -395,7 +395,7 @@ class FlashBackwardSm90(ForwardVariant):
                         cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr((wgs == 1 or self.dq_atomic) and not self.dq_buffer):  # else done above
                 if row_loader:
-                    sLSE[row_t, 1 - stage] = next_lse
+                    sLSE[row_t, 1 - stage] = self._lse_log2(next_lse)
                     sDelta[row_t, 1 - stage] = next_delta
                 cute.arch.sync_threads()  # every warp is done with this stage and dS before they are written again
 
@@ -432,16 +432,24 @@ class FlashBackwardSm90(ForwardVariant):
 
     @cute.jit
     def _rows(self, mLSE: cute.Tensor, mDelta: cute.Tensor, head: Int32, row: Int32, batch: Int32):
-        """(LSE in log2 units, delta) of one query row: (+inf, 0) past seqlen_q and for rows that saw no key, so
-        that their P is 0."""
-        lse_log2 = Float32.inf
+        """(LSE, delta) of one query row as stored, (-inf, 0) past seqlen_q: loads only, used a step later (by
+        _lse_log2), so that the loading warps do not wait for them at once (a compare on the loaded LSE made them
+        wait a global-memory latency at the start of every step while the other warps waited for them at the
+        next barrier)."""
+        row_lse = -Float32.inf
         dlt = Float32(0.0)
         if row < mLSE.shape[0]:
             row_lse = mLSE[row, head, batch]
-            if row_lse != -Float32.inf:
-                lse_log2 = row_lse * _LOG2E
             dlt = mDelta[row, head, batch]
-        return lse_log2, dlt
+        return row_lse, dlt
+
+    @cute.jit
+    def _lse_log2(self, row_lse: Float32) -> Float32:
+        """The LSE in log2 units; +inf for a row that saw no key (or is past seqlen_q), so that its P is 0."""
+        lse_log2 = Float32.inf
+        if row_lse != -Float32.inf:
+            lse_log2 = row_lse * _LOG2E
+        return lse_log2
 
     @cute.jit
     def _dq_slot(self, thread: Int32, i: int, stage: Int32, wg: Int32) -> Int32:
