@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd]
-# cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; both need
+#   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile]
+# cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
+# ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
-# env: SHARDS, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# env: PROFILE_ARGS, PROFILE_TIMEOUT, SHARDS, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -101,6 +102,18 @@ if [[ " $steps " == *" cute_bwd "* ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py --backward ${CUTE_BWD_ARGS:-} --json "$OUT/bench_cute_bwd.json" \
     > "$OUT/bench_cute_bwd.log" 2>&1 || status=1
   grep -v -i warn "$OUT/bench_cute_bwd.log" | tail -n 20
+fi
+if [[ " $steps " == *" cute_profile "* ]]; then
+  # Nsight Compute on one CuTe backward launch (scripts/profile_cute_bwd.py; PROFILE_ARGS e.g. "--causal --d 64"):
+  # duration, instructions, shared-memory traffic and the stall reasons per issued instruction
+  m="gpu__time_duration.sum,smsp__inst_executed.sum,smsp__average_warp_latency_per_inst_issued.ratio"
+  m="$m,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed_op_shared_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
+  for r in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle dispatch_stall selected not_selected; do
+    m="$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+  done
+  timeout ${PROFILE_TIMEOUT:-120} ncu --kernel-name regex:kernel_cutlass --launch-skip 2 --launch-count 1 --metrics "$m" \
+    python3 scripts/profile_cute_bwd.py ${PROFILE_ARGS:-} > "$OUT/cute_profile.log" 2>&1 || status=1
+  grep -E "duration|inst_executed|latency|bank|stalled" "$OUT/cute_profile.log" | awk '{print $1, $(NF-1), $NF}'
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"

@@ -1,5 +1,7 @@
-"""One CuTe backward launch per variant under Nsight Compute (GPU): `ncu --kernel-name regex:flash_bwd ...
-python scripts/profile_cute_bwd.py`. bf16, d=128 (two warpgroups) or 64, batch 4, 16 heads, seqlen 4096."""
+"""Three launches of the CuTe backward for Nsight Compute to profile the last (GPU): `bash scripts/gpu_check.sh
+cute_profile` (the metrics it collects), or `ncu --kernel-name regex:kernel_cutlass --launch-skip 2 --launch-count 1
+... python scripts/profile_cute_bwd.py [--d 64] [--causal] [--dq-buffer]`. bf16, batch = 16384 / seqlen, heads =
+2048 / d, seqlen 4096; two warpgroups at d=128."""
 
 from __future__ import annotations
 
