@@ -23,7 +23,8 @@ spills; 5-13 % faster than one warpgroup on the H200. With one:
   dtype. By default the block goes, in its accumulator's fragment order (conflict-free stores, _dq_slot), into
   the shared memory of the step's Q and dO stage (free once the GEMMs are done; 2 CTAs per SM still fit at
   d=128), and one lane adds it with two bulk reduce-adds (_bulk.py) into a buffer of per-block chunks in that
-  order (_dq_layout.dq_from_chunks reorders, scales and casts it in one Triton pass); warp 0 waits for their reads before it loads that stage again.
+  order (_dq_layout.dq_from_chunks reorders, scales and casts it in one Triton pass); warp 0 waits for their reads
+  before it loads that stage again.
   With dq_atomic=True (the first version) by one fp32 atomic add per value into a (b, hq, sq, d) buffer; with
   dq_buffer=True (opt-in, timed neutral at d=128) through its own buffer, one CTA barrier per step.
 - dS^T reaches shared memory by stmatrix (four 8 x 8 matrices per instruction), from its accumulator-ordered registers.
@@ -203,11 +204,11 @@ class FlashBackwardSm90(ForwardVariant):
         # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync) and the dQ bulk adds
         producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         # dq_buffer: the first warp of each warpgroup issues that warpgroup's bulk adds
+        adder_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % (THREADS // 32) == 0
         # the LSE / delta rows of a query block: loaded by the first TILE_M threads of the last warpgroup (with two,
         # not the one whose warp 0 also issues the TMA loads and bulk adds: less for the other to wait for at barriers)
         row_t = tidx - (wgs - 1) * THREADS
         row_loader = (row_t >= 0) & (row_t < TILE_M)
-        adder_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % (THREADS // 32) == 0
         if producer_warp:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * wgs * TILE_N * d * self.dtype.width // 8)
