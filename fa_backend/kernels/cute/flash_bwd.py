@@ -187,8 +187,8 @@ class FlashBackwardSm90(ForwardVariant):
         sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
         if cutlass.const_expr(self.dq_buffer):  # the dQ block in its chunk's order (_dq_slot), warpgroup g's part g
             sdQ = smem.allocate_tensor(Float32, cute.make_layout(TILE_M * d), byte_alignment=128)
-        sLSE = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, QDO_STAGES)), byte_alignment=16)
-        sDelta = smem.allocate_tensor(Float32, cute.make_layout((TILE_M, QDO_STAGES)), byte_alignment=16)
+        # each query row's (LSE in log2 units, delta) side by side: one 64-bit load gives a score both
+        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_M, QDO_STAGES)), byte_alignment=16)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_kv, 1)
             for s in cutlass.range_constexpr(QDO_STAGES):
@@ -263,8 +263,8 @@ class FlashBackwardSm90(ForwardVariant):
                 self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group, m_start, batch, 0)
             if row_loader:
                 row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + row_t, batch)
-                sLSE[row_t, 0] = self._lse_log2(row_lse)
-                sDelta[row_t, 0] = row_delta
+                sRows[0, row_t, 0] = self._lse_log2(row_lse)
+                sRows[1, row_t, 0] = row_delta
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(bar_kv, 0)
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
@@ -297,11 +297,13 @@ class FlashBackwardSm90(ForwardVariant):
                 visible = key < seqlen_k
                 if cutlass.const_expr(self.causal):
                     visible = visible & (key <= row0 + qi + offset)
+                rows = sRows[None, qi, stage].load()  # (LSE in log2 units, delta) of query qi
+                row_lse, row_delta = rows[0], rows[1]
                 p = Float32(0.0)
                 if visible:
-                    p = cute.math.exp2(acc_s[i] * scale_log2 - sLSE[qi, stage], fastmath=True)
+                    p = cute.math.exp2(acc_s[i] * scale_log2 - row_lse, fastmath=True)
                 acc_s[i] = p
-                acc_dp[i] = p * (acc_dp[i] - sDelta[qi, stage])
+                acc_dp[i] = p * (acc_dp[i] - row_delta)
             r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
             r_p.store(acc_s.load().to(self.dtype))
             r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
@@ -324,8 +326,8 @@ class FlashBackwardSm90(ForwardVariant):
             if cutlass.const_expr(self.dq_buffer):
                 ds_tile0 = (step % 2) * wgs
                 if row_loader:
-                    sLSE[row_t, 1 - stage] = self._lse_log2(next_lse)
-                    sDelta[row_t, 1 - stage] = next_delta
+                    sRows[0, row_t, 1 - stage] = self._lse_log2(next_lse)
+                    sRows[1, row_t, 1 - stage] = next_delta
             cute.copy(store_ds, thr_store_ds.retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -377,8 +379,8 @@ class FlashBackwardSm90(ForwardVariant):
                     # and the next one also publish step + 1's LSE and delta rows (stored first) and put every
                     # dQ GEMM's dS reads before step + 1's dS stores, which is all the end-of-step barrier did
                     if row_loader:
-                        sLSE[row_t, 1 - stage] = self._lse_log2(next_lse)
-                        sDelta[row_t, 1 - stage] = next_delta
+                        sRows[0, row_t, 1 - stage] = self._lse_log2(next_lse)
+                        sRows[1, row_t, 1 - stage] = next_delta
                     cute.arch.sync_threads()
                 # the block in fragment order (_dq_slot) into this stage's Q and dO memory, then one lane adds
                 # each half (a contiguous run of the chunked dQ buffer) with one bulk reduce-add
@@ -396,8 +398,8 @@ class FlashBackwardSm90(ForwardVariant):
                         cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr((wgs == 1 or self.dq_atomic) and not self.dq_buffer):  # else done above
                 if row_loader:
-                    sLSE[row_t, 1 - stage] = self._lse_log2(next_lse)
-                    sDelta[row_t, 1 - stage] = next_delta
+                    sRows[0, row_t, 1 - stage] = self._lse_log2(next_lse)
+                    sRows[1, row_t, 1 - stage] = next_delta
                 cute.arch.sync_threads()  # every warp is done with this stage and dS before they are written again
 
         if cutlass.const_expr(self.dq_buffer):

@@ -63,6 +63,9 @@ def test_compiles_for_sm90a(tmp_path, dtype, d, causal, bottom_right, dq_atomic)
     # dS^T to shared memory: 8 x 8 matrices by stmatrix (four per instruction), no scalar 16-bit stores
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == n * m // (flash_bwd.THREADS * 8)
     assert "st.shared.b16" not in ptx
+    # each score's (LSE, delta) pair from shared memory with the neighbouring query's: one 128-bit load per two
+    # queries the thread holds (TILE_M / 8 * 2 / 2 = 8), no scalar loads
+    assert re.findall(r"ld\.shared\.[a-z0-9.]+", ptx) == ["ld.shared.v4.b32"] * (m // 8)
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
@@ -93,8 +96,12 @@ def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right, dq_buf
         assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 3
     else:
         # the dQ halves overwrite the stage's Q / dO, which the other warpgroup's dK / dV GEMMs read: a barrier after
-        # the dQ GEMM's wait comes before the first dQ store; three per step still (dS, that one, dQ), five in all
-        assert "st.shared.v2" not in dq_tail[:dq_tail.index("bar.sync")] and dq_tail.count("bar.sync") == 2
+        # the dQ GEMM's wait comes before the first dQ store (before it, only the next rows' (LSE, delta) pair);
+        # three per step still (dS, that one, dQ), five in all
+        before, after = dq_tail.split("bar.sync", 1)
+        dq_stores = m * d // 2 // flash_bwd.THREADS // 2  # this warpgroup's half of the block, two values a store
+        assert before.count("st.shared.v2") <= 1 and after.split("bar.sync")[0].count("st.shared.v2") == dq_stores
+        assert dq_tail.count("bar.sync") == 2
         assert ptx.count("bar.sync") == 5
 
 
