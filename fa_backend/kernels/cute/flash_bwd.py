@@ -217,22 +217,8 @@ class FlashBackwardSm90(ForwardVariant):
                 cute.copy(tma_k, tKgK[None, n_block * wgs + j], tKsK[None, j], tma_bar_ptr=bar_kv)
                 cute.copy(tma_v, tVgV[None, n_block * wgs + j], tVsV[None, j], tma_bar_ptr=bar_kv)
 
-        thr_ss, thr_rs, thr_dq = mma_ss.get_slice(wt), mma_rs.get_slice(wt), mma_dq.get_slice(wt)
-        tSrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK[None, None, wg]))
-        tSrV = mma_ss.make_fragment_A(thr_ss.partition_A(sV[None, None, wg]))
-        tSrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))  # (..., stage)
-        tSrdO = mma_ss.make_fragment_B(thr_ss.partition_B(sdO))
-        tVrdOt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sdO)))  # dO as (d, queries, stage)
-        tKrQt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sQ)))  # Q as (d, queries, stage)
-        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # dS as (queries, keys, warpgroup's key tile)
-        # K as (this warpgroup's d / wgs columns, keys) of each key tile (with 2 warpgroups: one 64-column swizzle
-        # atom of the 128-column tile, itself a canonical tile)
-        tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(
-            cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))))) for j in range(wgs)]
-        # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, column) of its dQ values
-        tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
-        tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d // wgs)))
+        f = self._fragments(mma_ss, mma_rs, mma_dq, sK, sV, sQ, sdO, sdS, wg, wt)
+        tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dp = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dk = cute.make_rmem_tensor(tKcK.shape, Float32)
@@ -240,25 +226,7 @@ class FlashBackwardSm90(ForwardVariant):
         acc_dq = cute.make_rmem_tensor(tQcQ.shape, Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
-        sdS_kq = _transposed(sdS)  # dS^T's (key, query, key tile) coordinates into the dS tiles
-        # dS^T from its accumulator-ordered registers into the (key, query) view with stmatrix: queries are the
-        # tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16 contiguous bytes
-        # (no transpose); 4 instructions per thread instead of 32 scalar 16-bit stores (Nsight Compute, d=128,
-        # two warpgroups: 35 bank conflicts per warp and step, mostly theirs)
-        store_ds = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_ss)
-        thr_store_ds = store_ds.get_slice(wt)
-        tDSsdS = thr_store_ds.partition_D(sdS_kq)  # (..., key tile)
-
-        # queries that see key j: i >= j - offset (causal); the first query block that sees the CTA's first key
-        offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
-        m_blocks = cute.ceil_div(seqlen_q, TILE_M)
-        m_start = 0
-        if cutlass.const_expr(self.causal):
-            m_start = cutlass.min(cutlass.max(n_block * TILE_N * wgs - offset, 0) // TILE_M, m_blocks)
-        # the CTA's steps: (query head of the GQA group, query block), query blocks fastest
-        n_m = m_blocks - m_start
-        steps = group * n_m
+        offset, m_start, n_m, steps = self._query_blocks(seqlen_q, seqlen_k, n_block, group)
         if steps > 0:  # step 0's loads into stage 0
             if producer_warp:
                 self._load_qdo(tma_q, mQ, tma_do, mdO, sQ, sdO, bar_q, head_kv * group, m_start, batch, 0)
@@ -291,34 +259,8 @@ class FlashBackwardSm90(ForwardVariant):
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # P^T (masked: keys past seqlen_k, and after the diagonal when causal) and dS^T = P^T (dP^T - delta)
-            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-                key = key0 + tScS[i][0]
-                qi = tScS[i][1]
-                visible = key < seqlen_k
-                if cutlass.const_expr(self.causal):
-                    visible = visible & (key <= row0 + qi + offset)
-                rows = sRows[None, qi, stage].load()  # (LSE in log2 units, delta) of query qi
-                row_lse, row_delta = rows[0], rows[1]
-                p = Float32(0.0)
-                if visible:
-                    p = cute.math.exp2(acc_s[i] * scale_log2 - row_lse, fastmath=True)
-                acc_s[i] = p
-                acc_dp[i] = p * (acc_dp[i] - row_delta)
-            r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
-            r_p.store(acc_s.load().to(self.dtype))
-            r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
-            r_ds.store(acc_dp.load().to(self.dtype))
-            t_p = cute.make_tensor(r_p.iterator, a_layout)
-            t_ds = cute.make_tensor(r_ds.iterator, a_layout)
-
-            # dV += P^T dO and dK += dS^T Q
-            warpgroup.fence()
-            for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
-                cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
-            for kk in cutlass.range_constexpr(cute.size(t_ds, mode=[2])):
-                cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk, stage], acc_dk)
-            warpgroup.commit_group()
+            self._probabilities(acc_s, acc_dp, tScS, sRows, stage, scale_log2, key0, seqlen_k, row0, offset)
+            r_ds = self._grad_gemms(mma_rs, acc_s, acc_dp, acc_dk, acc_dv, a_layout, tVrdOt, tKrQt, stage)
 
             # dS to shared memory (the dQ GEMM's A operand, every warpgroup's tile), visible to the async proxy.
             # dq_buffer: the step's pair of dS tiles alternates, and step + 1's LSE and delta rows are published by
@@ -329,7 +271,7 @@ class FlashBackwardSm90(ForwardVariant):
                 if row_loader:
                     sRows[0, row_t, 1 - stage] = self._lse_log2(next_lse)
                     sRows[1, row_t, 1 - stage] = next_delta
-            cute.copy(store_ds, thr_store_ds.retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
+            cute.copy(store_ds, store_ds.get_slice(wt).retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
 
@@ -409,9 +351,102 @@ class FlashBackwardSm90(ForwardVariant):
         elif cutlass.const_expr(not self.dq_atomic):
             if producer_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # epilogue: dK = scale * dS^T Q and dV, rows past seqlen_k skipped
-        gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block * wgs + wg, 0))
-        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block * wgs + wg, 0))
+        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block * wgs + wg, head_kv, batch)
+
+    @cute.jit
+    def _fragments(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
+                   sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, wg: Int32, wt: Int32):
+        """Warpgroup wg's thread wt's views of the shared-memory operands of the five GEMMs, the coordinates of its
+        accumulator values, the A-operand layout of P^T / dS^T in registers, and the stmatrix copy of dS^T with its
+        destination (..., dS tile)."""
+        d = self.head_dim
+        wgs = self.wgs
+        thr_ss, thr_rs, thr_dq = mma_ss.get_slice(wt), mma_rs.get_slice(wt), mma_dq.get_slice(wt)
+        tSrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK[None, None, wg]))
+        tSrV = mma_ss.make_fragment_A(thr_ss.partition_A(sV[None, None, wg]))
+        tSrQ = mma_ss.make_fragment_B(thr_ss.partition_B(sQ))  # (..., stage)
+        tSrdO = mma_ss.make_fragment_B(thr_ss.partition_B(sdO))
+        tVrdOt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sdO)))  # dO as (d, queries, stage)
+        tKrQt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sQ)))  # Q as (d, queries, stage)
+        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # dS as (queries, keys, dS tile)
+        # K as (this warpgroup's d / wgs columns, keys) of each key tile (with 2 warpgroups: one 64-column swizzle
+        # atom of the 128-column tile, itself a canonical tile)
+        tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(
+            cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))))) for j in range(wgs)]
+        # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, column) of its dQ values
+        tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
+        tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d // wgs)))
+        a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
+        # dS^T from its accumulator-ordered registers into the (key, query) view of the dS tiles with stmatrix:
+        # queries are the tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16
+        # contiguous bytes (no transpose); 4 instructions per thread instead of 32 scalar 16-bit stores (Nsight
+        # Compute, d=128, two warpgroups: 35 bank conflicts per warp and step, mostly theirs)
+        store_ds = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_ss)
+        tDSsdS = store_ds.get_slice(wt).partition_D(_transposed(sdS))  # (..., dS tile)
+        return tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS
+
+    @cute.jit
+    def _query_blocks(self, seqlen_q: Int32, seqlen_k: Int32, n_block: Int32, group: Int32):
+        """(causal offset, first query block, query blocks per head, steps) of the CTA's key block n_block: its steps
+        walk (query head of the GQA group, query block), query blocks fastest, from the first block that sees the
+        CTA's first key (causal: key j is seen by queries i >= j - offset)."""
+        offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
+        m_blocks = cute.ceil_div(seqlen_q, TILE_M)
+        m_start = 0
+        if cutlass.const_expr(self.causal):
+            m_start = cutlass.min(cutlass.max(n_block * TILE_N * self.wgs - offset, 0) // TILE_M, m_blocks)
+        n_m = m_blocks - m_start
+        return offset, m_start, n_m, group * n_m
+
+    @cute.jit
+    def _probabilities(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor,
+                       stage: Int32, scale_log2: Float32, key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32):
+        """In place: acc_s := P^T = exp2(S^T * scale * log2(e) - LSE * log2(e)), masked (keys past seqlen_k, and
+        after the diagonal when causal), and acc_dp := dS^T = P^T (dP^T - delta); sRows[:, :, stage]: the step's
+        (LSE in log2 units, delta) rows."""
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            key = key0 + tScS[i][0]
+            qi = tScS[i][1]
+            visible = key < seqlen_k
+            if cutlass.const_expr(self.causal):
+                visible = visible & (key <= row0 + qi + offset)
+            rows = sRows[None, qi, stage].load()  # (LSE in log2 units, delta) of query qi
+            row_lse, row_delta = rows[0], rows[1]
+            p = Float32(0.0)
+            if visible:
+                p = cute.math.exp2(acc_s[i] * scale_log2 - row_lse, fastmath=True)
+            acc_s[i] = p
+            acc_dp[i] = p * (acc_dp[i] - row_delta)
+
+    @cute.jit
+    def _grad_gemms(self, mma_rs: cute.TiledMma, acc_s: cute.Tensor, acc_dp: cute.Tensor, acc_dk: cute.Tensor,
+                    acc_dv: cute.Tensor, a_layout: cute.Layout, tVrdOt: cute.Tensor, tKrQt: cute.Tensor,
+                    stage: Int32) -> cute.Tensor:
+        """Issue dV += P^T dO and dK += dS^T Q (one committed wgmma group, P^T / dS^T rounded to the inputs' dtype
+        in registers); returns dS^T in registers."""
+        r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
+        r_p.store(acc_s.load().to(self.dtype))
+        r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
+        r_ds.store(acc_dp.load().to(self.dtype))
+        t_p = cute.make_tensor(r_p.iterator, a_layout)
+        t_ds = cute.make_tensor(r_ds.iterator, a_layout)
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+            cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
+        for kk in cutlass.range_constexpr(cute.size(t_ds, mode=[2])):
+            cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk, stage], acc_dk)
+        warpgroup.commit_group()
+        return r_ds
+
+    @cute.jit
+    def _store_dkdv(self, mdK: cute.Tensor, mdV: cute.Tensor, acc_dk: cute.Tensor, acc_dv: cute.Tensor,
+                    tKcK: cute.Tensor, scale: Float32, key0: Int32, seqlen_k: Int32, key_tile: Int32, head_kv: Int32,
+                    batch: Int32):
+        """The epilogue: dK = scale * sum dS^T Q and dV of this warpgroup's key tile, rows past seqlen_k skipped."""
+        d = self.head_dim
+        gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (key_tile, 0))
+        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (key_tile, 0))
         for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
             if key0 + tKcK[i][0] < seqlen_k:
                 gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
