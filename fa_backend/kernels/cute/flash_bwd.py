@@ -108,6 +108,7 @@ class FlashBackwardSm90(ForwardVariant):
         self.wgs = wgs
         self.dq_buffer = dq_buffer
         self.ds_tiles = wgs * (2 if dq_buffer else 1)  # dS tiles: one per warpgroup, twice with dq_buffer
+        self.cta_warpgroups = wgs  # warpgroups launched per CTA
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -150,8 +151,8 @@ class FlashBackwardSm90(ForwardVariant):
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                     lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                     sK_layout, sQ_layout, sdS_layout).launch(
-            grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]), block=(THREADS * wgs, 1, 1),
-            smem=smem_bytes, stream=stream)
+            grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]),
+            block=(THREADS * self.cta_warpgroups, 1, 1), smem=smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -197,11 +198,6 @@ class FlashBackwardSm90(ForwardVariant):
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        one_cta = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, key tiles)
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         # warp 0 issues the loads (the DSL wraps each TMA copy in elect.sync) and the dQ bulk adds
         producer_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         # dq_buffer: the first warp of each warpgroup issues that warpgroup's bulk adds
@@ -211,21 +207,11 @@ class FlashBackwardSm90(ForwardVariant):
         row_t = tidx - (wgs - 1) * THREADS
         row_loader = (row_t >= 0) & (row_t < TILE_M)
         if producer_warp:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * wgs * TILE_N * d * self.dtype.width // 8)
-            for j in cutlass.range_constexpr(wgs):
-                cute.copy(tma_k, tKgK[None, n_block * wgs + j], tKsK[None, j], tma_bar_ptr=bar_kv)
-                cute.copy(tma_v, tVgV[None, n_block * wgs + j], tVsV[None, j], tma_bar_ptr=bar_kv)
+            self._load_kv(tma_k, mK, tma_v, mV, sK, sV, bar_kv, n_block, head_kv, batch)
 
         f = self._fragments(mma_ss, mma_rs, mma_dq, sK, sV, sQ, sdO, sdS, wg, wt)
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
-        acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
-        acc_dp = cute.make_rmem_tensor(tScS.shape, Float32)
-        acc_dk = cute.make_rmem_tensor(tKcK.shape, Float32)
-        acc_dv = cute.make_rmem_tensor(tKcK.shape, Float32)
-        acc_dq = cute.make_rmem_tensor(tQcQ.shape, Float32)
-        acc_dk.fill(0.0)
-        acc_dv.fill(0.0)
+        acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
         offset, m_start, n_m, steps = self._query_blocks(seqlen_q, seqlen_k, n_block, group)
         if steps > 0:  # step 0's loads into stage 0
             if producer_warp:
@@ -252,12 +238,7 @@ class FlashBackwardSm90(ForwardVariant):
                     next_lse, next_delta = self._rows(mLSE, mDelta, next_head, next_m * TILE_M + row_t, batch)
             cute.arch.mbarrier_wait(bar_q + stage, (step // QDO_STAGES) % 2)
 
-            # S^T = K Q^T and dP^T = V dO^T (this warpgroup's keys)
-            warpgroup.fence()
-            _gemm(mma_ss, acc_s, tSrK, tSrQ[None, None, None, stage])
-            _gemm(mma_ss, acc_dp, tSrV, tSrdO[None, None, None, stage])
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            self._scores(mma_ss, acc_s, acc_dp, tSrK, tSrV, tSrQ, tSrdO, stage)
 
             self._probabilities(acc_s, acc_dp, tScS, sRows, stage, scale_log2, key0, seqlen_k, row0, offset)
             r_ds = self._grad_gemms(mma_rs, acc_s, acc_dp, acc_dk, acc_dv, a_layout, tVrdOt, tKrQt, stage)
@@ -387,6 +368,35 @@ class FlashBackwardSm90(ForwardVariant):
         return tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS
 
     @cute.jit
+    def _accumulators(self, tScS: cute.Tensor, tKcK: cute.Tensor, tQcQ: cute.Tensor):
+        """fp32 accumulators (S^T, dP^T, dK, dV, the dQ block) shaped as their coordinate tensors; dK and dV zeroed."""
+        acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
+        acc_dp = cute.make_rmem_tensor(tScS.shape, Float32)
+        acc_dk = cute.make_rmem_tensor(tKcK.shape, Float32)
+        acc_dv = cute.make_rmem_tensor(tKcK.shape, Float32)
+        acc_dq = cute.make_rmem_tensor(tQcQ.shape, Float32)
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        return acc_s, acc_dp, acc_dk, acc_dv, acc_dq
+
+    @cute.jit
+    def _load_kv(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, sK: cute.Tensor,
+                 sV: cute.Tensor, bar_kv: cute.Pointer, n_block: Int32, head_kv: Int32, batch: Int32):
+        """The producer warp: K and V of the CTA's wgs key tiles, by TMA on bar_kv."""
+        d = self.head_dim
+        wgs = self.wgs
+        one_cta = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, key tiles)
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * wgs * TILE_N * d * self.dtype.width // 8)
+        for j in cutlass.range_constexpr(wgs):
+            cute.copy(tma_k, tKgK[None, n_block * wgs + j], tKsK[None, j], tma_bar_ptr=bar_kv)
+            cute.copy(tma_v, tVgV[None, n_block * wgs + j], tVsV[None, j], tma_bar_ptr=bar_kv)
+
+    @cute.jit
     def _query_blocks(self, seqlen_q: Int32, seqlen_k: Int32, n_block: Int32, group: Int32):
         """(causal offset, first query block, query blocks per head, steps) of the CTA's key block n_block: its steps
         walk (query head of the GQA group, query block), query blocks fastest, from the first block that sees the
@@ -398,6 +408,16 @@ class FlashBackwardSm90(ForwardVariant):
             m_start = cutlass.min(cutlass.max(n_block * TILE_N * self.wgs - offset, 0) // TILE_M, m_blocks)
         n_m = m_blocks - m_start
         return offset, m_start, n_m, group * n_m
+
+    @cute.jit
+    def _scores(self, mma_ss: cute.TiledMma, acc_s: cute.Tensor, acc_dp: cute.Tensor, tSrK: cute.Tensor,
+                tSrV: cute.Tensor, tSrQ: cute.Tensor, tSrdO: cute.Tensor, stage: Int32):
+        """S^T = K Q^T and dP^T = V dO^T of this warpgroup's keys on a Q / dO stage, issued and waited for."""
+        warpgroup.fence()
+        _gemm(mma_ss, acc_s, tSrK, tSrQ[None, None, None, stage])
+        _gemm(mma_ss, acc_dp, tSrV, tSrdO[None, None, None, stage])
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
 
     @cute.jit
     def _probabilities(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor,
@@ -511,10 +531,12 @@ class FlashBackwardSm90(ForwardVariant):
 
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
-                      wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False) -> Any:
+                      wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
+                      warp_specialized: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
-    calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic).
+    calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
+    `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2, not yet run on a GPU).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -527,13 +549,20 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128)")
     if dq_buffer and dq_atomic:
         raise ValueError("dq_buffer=True needs the bulk-add dQ (dq_atomic=False)")
+    if warp_specialized and (wgs != 2 or dq_atomic):
+        raise ValueError("warp_specialized=True needs wgs=2 and the bulk-add dQ (dq_atomic=False)")
 
     def build() -> Any:
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
         q, k, v, do, dk, dv = (_dynamic(example) for _ in range(6))
         rows = [_dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4) for _ in range(2)]
         dqacc = _dynamic(torch.empty(1, 1, 8, head_dim, dtype=torch.float32))
-        kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
+        if warp_specialized:
+            from .flash_bwd_ws import FlashBackwardSm90WS
+
+            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right)
+        else:
+            kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
             from . import _fast_call
 
@@ -546,7 +575,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
-            + ("_ptrargs" if pointer_args else ""))
+            + ("_ws" if warp_specialized else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, TILE_M), arch)
     return CACHE.get_or_compile(key, build)
 
@@ -554,13 +583,15 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
-              wgs: int = 1, dq_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              wgs: int = 1, dq_buffer: bool = False,
+              warp_specialized: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
-    (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant. The three
-    gradients are contiguous whatever the inputs' strides."""
+    (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
+    warp_specialized: flash_bwd_ws's kernel (wgs=2; not yet run on a GPU). The three gradients are contiguous
+    whatever the inputs' strides."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs
@@ -575,7 +606,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
-                                 pointer_args=fast, dq_buffer=dq_buffer)
+                                 pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape

@@ -105,6 +105,44 @@ def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right, dq_buf
         assert ptx.count("bar.sync") == 5
 
 
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right):
+    """flash_bwd_ws: 384 threads, the producer warpgroup at 24 registers and the MMA warpgroups at 240; the same
+    GEMMs as the two-warpgroup kernel; one CTA barrier (setup) and two barriers of the MMA warpgroups' 256 threads
+    (setup, one per step); the dQ block by one bulk add from the writer warp, the Q / dO loads through a full / empty
+    mbarrier pipeline."""
+    from fa_backend.kernels.cute import flash_bwd, flash_bwd_ws
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True).__ptx__
+    n, m, d = flash_bwd.TILE_N, flash_bwd.TILE_M, 128
+    assert ".reqntid 384, 1, 1" in ptx
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [
+        ("dec", str(flash_bwd_ws.PRODUCER_REGS)), ("inc", str(flash_bwd_ws.MMA_REGS))]
+    half = _wgmma_lines(ptx, f"m64n{d // 2}k16.f32.bf16.bf16")
+    full = _wgmma_lines(ptx, f"m64n{d}k16.f32.bf16.bf16")
+    assert len(half) == 2 * d // 16 + 2 * n // 16 and len(full) == 2 * m // 16
+    assert re.findall(r"bar\.sync\s+([^;]*);", ptx) == ["0", "1, 256", "1, 256"]
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 1
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == n * m // (flash_bwd.THREADS * 8)
+    assert ptx.count("mbarrier.arrive.expect_tx") == 2  # K and V once, Q and dO per step
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_ptxas
+def test_warp_specialized_registers_fit(tmp_path):
+    """ptxas allocates the MMA warpgroups' code with the budget setmaxnreg.inc gives them: 168 registers for the
+    384-thread launch, no spills, every wgmma group asynchronous."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True).__ptx__
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.findall(r"C75\d\d", report), report
+    assert int(re.search(r"Used (\d+) registers", report)[1]) <= 65536 // 384
+
+
 def test_unsupported_variants_are_value_errors():
     from fa_backend.kernels.cute import flash_bwd
 

@@ -1,0 +1,225 @@
+"""Warp-specialised FlashAttention backward for Hopper (sm90a) in the CuTe DSL (issue 7): FA3's backward layout.
+
+Written after the tenth session's device budget ran out: compile-checked for sm_90a (tests/kernels/cute/
+test_flash_bwd_sm90_compile.py), **not yet run on a GPU**; nothing routes to it (flash_bwd.flash_bwd(...,
+warp_specialized=True) runs it; tests/kernels/cute/test_flash_bwd_gpu.py checks its numerics on an H200).
+
+The math, the tiles and the shared-memory operands are FlashBackwardSm90's with two warpgroups (d=128: 128 keys per
+CTA, each MMA warpgroup 64 keys and half of the dQ block's columns) and its dq_buffer layout (the dQ block in its
+own buffer, dS in two alternating tiles). What moves out of the MMA warpgroups is everything that is not MMA work:
+- warpgroup 0, the producer (setmaxnreg 24): its warp 0 loads K and V once and then Q and dO of every step into a
+  QDO_STAGES-deep full/empty pipeline (cutlass.pipeline.PipelineTmaAsync), waiting for a stage only until both MMA
+  warpgroups have released it; its warp 1 writes dQ: it waits for the block (an mbarrier every MMA thread arrives
+  on), adds it to the chunked fp32 buffer with one bulk reduce-add, waits for that read and arrives on a second
+  mbarrier that frees the buffer;
+- warpgroups 1 and 2, the MMA warpgroups (setmaxnreg 240; ptxas allocates the code after setmaxnreg.inc with that
+  budget: docs/cute.md), synchronise with each other once per step (a named barrier of their 256 threads after the
+  dS stores, which also publishes step + 1's LSE / delta rows) and never with the producer warpgroup.
+"""
+
+from __future__ import annotations
+
+from ._compile_cache import enable_dsl_disk_cache
+
+enable_dsl_disk_cache()  # before the DSL's first compile in this process
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values  # noqa: E402
+from cutlass.memory import SmemAllocator  # noqa: E402
+
+from ._bulk import bulk_reduce_add_f32  # noqa: E402
+from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm  # noqa: E402
+
+PRODUCER_REGS = 24
+MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512 <= 65536, the register file
+MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
+
+
+def _own_copy(mma: cute.TiledMma) -> cute.TiledMma:
+    """A copy of an MMA for one branch of the kernel: its ACCUMULATE field is set inside the branch, and a set on an
+    object defined outside a runtime branch leaves that object holding a value the branch defines (the IR then fails
+    to verify: "operand does not dominate this use")."""
+    return new_from_mlir_values(mma, extract_mlir_values(mma))
+
+
+class FlashBackwardSm90WS(FlashBackwardSm90):
+    """The warp-specialised variant of FlashBackwardSm90 (two MMA warpgroups, head_dim 128, dQ by bulk adds)."""
+
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool):
+        super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
+        self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
+
+    @cute.kernel
+    def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor, mLSE: cute.Tensor,
+               mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
+               scale: Float32, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
+               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+        d = self.head_dim
+        wgs = self.wgs
+        tidx, _, _ = cute.arch.thread_idx()
+        role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: the producer warpgroup, 1 + wg: MMA warpgroup wg
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+
+        smem = SmemAllocator()
+        bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
+        bars_qdo = smem.allocate_array(cutlass.Int64, 2 * QDO_STAGES)  # full and empty barrier per Q / dO stage
+        bar_dq = smem.allocate_array(cutlass.Int64, 2)  # 0: the dQ block is stored, 1: its bulk add has read it
+        # 1024-byte alignment: the swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
+        sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sdO = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
+        sdQ = smem.allocate_tensor(Float32, cute.make_layout(TILE_M * d), byte_alignment=128)  # in _dq_slot order
+        # each query row's (LSE in log2 units, delta) side by side, for this step and the next
+        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_M, 2)), byte_alignment=16)
+
+        # one elected producer lane arrives per stage (with the expected bytes); a stage is free again once each of
+        # the MMA warps has released it (the pipeline lets lane 0 of each warp arrive)
+        qdo_bytes = 2 * TILE_M * d * self.dtype.width // 8
+        pipe = pipeline.PipelineTmaAsync.create(
+            num_stages=QDO_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, wgs * THREADS // 32),
+            tx_count=qdo_bytes, barrier_storage=bars_qdo, defer_sync=True)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar_kv, 1)
+            cute.arch.mbarrier_init(bar_dq, wgs * THREADS)  # every MMA thread arrives once its dQ values are stored
+            cute.arch.mbarrier_init(bar_dq + 1, 1)  # the dQ writer's lane, once the bulk add has read the block
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
+
+        offset, m_start, n_m, steps = self._query_blocks(seqlen_q, seqlen_k, n_block, group)
+        if role == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            # whole warps: the DSL wraps each TMA copy and pipeline arrive in elect.sync over all 32 lanes
+            if warp == 0:
+                self._produce(tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, sK, sV, sQ, sdO, bar_kv, pipe, n_block,
+                              head_kv, batch, group, m_start, n_m, steps)
+            if warp == 1:
+                self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps)
+        else:
+            cute.arch.setmaxregister_increase(MMA_REGS)
+            self._mma(_own_copy(mma_ss), _own_copy(mma_rs), _own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
+                      bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
+                      n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps)
+
+    @cute.jit
+    def _produce(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+                 tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor, sK: cute.Tensor,
+                 sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, bar_kv: cute.Pointer, pipe: cutlass.Constexpr,
+                 n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, m_start: Int32, n_m: Int32,
+                 steps: Int32):
+        """The producer warp: K and V of the CTA's key tiles once, then Q and dO of each step into the pipeline."""
+        d = self.head_dim
+        self._load_kv(tma_k, mK, tma_v, mV, sK, sV, bar_kv, n_block, head_kv, batch)
+        one_cta = cute.make_layout(1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QDO_STAGES)
+        for step in cutlass.range(steps, unroll=1):
+            head = head_kv * group + step // n_m
+            gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))  # (TILE_M, d, blocks)
+            gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
+                                                 cute.group_modes(gdO, 0, 2))
+            pipe.producer_acquire(state)  # waits until both MMA warpgroups freed the stage, then expects its bytes
+            m_block = m_start + step % n_m
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+            cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def _write_dq(self, sdQ: cute.Tensor, mdQacc: cute.Tensor, bar_dq: cute.Pointer, head_kv: Int32, batch: Int32,
+                  group: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+        """The dQ writer warp: each step's block, once stored, added to its chunk of the fp32 buffer with one bulk
+        reduce-add; the buffer is handed back once the add has read it."""
+        d = self.head_dim
+        for step in cutlass.range(steps, unroll=1):
+            head = head_kv * group + step // n_m
+            gdQ = mdQacc[None, None, head, batch]  # (blocks, TILE_M * d) chunks
+            cute.arch.mbarrier_wait(bar_dq, step % 2)
+            if cute.arch.lane_idx() == 0:
+                chunk = gdQ.iterator + cute.crd2idx((m_start + step % n_m, 0), gdQ.layout)
+                bulk_reduce_add_f32(sdQ.iterator, chunk, 4 * TILE_M * d)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.mbarrier_arrive(bar_dq + 1)
+
+    @cute.jit
+    def _mma(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
+             sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, sRows: cute.Tensor,
+             bar_kv: cute.Pointer, bar_dq: cute.Pointer, pipe: cutlass.Constexpr, mLSE: cute.Tensor,
+             mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32,
+             wt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
+             m_start: Int32, n_m: Int32, steps: Int32):
+        """MMA warpgroup wg (thread wt of it): FlashBackwardSm90's step with two warpgroups, its loads, row copies and
+        dQ adds left to the producer warpgroup."""
+        wgs = self.wgs
+        key0 = n_block * TILE_N * wgs + wg * TILE_N  # this warpgroup's first key
+        f = self._fragments(mma_ss, mma_rs, mma_dq, sK, sV, sQ, sdO, sdS, wg, wt)
+        tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
+        acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
+        # the LSE / delta rows: the last warpgroup's first TILE_M threads load them a step ahead
+        row_loader = (wg == wgs - 1) & (wt < TILE_M)
+        if steps > 0:
+            if row_loader:
+                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + wt, batch)
+                sRows[0, wt, 0] = self._lse_log2(row_lse)
+                sRows[1, wt, 0] = row_delta
+        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
+        cute.arch.mbarrier_wait(bar_kv, 0)
+        mma_rs.set(warpgroup.Field.ACCUMULATE, True)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
+        for step in cutlass.range(steps, unroll=1):
+            rows = step % 2  # the rows' slot
+            row0 = (m_start + step % n_m) * TILE_M
+            next_lse = -Float32.inf
+            next_delta = Float32(0.0)
+            if step + 1 < steps:
+                if row_loader:
+                    next_lse, next_delta = self._rows(mLSE, mDelta, head_kv * group + (step + 1) // n_m,
+                                                      (m_start + (step + 1) % n_m) * TILE_M + wt, batch)
+            pipe.consumer_wait(state)
+            stage = state.index
+
+            self._scores(mma_ss, acc_s, acc_dp, tSrK, tSrV, tSrQ, tSrdO, stage)
+            self._probabilities(acc_s, acc_dp, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset)
+            r_ds = self._grad_gemms(mma_rs, acc_s, acc_dp, acc_dk, acc_dv, a_layout, tVrdOt, tKrQt, stage)
+
+            # dS to this step's pair of dS tiles and step + 1's rows to the other slot, then the MMA warpgroups'
+            # one barrier per step: both dS tiles are in (each warpgroup's dQ GEMM reads both), the rows are
+            # published, and both warpgroups are past step - 1's dQ GEMM, the last reader of the tiles written next
+            ds_tile0 = (step % 2) * wgs
+            if row_loader:
+                sRows[0, wt, 1 - rows] = self._lse_log2(next_lse)
+                sRows[1, wt, 1 - rows] = next_delta
+            cute.copy(store_ds, store_ds.get_slice(wt).retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
+
+            # dQ block (this warpgroup's columns) = dS K over both key tiles
+            warpgroup.fence()
+            for j in cutlass.range_constexpr(wgs):
+                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_tile0 + j], tQrKt[j], accumulate=j > 0)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)  # every GEMM of this step is done with its Q and dO
+            state.advance()
+
+            # the block to the writer: once it has read step - 1's, this warpgroup's part, then the arrival
+            if step > 0:
+                cute.arch.mbarrier_wait(bar_dq + 1, (step - 1) % 2)
+            for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
+                sdQ[self._dq_slot(wt, i, 0, wg)] = acc_dq[i]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(bar_dq)
+        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block * wgs + wg, head_kv, batch)
