@@ -152,6 +152,11 @@ def test_unsupported_variants_are_value_errors():
         flash_bwd.compile_flash_bwd(torch.float32, 64, False)
     with pytest.raises(ValueError, match="wgs=2 with head_dim=64"):
         flash_bwd.compile_flash_bwd(torch.bfloat16, 64, False, wgs=2)
+    with pytest.raises(ValueError, match="dq_buffer=True needs the bulk-add dQ"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, dq_atomic=True, dq_buffer=True)
+    for kwargs in (dict(wgs=1), dict(wgs=2, dq_atomic=True)):
+        with pytest.raises(ValueError, match="warp_specialized=True needs wgs=2"):
+            flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, warp_specialized=True, **kwargs)
 
 
 @needs_ptxas
