@@ -5,7 +5,7 @@ dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 ping-po
 intra-warpgroup overlap with one; three consumers at d=64). The forward returns out contiguous (b, hq, sq, d) and
 the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too.
 
-The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; two warpgroups per CTA at d=128): on the
+The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; warp-specialised at d=128): on the
 H200 1.06-1.28x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
 (docs/benchmarks.md). The Triton backward kernels (fa_backend::triton_flash_bwd, which take the CuTe forward's
 outputs as they are) run instead under torch.use_deterministic_algorithms (the CuTe backward's dQ additions run
@@ -92,8 +92,10 @@ def _setup_context(ctx, inputs, output):
 
 # Read at each backward: True runs the CuTe backward where it applies (see the module docstring).
 CUTE_BACKWARD = True
-# warpgroups per CTA of the CuTe backward per head dim (2 at d=128: 128 keys per CTA, 8-11 % faster at 8k tokens)
-BACKWARD_WARPGROUPS = {128: 2}
+# the CuTe backward's variant per head dim (flash_bwd keywords): at d=128 the warp-specialised kernel (two MMA
+# warpgroups with 128 keys per CTA and a producer warpgroup; 5-7 % faster than two warpgroups without the producer
+# at 2k-8k tokens on the H200, eleventh session); one warpgroup elsewhere
+BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True, overlap=True)}
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right):
@@ -109,7 +111,7 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
     negate = scale < 0  # as the forward: (-q) k^T (-scale), so dq of -q is -dq
     try:
         dq, dk, dv = flash_bwd(dout, -q if negate else q, k, v, out, lse, -scale if negate else scale, is_causal,
-                               bottom_right, dlse=dlse, wgs=BACKWARD_WARPGROUPS.get(q.shape[-1], 1))
+                               bottom_right, dlse=dlse, **BACKWARD_VARIANTS.get(q.shape[-1], {}))
     except CompileFailedError:  # logged once by the compile cache
         return None
     return (-dq if negate else dq), dk, dv

@@ -109,6 +109,10 @@ class FlashBackwardSm90(ForwardVariant):
         self.dq_buffer = dq_buffer
         self.ds_tiles = wgs * (2 if dq_buffer else 1)  # dS tiles: one per warpgroup, twice with dq_buffer
         self.cta_warpgroups = wgs  # warpgroups launched per CTA
+        # dQ GEMM of a warpgroup: its d / wgs columns over every key tile of the CTA; own_dq (the warp-specialised
+        # kernel's variant): all d columns over its own key tile
+        self.own_dq = False
+        self.dq_blocks = 1 if dq_buffer else 0  # (TILE_M x d) fp32 dQ buffers in shared memory of their own
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -131,7 +135,7 @@ class FlashBackwardSm90(ForwardVariant):
                                              (1, 1, 1), (TILE_N, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ block (queries x d / wgs columns) = dS K: both operands MN-major in shared memory
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-                                             (1, 1, 1), (TILE_M, d // wgs))
+                                             (1, 1, 1), (TILE_M, d if self.own_dq else d // wgs))
         # K and V: A operands (M = keys, K = d), one tile per warpgroup; Q and dO: B operands (N = queries, K = d),
         # QDO_STAGES deep; dS: A (M = queries, K = keys), queries contiguous, one tile per warpgroup
         sK_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, wgs)
@@ -147,12 +151,15 @@ class FlashBackwardSm90(ForwardVariant):
         # K, V, the Q and dO stages, dS, the LSE and delta stages, alignment padding and barriers: 107 KB at
         # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (dq_buffer: + 32 KB of dQ block, + 16 KB of dS)
         smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * TILE_M) * d + 2 * TILE_M * TILE_N * self.ds_tiles
-                      + 2 * 4 * QDO_STAGES * TILE_M + 2 * 1024 + (4 * TILE_M * d if self.dq_buffer else 0))
+                      + 2 * 4 * QDO_STAGES * TILE_M * wgs + 2 * 1024 + 4 * TILE_M * d * self.dq_blocks)
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                     lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                     sK_layout, sQ_layout, sdS_layout).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]),
-            block=(THREADS * self.cta_warpgroups, 1, 1), smem=smem_bytes, stream=stream)
+            block=(THREADS * self.cta_warpgroups, 1, 1), smem=smem_bytes, stream=stream,
+            # warp-specialised: ptxas needs one CTA per SM stated to know the entry register count that setmaxnreg
+            # changes (else C7508 at d=64, "setmaxnreg ignored")
+            min_blocks_per_mp=1 if self.cta_warpgroups > self.wgs else 0)
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -354,10 +361,12 @@ class FlashBackwardSm90(ForwardVariant):
         # atom of the 128-column tile, itself a canonical tile)
         tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(
             cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))))) for j in range(wgs)]
+        if cutlass.const_expr(self.own_dq):  # all of K's columns, this warpgroup's key tile only
+            tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sK[None, None, wg])))]
         # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, column) of its dQ values
         tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
         tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d // wgs)))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d if self.own_dq else d // wgs)))
         a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
         # dS^T from its accumulator-ordered registers into the (key, query) view of the dS tiles with stmatrix:
         # queries are the tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16
@@ -420,17 +429,22 @@ class FlashBackwardSm90(ForwardVariant):
         warpgroup.wait_group(0)
 
     @cute.jit
+    def _visible(self, key: Int32, qi: Int32, seqlen_k: Int32, row0: Int32, offset: Int32):
+        """Whether query row0 + qi sees key: the key exists and, when causal, is not after the diagonal."""
+        visible = key < seqlen_k
+        if cutlass.const_expr(self.causal):
+            visible = visible & (key <= row0 + qi + offset)
+        return visible
+
+    @cute.jit
     def _probabilities(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor,
                        stage: Int32, scale_log2: Float32, key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32):
         """In place: acc_s := P^T = exp2(S^T * scale * log2(e) - LSE * log2(e)), masked (keys past seqlen_k, and
         after the diagonal when causal), and acc_dp := dS^T = P^T (dP^T - delta); sRows[:, :, stage]: the step's
         (LSE in log2 units, delta) rows."""
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-            key = key0 + tScS[i][0]
             qi = tScS[i][1]
-            visible = key < seqlen_k
-            if cutlass.const_expr(self.causal):
-                visible = visible & (key <= row0 + qi + offset)
+            visible = self._visible(key0 + tScS[i][0], qi, seqlen_k, row0, offset)
             rows = sRows[None, qi, stage].load()  # (LSE in log2 units, delta) of query qi
             row_lse, row_delta = rows[0], rows[1]
             p = Float32(0.0)
@@ -438,6 +452,24 @@ class FlashBackwardSm90(ForwardVariant):
                 p = cute.math.exp2(acc_s[i] * scale_log2 - row_lse, fastmath=True)
             acc_s[i] = p
             acc_dp[i] = p * (acc_dp[i] - row_delta)
+
+    @cute.jit
+    def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
+                key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32):
+        """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight)."""
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            qi = tScS[i][1]
+            visible = self._visible(key0 + tScS[i][0], qi, seqlen_k, row0, offset)
+            p = Float32(0.0)
+            if visible:
+                p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
+            acc_s[i] = p
+
+    @cute.jit
+    def _ds_only(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32):
+        """In place: acc_dp := dS^T = P^T (dP^T - delta) from _p_only's P^T."""
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            acc_dp[i] = acc_s[i] * (acc_dp[i] - sRows[1, tScS[i][1], stage])
 
     @cute.jit
     def _grad_gemms(self, mma_rs: cute.TiledMma, acc_s: cute.Tensor, acc_dp: cute.Tensor, acc_dk: cute.Tensor,
@@ -532,11 +564,12 @@ class FlashBackwardSm90(ForwardVariant):
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
-                      warp_specialized: bool = False) -> Any:
+                      warp_specialized: bool = False, overlap: bool = False, own_dq: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
-    `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2, not yet run on a GPU).
+    `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2); `overlap`: its GEMMs waited for one by one;
+    `own_dq`: besides, each MMA warpgroup's dQ block from its own keys (no barrier between them)
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -545,12 +578,14 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
-    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128):
-        raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128)")
+    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128 and not (own_dq and head_dim == 64)):
+        raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128, or 64 with own_dq)")
     if dq_buffer and dq_atomic:
         raise ValueError("dq_buffer=True needs the bulk-add dQ (dq_atomic=False)")
     if warp_specialized and (wgs != 2 or dq_atomic):
         raise ValueError("warp_specialized=True needs wgs=2 and the bulk-add dQ (dq_atomic=False)")
+    if (overlap or own_dq) and not warp_specialized:
+        raise ValueError(f"{'overlap' if overlap else 'own_dq'}=True needs warp_specialized=True")
 
     def build() -> Any:
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
@@ -560,7 +595,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
-            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right)
+            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, overlap, own_dq)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
@@ -575,7 +610,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
-            + ("_ws" if warp_specialized else "") + ("_ptrargs" if pointer_args else ""))
+            + ("_ws" if warp_specialized else "") + ("_overlap" if overlap else "") + ("_own_dq" if own_dq else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, TILE_M), arch)
     return CACHE.get_or_compile(key, build)
 
@@ -584,13 +619,15 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
               wgs: int = 1, dq_buffer: bool = False,
-              warp_specialized: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              warp_specialized: bool = False, overlap: bool = False,
+              own_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
     (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
-    warp_specialized: flash_bwd_ws's kernel (wgs=2; not yet run on a GPU). The three gradients are contiguous
+    warp_specialized: flash_bwd_ws's kernel (wgs=2), with `overlap` its FA3-ordered waits, with `own_dq` (implies
+    overlap) each MMA warpgroup's dQ from its own keys. The three gradients are contiguous
     whatever the inputs' strides."""
     from cuda.bindings import driver
 
@@ -606,7 +643,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
-                                 pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized)
+                                 pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
+                                 overlap=overlap, own_dq=own_dq)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -627,4 +665,4 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                  Float32(scale * _LOG2E), Float32(scale), stream)
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
-    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs), dk, dv
+    return dq_from_chunks(dqacc, sq, scale, q.dtype, 1 if own_dq else wgs), dk, dv
