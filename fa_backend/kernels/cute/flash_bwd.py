@@ -109,10 +109,6 @@ class FlashBackwardSm90(ForwardVariant):
         self.dq_buffer = dq_buffer
         self.ds_tiles = wgs * (2 if dq_buffer else 1)  # dS tiles: one per warpgroup, twice with dq_buffer
         self.cta_warpgroups = wgs  # warpgroups launched per CTA
-        # dQ GEMM of a warpgroup: its d / wgs columns over every key tile of the CTA; own_dq (the warp-specialised
-        # kernel's variant): all d columns over its own key tile
-        self.own_dq = False
-        self.dq_blocks = 1 if dq_buffer else 0  # (TILE_M x d) fp32 dQ buffers in shared memory of their own
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -135,7 +131,7 @@ class FlashBackwardSm90(ForwardVariant):
                                              (1, 1, 1), (TILE_N, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ block (queries x d / wgs columns) = dS K: both operands MN-major in shared memory
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-                                             (1, 1, 1), (TILE_M, d if self.own_dq else d // wgs))
+                                             (1, 1, 1), (TILE_M, d // wgs))
         # K and V: A operands (M = keys, K = d), one tile per warpgroup; Q and dO: B operands (N = queries, K = d),
         # QDO_STAGES deep; dS: A (M = queries, K = keys), queries contiguous, one tile per warpgroup
         sK_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, wgs)
@@ -151,7 +147,7 @@ class FlashBackwardSm90(ForwardVariant):
         # K, V, the Q and dO stages, dS, the LSE and delta stages, alignment padding and barriers: 107 KB at
         # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (dq_buffer: + 32 KB of dQ block, + 16 KB of dS)
         smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * TILE_M) * d + 2 * TILE_M * TILE_N * self.ds_tiles
-                      + 2 * 4 * QDO_STAGES * TILE_M * wgs + 2 * 1024 + 4 * TILE_M * d * self.dq_blocks)
+                      + 2 * 4 * QDO_STAGES * TILE_M + 2 * 1024 + (4 * TILE_M * d if self.dq_buffer else 0))
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                     lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                     sK_layout, sQ_layout, sdS_layout).launch(
@@ -361,12 +357,10 @@ class FlashBackwardSm90(ForwardVariant):
         # atom of the 128-column tile, itself a canonical tile)
         tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(
             cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))))) for j in range(wgs)]
-        if cutlass.const_expr(self.own_dq):  # all of K's columns, this warpgroup's key tile only
-            tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(sK[None, None, wg])))]
         # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, column) of its dQ values
         tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
         tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d if self.own_dq else d // wgs)))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d // wgs)))
         a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
         # dS^T from its accumulator-ordered registers into the (key, query) view of the dS tiles with stmatrix:
         # queries are the tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16
@@ -564,12 +558,11 @@ class FlashBackwardSm90(ForwardVariant):
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
-                      warp_specialized: bool = False, overlap: bool = False, own_dq: bool = False) -> Any:
+                      warp_specialized: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
-    `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2); `overlap`: its GEMMs waited for one by one;
-    `own_dq`: besides, each MMA warpgroup's dQ block from its own keys (no barrier between them)
+    `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -578,14 +571,12 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
-    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128 and not (own_dq and head_dim == 64)):
-        raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128, or 64 with own_dq)")
+    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128):
+        raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128)")
     if dq_buffer and dq_atomic:
         raise ValueError("dq_buffer=True needs the bulk-add dQ (dq_atomic=False)")
     if warp_specialized and (wgs != 2 or dq_atomic):
         raise ValueError("warp_specialized=True needs wgs=2 and the bulk-add dQ (dq_atomic=False)")
-    if (overlap or own_dq) and not warp_specialized:
-        raise ValueError(f"{'overlap' if overlap else 'own_dq'}=True needs warp_specialized=True")
 
     def build() -> Any:
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
@@ -595,7 +586,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
-            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, overlap, own_dq)
+            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
@@ -610,7 +601,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
-            + ("_ws" if warp_specialized else "") + ("_overlap" if overlap else "") + ("_own_dq" if own_dq else "") + ("_ptrargs" if pointer_args else ""))
+            + ("_ws" if warp_specialized else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, TILE_M), arch)
     return CACHE.get_or_compile(key, build)
 
@@ -619,15 +610,13 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
               wgs: int = 1, dq_buffer: bool = False,
-              warp_specialized: bool = False, overlap: bool = False,
-              own_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              warp_specialized: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
     (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
-    warp_specialized: flash_bwd_ws's kernel (wgs=2), with `overlap` its FA3-ordered waits, with `own_dq` (implies
-    overlap) each MMA warpgroup's dQ from its own keys. The three gradients are contiguous
+    warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128). The three gradients are contiguous
     whatever the inputs' strides."""
     from cuda.bindings import driver
 
@@ -643,8 +632,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
-                                 pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
-                                 overlap=overlap, own_dq=own_dq)
+                                 pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -665,4 +653,4 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                  Float32(scale * _LOG2E), Float32(scale), stream)
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
-    return dq_from_chunks(dqacc, sq, scale, q.dtype, 1 if own_dq else wgs), dk, dv
+    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs), dk, dv

@@ -1,7 +1,8 @@
 """Warp-specialised FlashAttention backward for Hopper (sm90a) in the CuTe DSL (issue 7): FA3's backward layout.
 
-The op's d=128 backward since the eleventh session (ops/cute_flash.BACKWARD_VARIANTS, with `overlap`): 6-7 %
-faster than two warpgroups without the producer on the H200 (docs/perf-log.md). flash_bwd.flash_bwd(...,
+The op's d=128 backward since the eleventh session (ops/cute_flash.BACKWARD_VARIANTS): 6-7 % faster than two
+warpgroups without the producer on the H200, and its steps wait for each GEMM only where its result is read
+(FA3's order, +0-3 %; docs/perf-log.md). flash_bwd.flash_bwd(...,
 warp_specialized=True) runs it; tests/kernels/cute/test_flash_bwd_gpu.py checks its numerics on an H200.
 
 The math, the tiles and the shared-memory operands are FlashBackwardSm90's with two warpgroups (d=128: 128 keys per
@@ -49,19 +50,9 @@ def _own_copy(mma: cute.TiledMma) -> cute.TiledMma:
 class FlashBackwardSm90WS(FlashBackwardSm90):
     """The warp-specialised variant of FlashBackwardSm90 (two MMA warpgroups, head_dim 128, dQ by bulk adds)."""
 
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
-                 own_dq: bool = False):
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool):
         super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
-        # overlap: the step's GEMMs in five commit groups, each waited for only where its result is needed (see
-        # _mma_loop_overlap)
-        self.overlap = overlap or own_dq
-        # own_dq: each MMA warpgroup computes the dQ block of its own keys (all d columns) from its own dS tile, and
-        # the writer adds both blocks: the MMA warpgroups never wait for each other
-        self.own_dq = own_dq
-        if own_dq:
-            self.ds_tiles = self.wgs  # one per warpgroup: its dQ GEMM is waited for before the next dS store
-            self.dq_blocks = self.wgs
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -80,19 +71,16 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         smem = SmemAllocator()
         bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
         bars_qdo = smem.allocate_array(cutlass.Int64, 2 * QDO_STAGES)  # full and empty barrier per Q / dO stage
-        # 0: the dQ block is stored, 1: its bulk add has read it (own_dq: 2 + g, 3 + g... per warpgroup g: full[g] at
-        # g, empty[g] at wgs + g)
-        bar_dq = smem.allocate_array(cutlass.Int64, 2 * wgs)
+        bar_dq = smem.allocate_array(cutlass.Int64, 2)  # 0: the dQ block is stored, 1: its bulk add has read it
         # 1024-byte alignment: the swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
         sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sdO = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
-        sdQ = smem.allocate_tensor(Float32, cute.make_layout(TILE_M * d * self.dq_blocks), byte_alignment=128)
-        # each query row's (LSE in log2 units, delta) side by side, for this step and the next (own_dq: per
-        # warpgroup)
-        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_M, 2, wgs)), byte_alignment=16)
+        sdQ = smem.allocate_tensor(Float32, cute.make_layout(TILE_M * d), byte_alignment=128)  # in _dq_slot order
+        # each query row's (LSE in log2 units, delta) side by side, for this step and the next
+        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_M, 2)), byte_alignment=16)
 
         # one elected producer lane arrives per stage (with the expected bytes); a stage is free again once each of
         # the MMA warps has released it (the pipeline lets lane 0 of each warp arrive)
@@ -103,13 +91,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             tx_count=qdo_bytes, barrier_storage=bars_qdo, defer_sync=True)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_kv, 1)
-            if cutlass.const_expr(self.own_dq):
-                for g in cutlass.range_constexpr(wgs):
-                    cute.arch.mbarrier_init(bar_dq + g, THREADS)
-                    cute.arch.mbarrier_init(bar_dq + wgs + g, 1)
-            else:
-                cute.arch.mbarrier_init(bar_dq, wgs * THREADS)  # every MMA thread arrives once its dQ is stored
-                cute.arch.mbarrier_init(bar_dq + 1, 1)  # the dQ writer's lane, once the bulk add has read the block
+            cute.arch.mbarrier_init(bar_dq, wgs * THREADS)  # every MMA thread arrives once its dQ values are stored
+            cute.arch.mbarrier_init(bar_dq + 1, 1)  # the dQ writer's lane, once the bulk add has read the block
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
 
@@ -121,12 +104,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             if warp == 0:
                 self._produce(tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, sK, sV, sQ, sdO, bar_kv, pipe, n_block,
                               head_kv, batch, group, m_start, n_m, steps)
-            if cutlass.const_expr(self.own_dq):
-                if warp > 0 and warp <= wgs:  # warp 1 + g writes warpgroup g's blocks
-                    self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps, warp - 1)
-            else:
-                if warp == 1:
-                    self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps, 0)
+            if warp == 1:
+                self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self._mma(_own_copy(mma_ss), _own_copy(mma_rs), _own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
@@ -161,26 +140,20 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
 
     @cute.jit
     def _write_dq(self, sdQ: cute.Tensor, mdQacc: cute.Tensor, bar_dq: cute.Pointer, head_kv: Int32, batch: Int32,
-                  group: Int32, m_start: Int32, n_m: Int32, steps: Int32, g: Int32):
-        """A dQ writer warp: each step's block, once stored, added to its chunk of the fp32 buffer with one bulk
-        reduce-add; the buffer is handed back once the add has read it. own_dq: warpgroup g's blocks (its own
-        buffer and barriers), else the one block both warpgroups store."""
+                  group: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+        """The dQ writer warp: each step's block, once stored, added to its chunk of the fp32 buffer with one bulk
+        reduce-add; the buffer is handed back once the add has read it."""
         d = self.head_dim
-        full, empty = bar_dq, bar_dq + 1
-        src = sdQ.iterator
-        if cutlass.const_expr(self.own_dq):
-            full, empty = bar_dq + g, bar_dq + self.wgs + g
-            src = sdQ.iterator + g * TILE_M * d
         for step in cutlass.range(steps, unroll=1):
             head = head_kv * group + step // n_m
             gdQ = mdQacc[None, None, head, batch]  # (blocks, TILE_M * d) chunks
-            cute.arch.mbarrier_wait(full, step % 2)
+            cute.arch.mbarrier_wait(bar_dq, step % 2)
             if cute.arch.lane_idx() == 0:
                 chunk = gdQ.iterator + cute.crd2idx((m_start + step % n_m, 0), gdQ.layout)
-                bulk_reduce_add_f32(src, chunk, 4 * TILE_M * d)
+                bulk_reduce_add_f32(sdQ.iterator, chunk, 4 * TILE_M * d)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.mbarrier_arrive(empty)
+                cute.arch.mbarrier_arrive(bar_dq + 1)
 
     @cute.jit
     def _mma(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
@@ -196,24 +169,19 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         f = self._fragments(mma_ss, mma_rs, mma_dq, sK, sV, sQ, sdO, sdS, wg, wt)
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
-        # the LSE / delta rows, a step ahead: own_dq: each warpgroup's own copy, else the last warpgroup's
-        sRows = sRows[None, None, None, wg if cutlass.const_expr(self.own_dq) else 0]
+        # the LSE / delta rows: the last warpgroup's first TILE_M threads load them a step ahead
+        row_loader = (wg == wgs - 1) & (wt < TILE_M)
         if steps > 0:
-            if self._row_loader(wg, wt):
+            if row_loader:
                 row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + wt, batch)
                 sRows[0, wt, 0] = self._lse_log2(row_lse)
                 sRows[1, wt, 0] = row_delta
-        self._sync_mma(wg)
+        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
         cute.arch.mbarrier_wait(bar_kv, 0)
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
-        if cutlass.const_expr(self.overlap):
-            self._mma_loop_overlap(mma_ss, mma_rs, mma_dq, f, acc_s, acc_dp, acc_dk, acc_dv, acc_dq, sdQ, sRows,
-                                   bar_dq, pipe, mLSE, mDelta, scale_log2, wg, wt, key0, head_kv, batch, group,
-                                   seqlen_k, offset, m_start, n_m, steps)
-        else:
-            self._mma_loop(mma_ss, mma_rs, mma_dq, f, acc_s, acc_dp, acc_dk, acc_dv, acc_dq, sdQ, sRows, bar_dq, pipe,
-                           mLSE, mDelta, scale_log2, wg, wt, key0, head_kv, batch, group, seqlen_k, offset, m_start,
-                           n_m, steps)
+        self._mma_loop(mma_ss, mma_rs, mma_dq, f, acc_s, acc_dp, acc_dk, acc_dv, acc_dq, sdQ, sRows, bar_dq, pipe,
+                       mLSE, mDelta, scale_log2, wt, key0, row_loader, head_kv, batch, group, seqlen_k, offset,
+                       m_start, n_m, steps, wg)
         self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block * wgs + wg, head_kv, batch)
 
     @cute.jit
@@ -230,81 +198,12 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         return next_lse, next_delta
 
     @cute.jit
-    def _row_loader(self, wg: Int32, wt: Int32):
-        """Whether thread wt of MMA warpgroup wg loads the LSE / delta row wt (the first TILE_M threads of each
-        warpgroup with own_dq, else of the last one)."""
-        loader = wt < TILE_M
-        if cutlass.const_expr(not self.own_dq):
-            loader = loader & (wg == self.wgs - 1)
-        return loader
-
-    @cute.jit
-    def _sync_mma(self, wg: Int32):
-        """The MMA warpgroups' barrier: both of them, or (own_dq) warpgroup wg's 128 threads on a barrier of its own."""
-        if cutlass.const_expr(self.own_dq):
-            cute.arch.barrier(barrier_id=MMA_BARRIER + wg, number_of_threads=THREADS)
-        else:
-            cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=self.wgs * THREADS)
-
-    @cute.jit
     def _mma_loop(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, f: cutlass.Constexpr,
                   acc_s: cute.Tensor, acc_dp: cute.Tensor, acc_dk: cute.Tensor, acc_dv: cute.Tensor,
                   acc_dq: cute.Tensor, sdQ: cute.Tensor, sRows: cute.Tensor, bar_dq: cute.Pointer,
-                  pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, scale_log2: Float32, wg: Int32,
-                  wt: Int32, key0: Int32, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
-                  m_start: Int32, n_m: Int32, steps: Int32):
-        """The MMA warpgroup's steps: all GEMMs of a step waited for at two points (after the scores, after dQ)."""
-        wgs = self.wgs
-        tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
-        row_loader = self._row_loader(wg, wt)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
-        for step in cutlass.range(steps, unroll=1):
-            rows = step % 2  # the rows' slot
-            row0 = (m_start + step % n_m) * TILE_M
-            next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
-                                                   n_m, wt, batch)
-            pipe.consumer_wait(state)
-            stage = state.index
-
-            self._scores(mma_ss, acc_s, acc_dp, tSrK, tSrV, tSrQ, tSrdO, stage)
-            self._probabilities(acc_s, acc_dp, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset)
-            r_ds = self._grad_gemms(mma_rs, acc_s, acc_dp, acc_dk, acc_dv, a_layout, tVrdOt, tKrQt, stage)
-
-            # dS to this step's pair of dS tiles and step + 1's rows to the other slot, then the MMA warpgroups'
-            # one barrier per step: both dS tiles are in (each warpgroup's dQ GEMM reads both), the rows are
-            # published, and both warpgroups are past step - 1's dQ GEMM, the last reader of the tiles written next
-            ds_tile0 = (step % 2) * wgs
-            if row_loader:
-                sRows[0, wt, 1 - rows] = self._lse_log2(next_lse)
-                sRows[1, wt, 1 - rows] = next_delta
-            cute.copy(store_ds, store_ds.get_slice(wt).retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
-
-            # dQ block (this warpgroup's columns) = dS K over both key tiles
-            warpgroup.fence()
-            for j in cutlass.range_constexpr(wgs):
-                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_tile0 + j], tQrKt[j], accumulate=j > 0)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pipe.consumer_release(state)  # every GEMM of this step is done with its Q and dO
-            state.advance()
-
-            # the block to the writer: once it has read step - 1's, this warpgroup's part, then the arrival
-            if step > 0:
-                cute.arch.mbarrier_wait(bar_dq + 1, (step - 1) % 2)
-            for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
-                sdQ[self._dq_slot(wt, i, 0, wg)] = acc_dq[i]
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_arrive(bar_dq)
-
-    @cute.jit
-    def _mma_loop_overlap(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
-                          f: cutlass.Constexpr, acc_s: cute.Tensor, acc_dp: cute.Tensor, acc_dk: cute.Tensor,
-                          acc_dv: cute.Tensor, acc_dq: cute.Tensor, sdQ: cute.Tensor, sRows: cute.Tensor,
-                          bar_dq: cute.Pointer, pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                          scale_log2: Float32, wg: Int32, wt: Int32, key0: Int32, head_kv: Int32, batch: Int32,
-                          group: Int32, seqlen_k: Int32, offset: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+                  pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, scale_log2: Float32, wt: Int32,
+                  key0: Int32, row_loader, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
+                  m_start: Int32, n_m: Int32, steps: Int32, wg: Int32):
         """The MMA warpgroup's steps with each GEMM waited for only where its result is read (FA3's order); wgmma
         groups retire in commit order, so `wait_group(1)` leaves exactly the last group in flight:
         S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
@@ -312,7 +211,6 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         stage released, dK's Q^T being its last reader)."""
         wgs = self.wgs
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
-        row_loader = self._row_loader(wg, wt)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
         released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
@@ -346,24 +244,21 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
             r_ds.store(acc_dp.load().to(self.dtype))
 
-            # dS to this step's pair of dS tiles (own_dq: to the warpgroup's one tile) and step + 1's rows to the
-            # other slot, then the MMA warpgroups' one barrier per step (as _mma_loop; own_dq: this warpgroup's)
-            ds_tile0 = 0 if cutlass.const_expr(self.own_dq) else (step % 2) * wgs
+            # dS to this step's pair of dS tiles and step + 1's rows to the other slot, then the MMA warpgroups'
+            # one barrier per step: both dS tiles are in (each warpgroup's dQ GEMM reads both), the rows are
+            # published, and both warpgroups are past step - 1's dQ GEMM, the last reader of the tiles written next
+            ds_tile0 = (step % 2) * wgs
             if row_loader:
                 sRows[0, wt, 1 - rows] = self._lse_log2(next_lse)
                 sRows[1, wt, 1 - rows] = next_delta
             cute.copy(store_ds, store_ds.get_slice(wt).retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
             cute.arch.fence_proxy("async.shared", space="cta")
-            self._sync_mma(wg)
+            cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
 
-            if cutlass.const_expr(self.own_dq):
-                warpgroup.wait_group(0)  # dV: P^T's registers free before the dQ accumulator (64 more) is live
+            # dQ block (this warpgroup's columns) = dS K over both key tiles, then dK += dS^T Q
             warpgroup.fence()
-            if cutlass.const_expr(self.own_dq):  # dQ of this warpgroup's keys, all columns
-                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, wg], tQrKt[0])
-            else:
-                for j in cutlass.range_constexpr(wgs):
-                    _gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_tile0 + j], tQrKt[j], accumulate=j > 0)
+            for j in cutlass.range_constexpr(wgs):
+                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_tile0 + j], tQrKt[j], accumulate=j > 0)
             warpgroup.commit_group()
             for kk in cutlass.range_constexpr(cute.size(t_ds, mode=[2])):
                 cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk, stage], acc_dk)
@@ -371,19 +266,11 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             warpgroup.wait_group(1)  # dQ (and dV); dK runs on under the dQ store
             state.advance()
 
-            if cutlass.const_expr(self.own_dq):  # this warpgroup's block, in the one-warpgroup chunk order
-                if step > 0:
-                    cute.arch.mbarrier_wait(bar_dq + wgs + wg, (step - 1) % 2)
-                base = wg * TILE_M * self.head_dim + 2 * wt
-                for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
-                    sdQ[base + (i // 2) * 2 * THREADS + i % 2] = acc_dq[i]
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(bar_dq + wg)
-            else:
-                if step > 0:
-                    cute.arch.mbarrier_wait(bar_dq + 1, (step - 1) % 2)
-                for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
-                    sdQ[self._dq_slot(wt, i, 0, wg)] = acc_dq[i]
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(bar_dq)
+            # the block to the writer: once it has read step - 1's, this warpgroup's part, then the arrival
+            if step > 0:
+                cute.arch.mbarrier_wait(bar_dq + 1, (step - 1) % 2)
+            for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
+                sdQ[self._dq_slot(wt, i, 0, wg)] = acc_dq[i]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(bar_dq)
         warpgroup.wait_group(0)  # the last dK, before the epilogue reads acc_dk

@@ -34,24 +34,13 @@ def test_atomic_dq_variant_within_bar(causal):
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100),
                                              (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 64)])
-@pytest.mark.parametrize("variant", ["stage_dq", "dq_buffer", "warp_specialized", "ws_overlap", "ws_own_dq"])
+@pytest.mark.parametrize("variant", ["stage_dq", "dq_buffer", "warp_specialized"])
 def test_two_warpgroups_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk, variant):
     """wgs=2 (d=128): 128 keys per CTA; sk = 64 leaves the second warpgroup's keys all past seqlen_k. dq_buffer: the
     dQ block through its own buffer, dS through alternating tiles, one CTA barrier per step; warp_specialized
     (flash_bwd_ws): the same with a producer warpgroup for the loads and the dQ adds (sq = 1000: many steps per
-    CTA, so every buffer and pipeline stage is reused); ws_overlap: warp_specialized with its GEMMs waited for one
-    by one; ws_own_dq: each MMA warpgroup's dQ from its own keys."""
+    CTA, so every buffer and pipeline stage is reused)."""
     check_backward(dtype, 128, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, **VARIANTS[variant])
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100),
-                                             (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 64)])
-def test_own_dq_d64_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
-    """The warp-specialised kernel with own_dq at d=64 (two MMA warpgroups, 128 keys per CTA, each warpgroup's dQ
-    block over its own keys)."""
-    check_backward(dtype, 64, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, **VARIANTS["ws_own_dq"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -62,8 +51,7 @@ def test_dq_buffer_one_warpgroup_within_bar(dtype, d, causal, bottom_right, b, h
     check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_buffer=True)
 
 
-@pytest.mark.parametrize("wgs,variant", [(1, "stage_dq"), (2, "stage_dq"), (2, "dq_buffer"), (2, "warp_specialized"),
-                                         (2, "ws_overlap"), (2, "ws_own_dq")])
+@pytest.mark.parametrize("wgs,variant", [(1, "stage_dq"), (2, "stage_dq"), (2, "dq_buffer"), (2, "warp_specialized")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fast_call_path_within_bar(wgs, variant, causal, monkeypatch):
     """kernels/cute/_fast_call.py for the backward (pointers, sizes, strides), twice per shape (the second call
@@ -75,12 +63,11 @@ def test_fast_call_path_within_bar(wgs, variant, causal, monkeypatch):
         check_backward(torch.bfloat16, 128, causal, True, 1, 8, 2, 300, 333, wgs=wgs, **VARIANTS[variant])
 
 
-VARIANTS = {"stage_dq": {}, "dq_buffer": dict(dq_buffer=True), "warp_specialized": dict(warp_specialized=True),
-            "ws_overlap": dict(warp_specialized=True, overlap=True), "ws_own_dq": dict(warp_specialized=True, own_dq=True)}
+VARIANTS = {"stage_dq": {}, "dq_buffer": dict(dq_buffer=True), "warp_specialized": dict(warp_specialized=True)}
 
 
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1, dq_buffer=False,
-                   warp_specialized=False, overlap=False, own_dq=False):
+                   warp_specialized=False):
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd import flash_fwd
 
@@ -89,8 +76,7 @@ def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic
     out, lse = flash_fwd(q, k, v, causal=causal, bottom_right=bottom_right)
     dout = torch.randn_like(out)
     dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic,
-                           wgs=wgs, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
-                           overlap=overlap, own_dq=own_dq)
+                           wgs=wgs, dq_buffer=dq_buffer, warp_specialized=warp_specialized)
 
     kw = dict(is_causal=causal, bottom_right=bottom_right)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]

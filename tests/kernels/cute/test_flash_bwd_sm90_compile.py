@@ -105,19 +105,18 @@ def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right, dq_buf
         assert ptx.count("bar.sync") == 5
 
 
-@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
-def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right, overlap):
+def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right):
     """flash_bwd_ws: 384 threads, the producer warpgroup at 24 registers and the MMA warpgroups at 240; the same
     GEMMs as the two-warpgroup kernel; one CTA barrier (setup) and two barriers of the MMA warpgroups' 256 threads
     (setup, one per step); the dQ block by one bulk add from the writer warp, the Q / dO loads through a full / empty
-    mbarrier pipeline. With overlap: five wgmma commit groups per step instead of three."""
+    mbarrier pipeline; one wgmma commit group per GEMM (five per step), each waited for where its result is read."""
     from fa_backend.kernels.cute import flash_bwd, flash_bwd_ws
 
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, overlap=overlap).__ptx__
+                                      warp_specialized=True).__ptx__
     n, m, d = flash_bwd.TILE_N, flash_bwd.TILE_M, 128
-    assert ".reqntid 384, 1, 1" in ptx
+    assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [
         ("dec", str(flash_bwd_ws.PRODUCER_REGS)), ("inc", str(flash_bwd_ws.MMA_REGS))]
     half = _wgmma_lines(ptx, f"m64n{d // 2}k16.f32.bf16.bf16")
@@ -127,62 +126,22 @@ def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right, ove
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 1
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == n * m // (flash_bwd.THREADS * 8)
     assert ptx.count("mbarrier.arrive.expect_tx") == 2  # K and V once, Q and dO per step
-    assert ptx.count("wgmma.commit_group.sync.aligned") == (5 if overlap else 3)
-    assert "ld.local" not in ptx and "st.local" not in ptx
-
-
-@needs_ptxas
-@pytest.mark.parametrize("overlap", [False, True])
-def test_warp_specialized_registers_fit(tmp_path, overlap):
-    """ptxas allocates the MMA warpgroups' code with the budget setmaxnreg.inc gives them: 168 registers for the
-    384-thread launch, no spills, every wgmma group asynchronous."""
-    from fa_backend.kernels.cute import flash_bwd
-
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, overlap=overlap).__ptx__
-    report = ptxas_report(ptx, tmp_path)
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
-    assert not re.findall(r"C75\d\d", report), report
-    assert int(re.search(r"Used (\d+) registers", report)[1]) <= 65536 // 384
-
-
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
-def test_own_dq_compiles_for_sm90a(tmp_path, causal, bottom_right, d):
-    """flash_bwd_ws with own_dq: each MMA warpgroup's dQ block over its own 64 keys and all 128 columns
-    (m64n128k16 x TILE_N / 16), no barrier between the MMA warpgroups (one of 128 threads each per step), one bulk
-    add site (two writer warps), five wgmma commit groups per step."""
-    from fa_backend.kernels.cute import flash_bwd
-
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, d, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, own_dq=True).__ptx__
-    n, m = flash_bwd.TILE_N, flash_bwd.TILE_M
-    assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
-    if d == m:  # S^T, dP^T (K = d) and dV, dK (K = TILE_M), dQ (K = TILE_N): all m64n64k16
-        assert len(_wgmma_lines(ptx, f"m64n{m}k16.f32.bf16.bf16")) == 2 * d // 16 + 2 * m // 16 + n // 16
-    else:
-        assert len(_wgmma_lines(ptx, f"m64n{m}k16.f32.bf16.bf16")) == 2 * d // 16  # S^T, dP^T
-        assert len(_wgmma_lines(ptx, f"m64n{d}k16.f32.bf16.bf16")) == 2 * m // 16 + n // 16  # dV, dK, dQ
-    barriers = re.findall(r"bar\.sync\s+([^;]*);", ptx)
-    assert barriers[0] == "0" and len(barriers) == 3 and all(b.endswith(", 128") for b in barriers[1:])
-    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 1
     assert ptx.count("wgmma.commit_group.sync.aligned") == 5
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 @needs_ptxas
-@pytest.mark.parametrize("d", [64, 128])
-def test_own_dq_registers_fit(tmp_path, d):
-    """The dQ accumulator doubles (64 registers): dV is waited for before the dQ GEMM so that ptxas keeps every
-    wgmma asynchronous (without that wait: C7512, serialised for want of registers); at d=64 the launch states one
-    CTA per SM (without it: C7508, setmaxnreg ignored)."""
+def test_warp_specialized_registers_fit(tmp_path):
+    """ptxas allocates the MMA warpgroups' code with the budget setmaxnreg.inc gives them: 168 registers for the
+    384-thread launch, no spills, every wgmma group asynchronous."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, d, True, False, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, own_dq=True).__ptx__
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True).__ptx__
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
+    assert int(re.search(r"Used (\d+) registers", report)[1]) <= 65536 // 384
 
 
 def test_unsupported_variants_are_value_errors():
@@ -199,10 +158,6 @@ def test_unsupported_variants_are_value_errors():
     for kwargs in (dict(wgs=1), dict(wgs=2, dq_atomic=True)):
         with pytest.raises(ValueError, match="warp_specialized=True needs wgs=2"):
             flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, warp_specialized=True, **kwargs)
-    with pytest.raises(ValueError, match="overlap=True needs warp_specialized=True"):
-        flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, wgs=2, overlap=True)
-    with pytest.raises(ValueError, match="own_dq=True needs warp_specialized=True"):
-        flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, wgs=2, own_dq=True)
 
 
 @needs_ptxas
