@@ -5,7 +5,10 @@ TILE_M * d) in the order of its wgmma accumulator fragments (conflict-free share
 per block). Position p = g * TILE_M * d / wgs + c8 * 512 + rh * 256 + w * 64 + lq * 8 + lr * 2 + e of a chunk
 holds row 16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e of the block (g the warpgroup, w the thread's
 warp in it, lq / lr its lane // 4 and % 4, rh / e / c8 the accumulator's row half, column pair element and
-column group: wgmma's m64nNk16 fp32 accumulator layout).
+column group: wgmma's m64nNk16 fp32 accumulator layout). With `transposed` (the warp-specialised kernel's 80-row
+blocks, whose dQ GEMM computes the block's transpose: M = the warpgroup's d / wgs columns, N = the queries),
+position p = g * tile_m * d / wgs + c8 * 512 + rh * 256 + w * 64 + lq * 8 + lr * 2 + e holds column
+g * d / wgs + 16 w + 8 rh + lq of row 8 c8 + 2 lr + e.
 
 `unchunk` is the reference reordering in PyTorch; `dq_from_chunks` is one Triton pass that reads each chunk
 once and writes dQ = scale * dQacc in the inputs' dtype (b, hq, sq, d): the PyTorch route (reorder copy, scale,
@@ -27,51 +30,64 @@ TILE_M = 64  # query rows per dQ block (flash_bwd.TILE_M)
 THREADS = 128  # threads per warpgroup (flash_bwd.THREADS)
 
 
-def unchunk(chunks: torch.Tensor, sq: int, wgs: int = 1) -> torch.Tensor:
-    """(b, hq, m_blocks, TILE_M * d) dQ chunks in the kernel's fragment order -> a (b, hq, sq, d) view."""
+def unchunk(chunks: torch.Tensor, sq: int, wgs: int = 1, tile_m: int = TILE_M, transposed: bool = False) -> torch.Tensor:
+    """(b, hq, m_blocks, tile_m * d) dQ chunks in the kernel's fragment order -> a (b, hq, sq, d) tensor."""
     b, hq, m_blocks, size = chunks.shape
-    d = size // TILE_M
+    d = size // tile_m
+    if transposed:  # g, c8, rh, w, lq, lr, e with c8 over the rows, (w, rh, lq) over the warpgroup's columns
+        parts = chunks.view(b, hq, m_blocks, wgs, tile_m // 8, 2, 4, 8, 4, 2)
+        rows = parts.permute(0, 1, 2, 4, 8, 9, 3, 6, 5, 7)  # c8, lr, e, g, w, rh, lq
+        return rows.reshape(b, hq, m_blocks * tile_m, d)[:, :, :sq]
     parts = chunks.view(b, hq, m_blocks, wgs, d // wgs // 8, 2, 4, 8, 4, 2)  # g, c8, rh, w, lq, lr, e
     rows = parts.permute(0, 1, 2, 6, 5, 7, 3, 4, 8, 9)  # w, rh, lq, g, c8, lr, e
-    return rows.reshape(b, hq, m_blocks * TILE_M, d)[:, :, :sq]
+    return rows.reshape(b, hq, m_blocks * tile_m, d)[:, :, :sq]
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
 def _dq_from_chunks(
     CHUNKS, DQ, scale, stride_b, stride_h, stride_m, HEADS, SEQ_Q, NUM_M_BLOCKS,
-    HEAD_DIM: tl.constexpr, WGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, WGS: tl.constexpr, TILE: tl.constexpr, TRANSPOSED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_block = pid % NUM_M_BLOCKS
     bh = pid // NUM_M_BLOCKS
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_D)[None, :]  # BLOCK_D: HEAD_DIM rounded up to a power of two (tl.arange), d = 96
-    col_ok = c < HEAD_DIM
+    ok = (c < HEAD_DIM) & (r < TILE)  # BLOCK_M, BLOCK_D: TILE and HEAD_DIM rounded up to powers of two (tl.arange)
     cols = HEAD_DIM // WGS  # columns per warpgroup
     cc = c % cols
-    # the fragment-order position of (r, c) in its chunk (module docstring); a gather within one 32 KiB chunk,
-    # while the stores below are row-contiguous
-    p = ((c // cols) * (BLOCK_M * cols) + (cc // 8) * 512 + ((r // 8) % 2) * 256 + (r // 16) * 64 + (r % 8) * 8
-         + ((cc // 2) % 4) * 2 + c % 2)
-    acc = tl.load(CHUNKS + pid.to(tl.int64) * (BLOCK_M * HEAD_DIM) + p, mask=col_ok, other=0.0)
-    rows = m_block * BLOCK_M + r
+    # the fragment-order position of (r, c) in its chunk (module docstring); a gather within one chunk, while the
+    # stores below are row-contiguous
+    if TRANSPOSED:
+        p = ((c // cols) * (TILE * cols) + (r // 8) * 512 + ((cc // 8) % 2) * 256 + (cc // 16) * 64 + (cc % 8) * 8
+             + ((r // 2) % 4) * 2 + r % 2)
+    else:
+        p = ((c // cols) * (TILE * cols) + (cc // 8) * 512 + ((r // 8) % 2) * 256 + (r // 16) * 64 + (r % 8) * 8
+             + ((cc // 2) % 4) * 2 + c % 2)
+    acc = tl.load(CHUNKS + pid.to(tl.int64) * (TILE * HEAD_DIM) + p, mask=ok, other=0.0)
+    rows = m_block * TILE + r
     b = bh // HEADS
     h = bh % HEADS
     dst = DQ + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows.to(tl.int64) * stride_m + c
-    tl.store(dst, (acc * scale).to(DQ.dtype.element_ty), mask=(rows < SEQ_Q) & col_ok)
+    tl.store(dst, (acc * scale).to(DQ.dtype.element_ty), mask=(rows < SEQ_Q) & ok)
 
 
-def dq_from_chunks(chunks: torch.Tensor, sq: int, scale: float, dtype: torch.dtype, wgs: int = 1) -> torch.Tensor:
-    """dQ = scale * dQacc as a contiguous (b, hq, sq, d) tensor of `dtype`, from the chunked fp32 buffer."""
+def dq_from_chunks(chunks: torch.Tensor, sq: int, scale: float, dtype: torch.dtype, wgs: int = 1,
+                   tile_m: int = TILE_M, transposed: bool = False) -> torch.Tensor:
+    """dQ = scale * dQacc as a contiguous (b, hq, sq, d) tensor of `dtype`, from the chunked fp32 buffer of
+    tile_m-row blocks (`transposed`: blocks computed as dQ^T, see the module docstring)."""
     b, hq, m_blocks, size = chunks.shape
-    d = size // TILE_M
-    if not chunks.is_contiguous() or d % (8 * wgs) or m_blocks * TILE_M < sq:
+    d = size // tile_m
+    split = 16 * wgs if transposed else 8 * wgs  # the columns of a warpgroup: 16-row atoms of M, or 8-column groups
+    if not chunks.is_contiguous() or size % tile_m or d % split or tile_m % 8 or m_blocks * tile_m < sq:
         raise ValueError(f"dQ chunks {tuple(chunks.shape)} (contiguous: {chunks.is_contiguous()}) do not hold "
-                         f"{sq} rows of a head dim that {wgs} warpgroup(s) split into 8-column groups")
+                         f"{sq} rows of {tile_m}-row blocks of a head dim that {wgs} warpgroup(s) split")
     dq = torch.empty((b, hq, sq, d), dtype=dtype, device=chunks.device)
     if dq.numel() == 0:
         return dq
     _launch.launch(_dq_from_chunks, _launch.grid_1d(b * hq * m_blocks), (
         chunks, dq, float(scale), *dq.stride()[:3], hq, sq, m_blocks,
-    ), dict(HEAD_DIM=d, WGS=wgs, BLOCK_M=TILE_M, BLOCK_D=triton.next_power_of_2(d), num_warps=8 if d > 64 else 4))
+    ), dict(HEAD_DIM=d, WGS=wgs, TILE=tile_m, TRANSPOSED=transposed, BLOCK_M=triton.next_power_of_2(tile_m),
+            BLOCK_D=triton.next_power_of_2(d), num_warps=8 if d > 64 else 4))
     return dq

@@ -109,6 +109,11 @@ class FlashBackwardSm90(ForwardVariant):
         self.dq_buffer = dq_buffer
         self.ds_tiles = wgs * (2 if dq_buffer else 1)  # dS tiles: one per warpgroup, twice with dq_buffer
         self.cta_warpgroups = wgs  # warpgroups launched per CTA
+        # query rows per step; the warp-specialised kernel also takes 80 (FA3 / FA4's d=128 non-causal tile), and a
+        # tile that is not a multiple of wgmma's M = 64 makes the dQ GEMM transposed: dQ^T = K^T dS^T
+        self.tile_m = TILE_M
+        self.dq_transposed = False
+        self.smem_padding = 2 * 1024  # barriers and alignment
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -123,31 +128,39 @@ class FlashBackwardSm90(ForwardVariant):
         lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
         delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
 
+        tm = self.tile_m
         # S^T, dP^T (keys x queries, both operands K-major in shared memory)
         mma_ss = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (1, 1, 1), (TILE_N, TILE_M))
+                                             (1, 1, 1), (TILE_N, tm))
         # dV, dK (keys x d): P^T / dS^T from registers, dO / Q MN-major
         mma_rs = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                              (1, 1, 1), (TILE_N, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ block (queries x d / wgs columns) = dS K: both operands MN-major in shared memory
+        # dQ block (queries x d / wgs columns) = dS K: both operands MN-major in shared memory (dq_transposed: the
+        # block's transpose, d / wgs columns x queries = K^T dS^T, the same operands as A and B)
+        dq_tile = (d // wgs, tm) if self.dq_transposed else (tm, d // wgs)
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-                                             (1, 1, 1), (TILE_M, d // wgs))
+                                             (1, 1, 1), dq_tile)
         # K and V: A operands (M = keys, K = d), one tile per warpgroup; Q and dO: B operands (N = queries, K = d),
-        # QDO_STAGES deep; dS: A (M = queries, K = keys), queries contiguous, one tile per warpgroup
-        sK_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, wgs)
-        sQ_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), self.dtype, QDO_STAGES)
-        sdS_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, self.ds_tiles)
+        # QDO_STAGES deep; dS: A (M = queries, K = keys), queries contiguous, one tile per warpgroup (dq_transposed:
+        # B, N = queries, the same mode order)
+        sK_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, tm, d), self.dtype, wgs)
+        sQ_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, tm, d), self.dtype, QDO_STAGES)
+        if cutlass.const_expr(self.dq_transposed):
+            sdS_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (d // wgs, tm, TILE_N), self.dtype,
+                                                 self.ds_tiles)
+        else:
+            sdS_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tm, d, TILE_N), self.dtype, self.ds_tiles)
         load = cpasync.CopyBulkTensorTileG2SOp()
         one_k = cute.slice_(sK_layout, (None, None, 0))
         one_stage = cute.slice_(sQ_layout, (None, None, 0))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, one_k, (TILE_N, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, one_k, (TILE_N, d))
-        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, one_stage, (TILE_M, d))
-        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, one_stage, (TILE_M, d))
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, one_stage, (tm, d))
+        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, one_stage, (tm, d))
         # K, V, the Q and dO stages, dS, the LSE and delta stages, alignment padding and barriers: 107 KB at
         # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (dq_buffer: + 32 KB of dQ block, + 16 KB of dS)
-        smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * TILE_M) * d + 2 * TILE_M * TILE_N * self.ds_tiles
-                      + 2 * 4 * QDO_STAGES * TILE_M + 2 * 1024 + (4 * TILE_M * d if self.dq_buffer else 0))
+        smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * tm) * d + 2 * tm * TILE_N * self.ds_tiles
+                      + 2 * 4 * QDO_STAGES * tm + self.smem_padding + (4 * tm * d if self.dq_buffer else 0))
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                     lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                     sK_layout, sQ_layout, sdS_layout).launch(
@@ -345,6 +358,7 @@ class FlashBackwardSm90(ForwardVariant):
         destination (..., dS tile)."""
         d = self.head_dim
         wgs = self.wgs
+        tm = self.tile_m
         thr_ss, thr_rs, thr_dq = mma_ss.get_slice(wt), mma_rs.get_slice(wt), mma_dq.get_slice(wt)
         tSrK = mma_ss.make_fragment_A(thr_ss.partition_A(sK[None, None, wg]))
         tSrV = mma_ss.make_fragment_A(thr_ss.partition_A(sV[None, None, wg]))
@@ -352,16 +366,22 @@ class FlashBackwardSm90(ForwardVariant):
         tSrdO = mma_ss.make_fragment_B(thr_ss.partition_B(sdO))
         tVrdOt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sdO)))  # dO as (d, queries, stage)
         tKrQt = mma_rs.make_fragment_B(thr_rs.partition_B(_transposed(sQ)))  # Q as (d, queries, stage)
-        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # dS as (queries, keys, dS tile)
         # K as (this warpgroup's d / wgs columns, keys) of each key tile (with 2 warpgroups: one 64-column swizzle
-        # atom of the 128-column tile, itself a canonical tile)
-        tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(_transposed(
-            cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))))) for j in range(wgs)]
+        # atom of the 128-column tile, itself a canonical tile): the dQ GEMM's B (dq_transposed: A); dS as
+        # (queries, keys, dS tile): its A (dq_transposed: B)
+        k_parts = [_transposed(cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))) for j in range(wgs)]
+        if cutlass.const_expr(self.dq_transposed):
+            tQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(sdS))
+            tQrKt = [mma_dq.make_fragment_A(thr_dq.partition_A(t)) for t in k_parts]
+        else:
+            tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
+            tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(t)) for t in k_parts]
         # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, column) of its dQ values
-        tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
+        # (dq_transposed: (column, query))
+        tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, tm)))
         tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, d // wgs)))
-        a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, TILE_M))).layout
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((d // wgs, tm) if self.dq_transposed else (tm, d // wgs)))
+        a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, tm))).layout
         # dS^T from its accumulator-ordered registers into the (key, query) view of the dS tiles with stmatrix:
         # queries are the tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16
         # contiguous bytes (no transpose); 4 instructions per thread instead of 32 scalar 16-bit stores (Nsight
@@ -405,10 +425,10 @@ class FlashBackwardSm90(ForwardVariant):
         walk (query head of the GQA group, query block), query blocks fastest, from the first block that sees the
         CTA's first key (causal: key j is seen by queries i >= j - offset)."""
         offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
-        m_blocks = cute.ceil_div(seqlen_q, TILE_M)
+        m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         m_start = 0
         if cutlass.const_expr(self.causal):
-            m_start = cutlass.min(cutlass.max(n_block * TILE_N * self.wgs - offset, 0) // TILE_M, m_blocks)
+            m_start = cutlass.min(cutlass.max(n_block * TILE_N * self.wgs - offset, 0) // self.tile_m, m_blocks)
         n_m = m_blocks - m_start
         return offset, m_start, n_m, group * n_m
 
@@ -545,7 +565,7 @@ class FlashBackwardSm90(ForwardVariant):
         it on the host); with dq_buffer, position p of the dQ buffer."""
         d = self.head_dim
         half = TILE_M * d // 2  # fp32 values of one stage's Q (or dO) region
-        p = wg * (TILE_M * d // self.wgs) + (i // 2) * 2 * THREADS + 2 * thread + i % 2
+        p = wg * (self.tile_m * d // self.wgs) + (i // 2) * 2 * THREADS + 2 * thread + i % 2
         if cutlass.const_expr(self.dq_buffer):
             return p  # the buffer holds the chunk as it is
         if cutlass.const_expr(self.wgs == 1):
@@ -558,11 +578,12 @@ class FlashBackwardSm90(ForwardVariant):
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
-                      warp_specialized: bool = False) -> Any:
+                      warp_specialized: bool = False, tile_m: int = TILE_M) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
-    `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2).
+    `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2), which also takes `tile_m` = 80 query rows per
+    step (the dQ GEMM then transposed).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -577,6 +598,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError("dq_buffer=True needs the bulk-add dQ (dq_atomic=False)")
     if warp_specialized and (wgs != 2 or dq_atomic):
         raise ValueError("warp_specialized=True needs wgs=2 and the bulk-add dQ (dq_atomic=False)")
+    if tile_m != TILE_M and not (warp_specialized and tile_m == 80):
+        raise ValueError(f"tile_m={tile_m} (supported: {TILE_M}, or 80 with warp_specialized=True)")
 
     def build() -> Any:
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
@@ -586,7 +609,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
-            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right)
+            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
@@ -602,7 +625,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
             + ("_ws" if warp_specialized else "") + ("_ptrargs" if pointer_args else ""))
-    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, TILE_M), arch)
+    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, tile_m), arch)
     return CACHE.get_or_compile(key, build)
 
 
@@ -610,13 +633,13 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
               wgs: int = 1, dq_buffer: bool = False,
-              warp_specialized: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              warp_specialized: bool = False, tile_m: int = TILE_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
     (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
-    warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128). The three gradients are contiguous
+    warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m = 80. The three gradients are contiguous
     whatever the inputs' strides."""
     from cuda.bindings import driver
 
@@ -632,14 +655,15 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
-                                 pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized)
+                                 pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
+                                 tile_m=tile_m)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
-    m_blocks = -(-sq // TILE_M)
+    m_blocks = -(-sq // tile_m)
     # dq_atomic: (b, hq, sq, d) rows; else one chunk of TILE_M * d values per query block, in the kernel's fragment
     # order (FlashBackwardSm90._dq_slot)
-    dqacc = torch.zeros((b, hq, sq, d) if dq_atomic else (b, hq, m_blocks, TILE_M * d), dtype=torch.float32,
+    dqacc = torch.zeros((b, hq, sq, d) if dq_atomic else (b, hq, m_blocks, tile_m * d), dtype=torch.float32,
                         device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     lse = lse.detach().contiguous()  # the op saves its own outputs, which may require grad
@@ -653,4 +677,4 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                  Float32(scale * _LOG2E), Float32(scale), stream)
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
-    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs), dk, dv
+    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, transposed=tile_m % 64 != 0), dk, dv

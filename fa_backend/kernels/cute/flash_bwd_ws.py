@@ -35,6 +35,8 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from ._bulk import bulk_reduce_add_f32  # noqa: E402
 from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm  # noqa: E402
 
+TILES_M = (TILE_M, 80)  # query rows per step: 64, or FA3 / FA4's 80 at d=128 (the dQ GEMM transposed)
+
 PRODUCER_REGS = 24
 MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512 <= 65536, the register file
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
@@ -50,9 +52,14 @@ def _own_copy(mma: cute.TiledMma) -> cute.TiledMma:
 class FlashBackwardSm90WS(FlashBackwardSm90):
     """The warp-specialised variant of FlashBackwardSm90 (two MMA warpgroups, head_dim 128, dQ by bulk adds)."""
 
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool):
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, tile_m: int = TILE_M):
         super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
+        self.tile_m = tile_m
+        self.dq_transposed = tile_m % 64 != 0  # wgmma's M is 64: an 80-row dQ block is computed as its transpose
+        # the barriers (56 bytes) and the first 1024-byte alignment: every later allocation keeps it, and 80-row
+        # steps need 231680 of the 232448 bytes an sm90 CTA may have
+        self.smem_padding = 1024
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -78,13 +85,13 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sdO = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
-        sdQ = smem.allocate_tensor(Float32, cute.make_layout(TILE_M * d), byte_alignment=128)  # in _dq_slot order
+        sdQ = smem.allocate_tensor(Float32, cute.make_layout(self.tile_m * d), byte_alignment=128)  # _dq_slot order
         # each query row's (LSE in log2 units, delta) side by side, for this step and the next
-        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_M, 2)), byte_alignment=16)
+        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, self.tile_m, 2)), byte_alignment=16)
 
         # one elected producer lane arrives per stage (with the expected bytes); a stage is free again once each of
         # the MMA warps has released it (the pipeline lets lane 0 of each warp arrive)
-        qdo_bytes = 2 * TILE_M * d * self.dtype.width // 8
+        qdo_bytes = 2 * self.tile_m * d * self.dtype.width // 8
         pipe = pipeline.PipelineTmaAsync.create(
             num_stages=QDO_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, wgs * THREADS // 32),
@@ -125,8 +132,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QDO_STAGES)
         for step in cutlass.range(steps, unroll=1):
             head = head_kv * group + step // n_m
-            gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))  # (TILE_M, d, blocks)
-            gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))  # (tile_m, d, blocks)
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
             tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
@@ -146,11 +153,11 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         d = self.head_dim
         for step in cutlass.range(steps, unroll=1):
             head = head_kv * group + step // n_m
-            gdQ = mdQacc[None, None, head, batch]  # (blocks, TILE_M * d) chunks
+            gdQ = mdQacc[None, None, head, batch]  # (blocks, tile_m * d) chunks
             cute.arch.mbarrier_wait(bar_dq, step % 2)
             if cute.arch.lane_idx() == 0:
                 chunk = gdQ.iterator + cute.crd2idx((m_start + step % n_m, 0), gdQ.layout)
-                bulk_reduce_add_f32(sdQ.iterator, chunk, 4 * TILE_M * d)
+                bulk_reduce_add_f32(sdQ.iterator, chunk, 4 * self.tile_m * d)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.mbarrier_arrive(bar_dq + 1)
@@ -169,11 +176,11 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         f = self._fragments(mma_ss, mma_rs, mma_dq, sK, sV, sQ, sdO, sdS, wg, wt)
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
-        # the LSE / delta rows: the last warpgroup's first TILE_M threads load them a step ahead
-        row_loader = (wg == wgs - 1) & (wt < TILE_M)
+        # the LSE / delta rows: the last warpgroup's first tile_m threads load them a step ahead
+        row_loader = (wg == wgs - 1) & (wt < self.tile_m)
         if steps > 0:
             if row_loader:
-                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * TILE_M + wt, batch)
+                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * self.tile_m + wt, batch)
                 sRows[0, wt, 0] = self._lse_log2(row_lse)
                 sRows[1, wt, 0] = row_delta
         cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
@@ -194,7 +201,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         if step + 1 < steps:
             if row_loader:
                 next_lse, next_delta = self._rows(mLSE, mDelta, head_kv * group + (step + 1) // n_m,
-                                                  (m_start + (step + 1) % n_m) * TILE_M + wt, batch)
+                                                  (m_start + (step + 1) % n_m) * self.tile_m + wt, batch)
         return next_lse, next_delta
 
     @cute.jit
@@ -208,8 +215,12 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         groups retire in commit order, so `wait_group(1)` leaves exactly the last group in flight:
         S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
         memory (dK in flight until the next step's scores have been waited for; only then is the step's Q / dO
-        stage released, dK's Q^T being its last reader)."""
+        stage released, dK's Q^T being its last reader).
+        With 80-row steps (`lean`, FA4's order) the scores' accumulators grow to 80 registers, and ptxas serialised
+        every wgmma for want of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live
+        beside them: dS^T is computed before dV is issued, and dK is waited for at the end of its step."""
         wgs = self.wgs
+        lean = self.tile_m != TILE_M
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
         released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
@@ -219,7 +230,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         t_ds = cute.make_tensor(r_ds.iterator, a_layout)
         for step in cutlass.range(steps, unroll=1):
             rows = step % 2
-            row0 = (m_start + step % n_m) * TILE_M
+            row0 = (m_start + step % n_m) * self.tile_m
             next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
                                                    n_m, wt, batch)
             pipe.consumer_wait(state)
@@ -231,18 +242,29 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             _gemm(mma_ss, acc_dp, tSrV, tSrdO[None, None, None, stage])
             warpgroup.commit_group()
             warpgroup.wait_group(1)  # S^T, and step - 1's dK before it
-            if step > 0:
-                pipe.consumer_release(released)  # step - 1's GEMMs are all done with its Q / dO stage
-                released.advance()
+            if cutlass.const_expr(not lean):
+                if step > 0:
+                    pipe.consumer_release(released)  # step - 1's GEMMs are all done with its Q / dO stage
+                    released.advance()
             self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset)
-            r_p.store(acc_s.load().to(self.dtype))
-            warpgroup.fence()
-            for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
-                cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
-            warpgroup.commit_group()
-            warpgroup.wait_group(1)  # dP^T
-            self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
-            r_ds.store(acc_dp.load().to(self.dtype))
+            if cutlass.const_expr(lean):
+                warpgroup.wait_group(0)  # dP^T
+                self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
+                r_p.store(acc_s.load().to(self.dtype))
+                r_ds.store(acc_dp.load().to(self.dtype))
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+                    cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
+                warpgroup.commit_group()
+            else:
+                r_p.store(acc_s.load().to(self.dtype))
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+                    cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)  # dP^T
+                self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
+                r_ds.store(acc_dp.load().to(self.dtype))
 
             # dS to this step's pair of dS tiles and step + 1's rows to the other slot, then the MMA warpgroups'
             # one barrier per step: both dS tiles are in (each warpgroup's dQ GEMM reads both), the rows are
@@ -258,7 +280,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             # dQ block (this warpgroup's columns) = dS K over both key tiles, then dK += dS^T Q
             warpgroup.fence()
             for j in cutlass.range_constexpr(wgs):
-                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_tile0 + j], tQrKt[j], accumulate=j > 0)
+                if cutlass.const_expr(self.dq_transposed):  # dQ^T (this warpgroup's columns x queries) = K^T dS^T
+                    _gemm(mma_dq, acc_dq, tQrKt[j], tQrdS[None, None, None, ds_tile0 + j], accumulate=j > 0)
+                else:
+                    _gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_tile0 + j], tQrKt[j], accumulate=j > 0)
             warpgroup.commit_group()
             for kk in cutlass.range_constexpr(cute.size(t_ds, mode=[2])):
                 cute.gemm(mma_rs, acc_dk, t_ds[None, None, kk], tKrQt[None, None, kk, stage], acc_dk)
@@ -273,4 +298,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 sdQ[self._dq_slot(wt, i, 0, wg)] = acc_dq[i]
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(bar_dq)
+            if cutlass.const_expr(lean):
+                warpgroup.wait_group(0)  # dK
+                pipe.consumer_release(released)
+                released.advance()
         warpgroup.wait_group(0)  # the last dK, before the epilogue reads acc_dk

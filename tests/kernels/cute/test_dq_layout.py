@@ -15,23 +15,40 @@ from tests.conftest import DEVICE
 TILE_M, THREADS = _dq_layout.TILE_M, _dq_layout.THREADS
 
 
-def _chunks_of(dense: torch.Tensor, wgs: int) -> torch.Tensor:
-    """Place a dense (b, hq, m_blocks * TILE_M, d) dQacc in the kernel's order: value i of thread t of warpgroup g
-    goes to p = g * 64 * d / wgs + (i // 2) * 256 + 2 t + i % 2 of its block's chunk (flash_bwd._dq_slot without the
-    regions); it is row 16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e of the block (wgmma's accumulator)."""
+def _chunks_of(dense: torch.Tensor, wgs: int, tile_m: int = TILE_M, transposed: bool = False) -> torch.Tensor:
+    """Place a dense (b, hq, m_blocks * tile_m, d) dQacc in the kernel's order: value i of thread t of warpgroup g
+    goes to p = g * tile_m * d / wgs + (i // 2) * 256 + 2 t + i % 2 of its block's chunk (flash_bwd._dq_slot without
+    the regions); it is row 16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e of the block (wgmma's
+    accumulator), or with `transposed` (the block computed as dQ^T: the 80-row tile) column
+    g * d / wgs + 16 w + 8 rh + lq of row 8 c8 + 2 lr + e."""
     b, hq, rows, d = dense.shape
-    m_blocks = rows // TILE_M
-    chunks = torch.full((b, hq, m_blocks, TILE_M * d), float("nan"), dtype=dense.dtype, device=dense.device)
+    m_blocks = rows // tile_m
+    chunks = torch.full((b, hq, m_blocks, tile_m * d), float("nan"), dtype=dense.dtype, device=dense.device)
     for g in range(wgs):
         for t in range(THREADS):
             w, lq, lr = t // 32, (t % 32) // 4, t % 4
-            for i in range(d // wgs // 2):
+            for i in range((tile_m if transposed else d // wgs) // 2):
                 e, rh, c8 = i % 2, (i // 2) % 2, i // 4
-                p = g * TILE_M * d // wgs + (i // 2) * 2 * THREADS + 2 * t + e
-                col = g * d // wgs + 8 * c8 + 2 * lr + e
-                chunks[..., p] = dense[:, :, 16 * w + 8 * rh + lq::TILE_M, col]
+                p = g * tile_m * d // wgs + (i // 2) * 2 * THREADS + 2 * t + e
+                m, n = 16 * w + 8 * rh + lq, 8 * c8 + 2 * lr + e  # the accumulator's row and column
+                row, col = (n, g * d // wgs + m) if transposed else (m, g * d // wgs + n)
+                chunks[..., p] = dense[:, :, row::tile_m, col]
     assert not chunks.isnan().any()  # every position written once: the map is a bijection
     return chunks
+
+
+def test_transposed_blocks_unchunk_and_convert():
+    """80-row blocks of dQ^T (d=128, two warpgroups): the reference reordering inverts the fragment order and the
+    Triton pass (its row block rounded up to 128 and masked) equals it bit for bit, partial last block included."""
+    b, hq, d, wgs, tile_m = 2, 3, 128, 2, 80
+    for sq in (150, 80, 7):
+        m_blocks = -(-sq // tile_m)
+        dense = torch.randn(b, hq, m_blocks * tile_m, d, device=DEVICE) * 40
+        chunks = _chunks_of(dense, wgs, tile_m, transposed=True)
+        ref = _dq_layout.unchunk(chunks, sq, wgs, tile_m, transposed=True)
+        assert torch.equal(ref, dense[:, :, :sq])
+        got = _dq_layout.dq_from_chunks(chunks, sq, 0.0883883, torch.float16, wgs, tile_m, transposed=True)
+        assert torch.equal(got, (ref * 0.0883883).to(torch.float16))
 
 
 @pytest.mark.parametrize("d,wgs", [(64, 1), (96, 1), (128, 1), (128, 2)])

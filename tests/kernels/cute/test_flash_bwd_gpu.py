@@ -34,12 +34,13 @@ def test_atomic_dq_variant_within_bar(causal):
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100),
                                              (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 64)])
-@pytest.mark.parametrize("variant", ["stage_dq", "dq_buffer", "warp_specialized"])
+@pytest.mark.parametrize("variant", ["stage_dq", "dq_buffer", "warp_specialized", "ws_tile80"])
 def test_two_warpgroups_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk, variant):
     """wgs=2 (d=128): 128 keys per CTA; sk = 64 leaves the second warpgroup's keys all past seqlen_k. dq_buffer: the
     dQ block through its own buffer, dS through alternating tiles, one CTA barrier per step; warp_specialized
     (flash_bwd_ws): the same with a producer warpgroup for the loads and the dQ adds (sq = 1000: many steps per
-    CTA, so every buffer and pipeline stage is reused)."""
+    CTA, so every buffer and pipeline stage is reused); ws_tile80: the same with 80 query rows per step (the dQ GEMM
+    transposed)."""
     check_backward(dtype, 128, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, **VARIANTS[variant])
 
 
@@ -51,7 +52,8 @@ def test_dq_buffer_one_warpgroup_within_bar(dtype, d, causal, bottom_right, b, h
     check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_buffer=True)
 
 
-@pytest.mark.parametrize("wgs,variant", [(1, "stage_dq"), (2, "stage_dq"), (2, "dq_buffer"), (2, "warp_specialized")])
+@pytest.mark.parametrize("wgs,variant", [(1, "stage_dq"), (2, "stage_dq"), (2, "dq_buffer"), (2, "warp_specialized"),
+                                         (2, "ws_tile80")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fast_call_path_within_bar(wgs, variant, causal, monkeypatch):
     """kernels/cute/_fast_call.py for the backward (pointers, sizes, strides), twice per shape (the second call
@@ -63,11 +65,12 @@ def test_fast_call_path_within_bar(wgs, variant, causal, monkeypatch):
         check_backward(torch.bfloat16, 128, causal, True, 1, 8, 2, 300, 333, wgs=wgs, **VARIANTS[variant])
 
 
-VARIANTS = {"stage_dq": {}, "dq_buffer": dict(dq_buffer=True), "warp_specialized": dict(warp_specialized=True)}
+VARIANTS = {"stage_dq": {}, "dq_buffer": dict(dq_buffer=True), "warp_specialized": dict(warp_specialized=True),
+            "ws_tile80": dict(warp_specialized=True, tile_m=80)}
 
 
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1, dq_buffer=False,
-                   warp_specialized=False):
+                   warp_specialized=False, tile_m=64):
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd import flash_fwd
 
@@ -76,7 +79,8 @@ def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic
     out, lse = flash_fwd(q, k, v, causal=causal, bottom_right=bottom_right)
     dout = torch.randn_like(out)
     dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic,
-                           wgs=wgs, dq_buffer=dq_buffer, warp_specialized=warp_specialized)
+                           wgs=wgs, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
+                           tile_m=tile_m)
 
     kw = dict(is_causal=causal, bottom_right=bottom_right)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
