@@ -57,9 +57,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
         self.tile_m = tile_m
         self.dq_transposed = tile_m % 64 != 0  # wgmma's M is 64: an 80-row dQ block is computed as its transpose
-        # the barriers (56 bytes) and the first 1024-byte alignment: every later allocation keeps it, and 80-row
-        # steps need 231680 of the 232448 bytes an sm90 CTA may have
-        self.smem_padding = 1024
+        # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
+        # it): they need 231680 of the 232448 bytes an sm90 CTA may have (2048 bytes of padding failed to launch)
+        if tile_m != TILE_M:
+            self.smem_padding = 1024
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
