@@ -166,7 +166,8 @@ def host_time(calls: int = 2000) -> None:
 
 # the CuTe backward's rows: the kernel function's variants, then the op through autograd
 # (dq_buffer with one warpgroup, at d=64: 8-14 % slower in the tenth session, no longer timed)
-CUTE_BACKWARDS = ("cute_bwd", "cute_bwd_2wg", "cute_bwd_2wg_dqbuf", "cute_bwd_ws", "cute_bwd_ws80", "cute_op")
+CUTE_BACKWARDS = ("cute_bwd", "cute_bwd_2wg", "cute_bwd_2wg_dqbuf", "cute_bwd_ws", "cute_bwd_ws80", "cute_bwd_ws128",
+                  "cute_op")
 
 
 def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict]:
@@ -191,6 +192,8 @@ def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict
                     variants.append(("cute_bwd_2wg_dqbuf", dict(wgs=2, dq_buffer=True)))
                     variants.append(("cute_bwd_ws", dict(wgs=2, warp_specialized=True)))
                     variants.append(("cute_bwd_ws80", dict(wgs=2, warp_specialized=True, tile_m=80)))
+                if d == 64:
+                    variants.append(("cute_bwd_ws128", dict(wgs=2, warp_specialized=True, tile_m=128)))
                 for name, kw in variants:
                     t0 = time.perf_counter()
                     flash_bwd(dout, q, k, v, out, lse, causal=causal, **kw)

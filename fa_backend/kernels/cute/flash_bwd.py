@@ -1,9 +1,10 @@
 """FlashAttention backward for Hopper (sm90a) in the CuTe DSL (issue 7).
 
-Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passes on the H200 (every variant below) up to the
-deferred LSE conversion and the interleaved (LSE, delta) rows, which are compile-checked only (docs/cute.md); the
-compile test (test_flash_bwd_sm90_compile.py) runs in CI. The op fa_backend::cute_flash_fwd runs it as its backward
-(ops/cute_flash.py), with wgs=2 at d=128.
+Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passes on the H200 for every variant below and for
+the warp-specialised kernel (flash_bwd_ws.py) with 64 and (bf16 cases so far) 80 query rows per step; its 128-row
+d=64 tile is compile-checked only (docs/cute.md). The compile test (test_flash_bwd_sm90_compile.py) runs in CI. The
+op fa_backend::cute_flash_fwd runs it as its backward (ops/cute_flash.py): one warpgroup at d=64 / 96, the
+warp-specialised kernel at d=128.
 
 Key-block stationary as FlashAttention-2/3's backward, no warp specialisation. With wgs=2 (d=128, FA3's tile):
 two warpgroups per CTA over 128 keys share the Q / dO stages, each with its own 64 keys for S^T, dP^T, dV, dK and
@@ -113,6 +114,9 @@ class FlashBackwardSm90(ForwardVariant):
         # tile that is not a multiple of wgmma's M = 64 makes the dQ GEMM transposed: dQ^T = K^T dS^T
         self.tile_m = TILE_M
         self.dq_transposed = False
+        # dq_rows: the warpgroups split the dQ block by query rows (tile_m / wgs each, all d columns) instead of by
+        # columns (FA4's d=64 tile of 128 rows)
+        self.dq_rows = False
         self.smem_padding = 2 * 1024  # barriers and alignment
 
     @cute.jit
@@ -137,7 +141,7 @@ class FlashBackwardSm90(ForwardVariant):
                                              (1, 1, 1), (TILE_N, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ block (queries x d / wgs columns) = dS K: both operands MN-major in shared memory (dq_transposed: the
         # block's transpose, d / wgs columns x queries = K^T dS^T, the same operands as A and B)
-        dq_tile = (d // wgs, tm) if self.dq_transposed else (tm, d // wgs)
+        dq_tile = (d // wgs, tm) if self.dq_transposed else ((tm // wgs, d) if self.dq_rows else (tm, d // wgs))
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
                                              (1, 1, 1), dq_tile)
         # K and V: A operands (M = keys, K = d), one tile per warpgroup; Q and dO: B operands (N = queries, K = d),
@@ -370,17 +374,23 @@ class FlashBackwardSm90(ForwardVariant):
         # atom of the 128-column tile, itself a canonical tile): the dQ GEMM's B (dq_transposed: A); dS as
         # (queries, keys, dS tile): its A (dq_transposed: B)
         k_parts = [_transposed(cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))) for j in range(wgs)]
+        if cutlass.const_expr(self.dq_rows):  # all of K's columns; this warpgroup's rows of dS (tm / wgs of them)
+            k_parts = [_transposed(sK[None, None, j]) for j in range(wgs)]
+        ds_dq = sdS  # the dQ GEMM's view of the dS tiles
+        if cutlass.const_expr(self.dq_rows):
+            ds_dq = cute.local_tile(sdS, (tm // wgs, TILE_N), (wg, 0, None))
         if cutlass.const_expr(self.dq_transposed):
-            tQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(sdS))
+            tQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(ds_dq))
             tQrKt = [mma_dq.make_fragment_A(thr_dq.partition_A(t)) for t in k_parts]
         else:
-            tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
+            tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(ds_dq))
             tQrKt = [mma_dq.make_fragment_B(thr_dq.partition_B(t)) for t in k_parts]
         # (key, query) of every S^T value this thread holds; (key, d) of dK / dV; (query, column) of its dQ values
         # (dq_transposed: (column, query))
         tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, tm)))
         tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((d // wgs, tm) if self.dq_transposed else (tm, d // wgs)))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor(
+            (d // wgs, tm) if self.dq_transposed else ((tm // wgs, d) if self.dq_rows else (tm, d // wgs))))
         a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, tm))).layout
         # dS^T from its accumulator-ordered registers into the (key, query) view of the dS tiles with stmatrix:
         # queries are the tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16
@@ -583,7 +593,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
     `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2), which also takes `tile_m` = 80 query rows per
-    step (the dQ GEMM then transposed).
+    step at d=128 (the dQ GEMM then transposed) and 128 at d=64 (the warpgroups split dQ by rows).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -592,14 +602,16 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
-    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128):
-        raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128)")
+    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128 and not (head_dim == 64 and tile_m == 128)):
+        raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128, or with 64 and "
+                         f"tile_m=128)")
     if dq_buffer and dq_atomic:
         raise ValueError("dq_buffer=True needs the bulk-add dQ (dq_atomic=False)")
     if warp_specialized and (wgs != 2 or dq_atomic):
         raise ValueError("warp_specialized=True needs wgs=2 and the bulk-add dQ (dq_atomic=False)")
-    if tile_m != TILE_M and not (warp_specialized and tile_m == 80):
-        raise ValueError(f"tile_m={tile_m} (supported: {TILE_M}, or 80 with warp_specialized=True)")
+    if tile_m != TILE_M and not (warp_specialized and (tile_m, head_dim) in ((80, 128), (128, 64))):
+        raise ValueError(f"tile_m={tile_m} with head_dim={head_dim} (supported: {TILE_M}; with warp_specialized=True "
+                         f"also 80 at head_dim 128 and 128 at head_dim 64)")
 
     def build() -> Any:
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
@@ -639,7 +651,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
     (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
-    warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m = 80. The three gradients are contiguous
+    warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m = 80 (d=128) and
+    128 (d=64). The three gradients are contiguous
     whatever the inputs' strides."""
     from cuda.bindings import driver
 
@@ -677,4 +690,5 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                  Float32(scale * _LOG2E), Float32(scale), stream)
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
-    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, transposed=tile_m % 64 != 0), dk, dv
+    split = "transposed" if tile_m % 64 else ("rows" if tile_m == 128 else "columns")  # as FlashBackwardSm90WS
+    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, split), dk, dv

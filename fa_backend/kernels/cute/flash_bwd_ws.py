@@ -35,7 +35,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from ._bulk import bulk_reduce_add_f32  # noqa: E402
 from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm  # noqa: E402
 
-TILES_M = (TILE_M, 80)  # query rows per step: 64, or FA3 / FA4's 80 at d=128 (the dQ GEMM transposed)
+TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (the dQ GEMM transposed), 128 at d=64
 
 PRODUCER_REGS = 24
 MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512 <= 65536, the register file
@@ -57,6 +57,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
         self.tile_m = tile_m
         self.dq_transposed = tile_m % 64 != 0  # wgmma's M is 64: an 80-row dQ block is computed as its transpose
+        self.dq_rows = tile_m == 128  # d=64: each MMA warpgroup computes 64 rows of the dQ block, every column
         # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
         # it): they need 231680 of the 232448 bytes an sm90 CTA may have (2048 bytes of padding failed to launch)
         if tile_m != TILE_M:
@@ -219,7 +220,9 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         stage released, dK's Q^T being its last reader).
         With 80-row steps (`lean`, FA4's order) the scores' accumulators grow to 80 registers, and ptxas serialised
         every wgmma for want of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live
-        beside them: dS^T is computed before dV is issued, and dK is waited for at the end of its step."""
+        beside them: dS^T is computed before dV is issued, and dK is waited for at the end of its step. With 128
+        rows (d=64) dV is also waited for before the dQ GEMM: with dV, dQ and dK in flight together ptxas spilled
+        104-132 bytes, with dV retired first 20-24 (compile checks; without the dQ or the dK GEMM, none)."""
         wgs = self.wgs
         lean = self.tile_m != TILE_M
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
@@ -279,6 +282,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
 
             # dQ block (this warpgroup's columns) = dS K over both key tiles, then dK += dS^T Q
+            if cutlass.const_expr(self.tile_m == 128):
+                warpgroup.wait_group(0)  # dV: P^T's registers free before the dQ and dK GEMMs are in flight
             warpgroup.fence()
             for j in cutlass.range_constexpr(wgs):
                 if cutlass.const_expr(self.dq_transposed):  # dQ^T (this warpgroup's columns x queries) = K^T dS^T

@@ -15,39 +15,43 @@ from tests.conftest import DEVICE
 TILE_M, THREADS = _dq_layout.TILE_M, _dq_layout.THREADS
 
 
-def _chunks_of(dense: torch.Tensor, wgs: int, tile_m: int = TILE_M, transposed: bool = False) -> torch.Tensor:
+def _chunks_of(dense: torch.Tensor, wgs: int, tile_m: int = TILE_M, split: str = "columns") -> torch.Tensor:
     """Place a dense (b, hq, m_blocks * tile_m, d) dQacc in the kernel's order: value i of thread t of warpgroup g
     goes to p = g * tile_m * d / wgs + (i // 2) * 256 + 2 t + i % 2 of its block's chunk (flash_bwd._dq_slot without
     the regions); it is row 16 w + 8 rh + lq, column g * d / wgs + 8 c8 + 2 lr + e of the block (wgmma's
-    accumulator), or with `transposed` (the block computed as dQ^T: the 80-row tile) column
-    g * d / wgs + 16 w + 8 rh + lq of row 8 c8 + 2 lr + e."""
+    accumulator); split "transposed" (the block computed as dQ^T: the 80-row tile): column
+    g * d / wgs + 16 w + 8 rh + lq of row 8 c8 + 2 lr + e; split "rows" (d=64's 128-row tile): row
+    64 g + 16 w + 8 rh + lq, column 8 c8 + 2 lr + e."""
     b, hq, rows, d = dense.shape
     m_blocks = rows // tile_m
     chunks = torch.full((b, hq, m_blocks, tile_m * d), float("nan"), dtype=dense.dtype, device=dense.device)
     for g in range(wgs):
         for t in range(THREADS):
             w, lq, lr = t // 32, (t % 32) // 4, t % 4
-            for i in range((tile_m if transposed else d // wgs) // 2):
+            for i in range({"columns": d // wgs, "transposed": tile_m, "rows": d}[split] // 2):
                 e, rh, c8 = i % 2, (i // 2) % 2, i // 4
                 p = g * tile_m * d // wgs + (i // 2) * 2 * THREADS + 2 * t + e
                 m, n = 16 * w + 8 * rh + lq, 8 * c8 + 2 * lr + e  # the accumulator's row and column
-                row, col = (n, g * d // wgs + m) if transposed else (m, g * d // wgs + n)
+                row, col = {"columns": (m, g * d // wgs + n), "transposed": (n, g * d // wgs + m),
+                            "rows": (64 * g + m, n)}[split]
                 chunks[..., p] = dense[:, :, row::tile_m, col]
     assert not chunks.isnan().any()  # every position written once: the map is a bijection
     return chunks
 
 
-def test_transposed_blocks_unchunk_and_convert():
-    """80-row blocks of dQ^T (d=128, two warpgroups): the reference reordering inverts the fragment order and the
-    Triton pass (its row block rounded up to 128 and masked) equals it bit for bit, partial last block included."""
-    b, hq, d, wgs, tile_m = 2, 3, 128, 2, 80
-    for sq in (150, 80, 7):
+@pytest.mark.parametrize("d,tile_m,split", [(128, 80, "transposed"), (64, 128, "rows")])
+def test_warp_specialized_tiles_unchunk_and_convert(d, tile_m, split):
+    """The warp-specialised kernel's other tiles (two warpgroups): 80-row blocks of dQ^T at d=128, 128-row blocks
+    split by rows at d=64. The reference reordering inverts the fragment order and the Triton pass (80 rows
+    rounded up to 128 and masked) equals it bit for bit, partial last block included."""
+    b, hq, wgs = 2, 3, 2
+    for sq in (150, tile_m, 7):
         m_blocks = -(-sq // tile_m)
         dense = torch.randn(b, hq, m_blocks * tile_m, d, device=DEVICE) * 40
-        chunks = _chunks_of(dense, wgs, tile_m, transposed=True)
-        ref = _dq_layout.unchunk(chunks, sq, wgs, tile_m, transposed=True)
+        chunks = _chunks_of(dense, wgs, tile_m, split)
+        ref = _dq_layout.unchunk(chunks, sq, wgs, tile_m, split)
         assert torch.equal(ref, dense[:, :, :sq])
-        got = _dq_layout.dq_from_chunks(chunks, sq, 0.0883883, torch.float16, wgs, tile_m, transposed=True)
+        got = _dq_layout.dq_from_chunks(chunks, sq, 0.0883883, torch.float16, wgs, tile_m, split)
         assert torch.equal(got, (ref * 0.0883883).to(torch.float16))
 
 

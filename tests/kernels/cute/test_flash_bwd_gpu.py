@@ -45,6 +45,15 @@ def test_two_warpgroups_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100),
+                                             (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 64)])
+def test_tile128_d64_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
+    """The warp-specialised kernel at d=64 with 128 query rows per step, the warpgroups splitting dQ by rows."""
+    check_backward(dtype, 64, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, warp_specialized=True, tile_m=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(1, 8, 2, 100, 333), (1, 4, 2, 1000, 1100)])

@@ -173,6 +173,33 @@ def test_tile80_keeps_wgmma_asynchronous(tmp_path):
     assert not re.findall(r"C75\d\d", report), report
 
 
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+def test_tile128_d64_compiles_for_sm90a(tmp_path, causal, bottom_right):
+    """flash_bwd_ws at d=64 with 128 query rows per step (FA4's d=64 tile): S^T / dP^T on m64n128k16 (d / 16
+    each); dV / dK over K = 128 queries and each warpgroup's 64 rows of the dQ block over both key tiles, all on
+    m64n64k16; dV waited for before the dQ GEMM (six wait points per step)."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 64, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, tile_m=128).__ptx__
+    n, d = flash_bwd.TILE_N, 64
+    assert len(_wgmma_lines(ptx, "m64n128k16.f32.bf16.bf16")) == 2 * d // 16
+    assert len(_wgmma_lines(ptx, "m64n64k16.f32.bf16.bf16")) == 2 * 128 // 16 + 2 * n // 16
+    assert re.findall(r"bar\.sync\s+([^;]*);", ptx) == ["0", "1, 256", "1, 256"]
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 5
+
+
+@needs_ptxas
+def test_tile128_d64_keeps_wgmma_asynchronous(tmp_path):
+    """No C75xx serialisation at 128 rows (ptxas spills 20-24 bytes here: docs/perf-log.md)."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 64, False, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, tile_m=128).__ptx__
+    report = ptxas_report(ptx, tmp_path)
+    assert not re.findall(r"C75\d\d", report), report
+
+
 def test_unsupported_variants_are_value_errors():
     from fa_backend.kernels.cute import flash_bwd
 
@@ -187,9 +214,11 @@ def test_unsupported_variants_are_value_errors():
     for kwargs in (dict(wgs=1), dict(wgs=2, dq_atomic=True)):
         with pytest.raises(ValueError, match="warp_specialized=True needs wgs=2"):
             flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, warp_specialized=True, **kwargs)
-    for kwargs in (dict(wgs=2), dict(wgs=2, warp_specialized=True, tile_m=96)):
+    for d, kwargs in ((128, dict(wgs=2, tile_m=80)), (128, dict(wgs=2, warp_specialized=True, tile_m=96)),
+                      (128, dict(wgs=2, warp_specialized=True, tile_m=128)), (64, dict(wgs=2, warp_specialized=True,
+                                                                                          tile_m=80))):
         with pytest.raises(ValueError, match="tile_m="):
-            flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, tile_m=kwargs.pop("tile_m", 80), **kwargs)
+            flash_bwd.compile_flash_bwd(torch.bfloat16, d, False, **kwargs)
 
 
 @needs_ptxas
