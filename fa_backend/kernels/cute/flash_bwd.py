@@ -110,12 +110,10 @@ class FlashBackwardSm90(ForwardVariant):
         self.dq_buffer = dq_buffer
         self.ds_tiles = wgs * (2 if dq_buffer else 1)  # dS tiles: one per warpgroup, twice with dq_buffer
         self.cta_warpgroups = wgs  # warpgroups launched per CTA
-        # query rows per step; the warp-specialised kernel also takes 80 (FA3 / FA4's d=128 non-causal tile), and a
-        # tile that is not a multiple of wgmma's M = 64 makes the dQ GEMM transposed: dQ^T = K^T dS^T
+        # query rows per step; the warp-specialised kernel also takes FA4's 80 (d=128) and 128 (d=64), which change
+        # how the warpgroups share the dQ block (dq_split)
         self.tile_m = TILE_M
         self.dq_transposed = False
-        # dq_rows: the warpgroups split the dQ block by query rows (tile_m / wgs each, all d columns) instead of by
-        # columns (FA4's d=64 tile of 128 rows)
         self.dq_rows = False
         self.smem_padding = 2 * 1024  # barriers and alignment
 
@@ -141,9 +139,8 @@ class FlashBackwardSm90(ForwardVariant):
                                              (1, 1, 1), (TILE_N, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ block (queries x d / wgs columns) = dS K: both operands MN-major in shared memory (dq_transposed: the
         # block's transpose, d / wgs columns x queries = K^T dS^T, the same operands as A and B)
-        dq_tile = (d // wgs, tm) if self.dq_transposed else ((tm // wgs, d) if self.dq_rows else (tm, d // wgs))
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-                                             (1, 1, 1), dq_tile)
+                                             (1, 1, 1), self._dq_tile())
         # K and V: A operands (M = keys, K = d), one tile per warpgroup; Q and dO: B operands (N = queries, K = d),
         # QDO_STAGES deep; dS: A (M = queries, K = keys), queries contiguous, one tile per warpgroup (dq_transposed:
         # B, N = queries, the same mode order)
@@ -374,10 +371,9 @@ class FlashBackwardSm90(ForwardVariant):
         # atom of the 128-column tile, itself a canonical tile): the dQ GEMM's B (dq_transposed: A); dS as
         # (queries, keys, dS tile): its A (dq_transposed: B)
         k_parts = [_transposed(cute.local_tile(sK[None, None, j], (TILE_N, d // wgs), (0, wg))) for j in range(wgs)]
+        ds_dq = sdS  # the dQ GEMM's view of the dS tiles
         if cutlass.const_expr(self.dq_rows):  # all of K's columns; this warpgroup's rows of dS (tm / wgs of them)
             k_parts = [_transposed(sK[None, None, j]) for j in range(wgs)]
-        ds_dq = sdS  # the dQ GEMM's view of the dS tiles
-        if cutlass.const_expr(self.dq_rows):
             ds_dq = cute.local_tile(sdS, (tm // wgs, TILE_N), (wg, 0, None))
         if cutlass.const_expr(self.dq_transposed):
             tQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(ds_dq))
@@ -389,8 +385,7 @@ class FlashBackwardSm90(ForwardVariant):
         # (dq_transposed: (column, query))
         tScS = thr_ss.partition_C(cute.make_identity_tensor((TILE_N, tm)))
         tKcK = thr_rs.partition_C(cute.make_identity_tensor((TILE_N, d)))
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor(
-            (d // wgs, tm) if self.dq_transposed else ((tm // wgs, d) if self.dq_rows else (tm, d // wgs))))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor(self._dq_tile()))
         a_layout = mma_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_N, tm))).layout
         # dS^T from its accumulator-ordered registers into the (key, query) view of the dS tiles with stmatrix:
         # queries are the tile's contiguous mode and the accumulator's N mode, so each 8 x 8 matrix row is 16
@@ -399,6 +394,12 @@ class FlashBackwardSm90(ForwardVariant):
         store_ds = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_ss)
         tDSsdS = store_ds.get_slice(wt).partition_D(_transposed(sdS))  # (..., dS tile)
         return tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS
+
+    def _dq_tile(self) -> tuple[int, int]:
+        """(M, N) of a warpgroup's dQ GEMM: (tile_m, d / wgs) by columns, (d / wgs, tile_m) transposed,
+        (tile_m / wgs, d) by rows."""
+        d, tm, wgs = self.head_dim, self.tile_m, self.wgs
+        return (d // wgs, tm) if self.dq_transposed else ((tm // wgs, d) if self.dq_rows else (tm, d // wgs))
 
     @cute.jit
     def _accumulators(self, tScS: cute.Tensor, tKcK: cute.Tensor, tQcQ: cute.Tensor):
@@ -585,6 +586,12 @@ class FlashBackwardSm90(ForwardVariant):
         return (wg * QDO_STAGES + stage) * half + p - wg * half
 
 
+def dq_split(tile_m: int) -> str:
+    """How the warpgroups share a tile_m-row dQ block (_dq_layout.SPLITS): by columns at 64 rows; as its transpose
+    at 80 (not a multiple of wgmma's M); by rows at 128 (d=64)."""
+    return "transposed" if tile_m % 64 else ("rows" if tile_m == 2 * TILE_M else "columns")
+
+
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
@@ -690,5 +697,4 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                  Float32(scale * _LOG2E), Float32(scale), stream)
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
-    split = "transposed" if tile_m % 64 else ("rows" if tile_m == 128 else "columns")  # as FlashBackwardSm90WS
-    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, split), dk, dv
+    return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, dq_split(tile_m)), dk, dv

@@ -2,8 +2,9 @@
 
 The op's d=128 backward since the eleventh session (ops/cute_flash.BACKWARD_VARIANTS): 6-7 % faster than two
 warpgroups without the producer on the H200, and its steps wait for each GEMM only where its result is read
-(FA3's order, +0-3 %; docs/perf-log.md). flash_bwd.flash_bwd(...,
-warp_specialized=True) runs it; tests/kernels/cute/test_flash_bwd_gpu.py checks its numerics on an H200.
+(FA3's order, +0-3 %; docs/perf-log.md). flash_bwd.flash_bwd(..., warp_specialized=True) runs it, with tile_m=80
+(d=128) or 128 (d=64) for FA4's tiles (opt-in: docs/cute.md); tests/kernels/cute/test_flash_bwd_gpu.py checks its
+numerics on an H200.
 
 The math, the tiles and the shared-memory operands are FlashBackwardSm90's with two warpgroups (d=128: 128 keys per
 CTA, each MMA warpgroup 64 keys and half of the dQ block's columns) and its dq_buffer layout (the dQ block in its
@@ -33,7 +34,7 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values  # noq
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 from ._bulk import bulk_reduce_add_f32  # noqa: E402
-from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm  # noqa: E402
+from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm, dq_split  # noqa: E402
 
 TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (the dQ GEMM transposed), 128 at d=64
 
@@ -50,14 +51,15 @@ def _own_copy(mma: cute.TiledMma) -> cute.TiledMma:
 
 
 class FlashBackwardSm90WS(FlashBackwardSm90):
-    """The warp-specialised variant of FlashBackwardSm90 (two MMA warpgroups, head_dim 128, dQ by bulk adds)."""
+    """The warp-specialised variant of FlashBackwardSm90 (two MMA warpgroups, dQ by bulk adds): head_dim 128 with
+    64 or 80 query rows per step, head_dim 64 with 128."""
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, tile_m: int = TILE_M):
         super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
         self.tile_m = tile_m
-        self.dq_transposed = tile_m % 64 != 0  # wgmma's M is 64: an 80-row dQ block is computed as its transpose
-        self.dq_rows = tile_m == 128  # d=64: each MMA warpgroup computes 64 rows of the dQ block, every column
+        self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
+        self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
         # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
         # it): they need 231680 of the 232448 bytes an sm90 CTA may have (2048 bytes of padding failed to launch)
         if tile_m != TILE_M:
@@ -207,6 +209,15 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         return next_lse, next_delta
 
     @cute.jit
+    def _issue_dv(self, mma_rs: cute.TiledMma, acc_dv: cute.Tensor, t_p: cute.Tensor, tVrdOt: cute.Tensor,
+                  stage: Int32):
+        """dV += P^T dO (P^T from registers) as one committed wgmma group."""
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
+            cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
+        warpgroup.commit_group()
+
+    @cute.jit
     def _mma_loop(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, f: cutlass.Constexpr,
                   acc_s: cute.Tensor, acc_dp: cute.Tensor, acc_dk: cute.Tensor, acc_dv: cute.Tensor,
                   acc_dq: cute.Tensor, sdQ: cute.Tensor, sRows: cute.Tensor, bar_dq: cute.Pointer,
@@ -256,16 +267,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
                 r_p.store(acc_s.load().to(self.dtype))
                 r_ds.store(acc_dp.load().to(self.dtype))
-                warpgroup.fence()
-                for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
-                    cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
-                warpgroup.commit_group()
+                self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
             else:
                 r_p.store(acc_s.load().to(self.dtype))
-                warpgroup.fence()
-                for kk in cutlass.range_constexpr(cute.size(t_p, mode=[2])):
-                    cute.gemm(mma_rs, acc_dv, t_p[None, None, kk], tVrdOt[None, None, kk, stage], acc_dv)
-                warpgroup.commit_group()
+                self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
                 warpgroup.wait_group(1)  # dP^T
                 self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
                 r_ds.store(acc_dp.load().to(self.dtype))
