@@ -610,6 +610,10 @@ def main(argv: list[str] | None = None) -> int:
         dims = args.dims if args.dims != [64, 128] else [128]
         seqlens = [s for s in args.seqlens if s >= 2048]
         backends = [b for b in (args.backends or DEFAULT_BACKENDS) if b in (OURS, *bench_features.PEERS)]
+        from .kernels.cute import DSL_AVAILABLE
+
+        if DSL_AVAILABLE and (args.backends is None or "cute" in args.backends):
+            backends.insert(1, "cute")  # the CuTe kernels' key masks
         feats = bench_features.run(dims=dims, seqlens=seqlens, backends=backends, dtype=dtype,
                                    backward=not args.fwd_only)
         if args.json:

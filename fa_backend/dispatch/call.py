@@ -73,6 +73,8 @@ class AttentionCall:
     mask_dtype: torch.dtype | None = None
     mask_requires_grad: bool = False
     mask_same_device: bool = True
+    # the mask has no query dim (rank < 2, or size 1 or stride 0 there): one row of keys per (batch, head)
+    mask_key_only: bool = False
     dropout_p: float = 0.0
     scale: float | None = None
     enable_gqa: bool = False
@@ -138,7 +140,9 @@ class AttentionCall:
             consistent = kv_contiguous = tma_aligned = False
         if attn_mask is None:
             mask_kind, mask_shape, mask_dtype, mask_grad, mask_device = "none", None, None, False, True
+            key_only = False
         else:
+            key_only = attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 or attn_mask.stride(-2) == 0
             mask_kind = "bool" if attn_mask.dtype == torch.bool else "additive"
             mask_shape, mask_dtype = tuple(attn_mask.shape), attn_mask.dtype
             mask_grad = torch.is_grad_enabled() and attn_mask.requires_grad
@@ -153,7 +157,7 @@ class AttentionCall:
             batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
             is_causal=bool(is_causal), causal_alignment=causal_alignment, mask_kind=mask_kind,
             mask_shape=mask_shape, mask_dtype=mask_dtype, mask_requires_grad=mask_grad,
-            mask_same_device=mask_device, dropout_p=float(dropout_p), scale=scale, enable_gqa=bool(enable_gqa),
+            mask_same_device=mask_device, mask_key_only=bool(key_only), dropout_p=float(dropout_p), scale=scale, enable_gqa=bool(enable_gqa),
             requires_grad=grad, ranks=ranks, shapes_consistent=consistent,
             same_dtype=q.dtype == k.dtype == v.dtype, same_device=q.device == k.device == v.device,
             subclass=subclass, kv_last_dim_contiguous=bool(kv_contiguous), tma_aligned=bool(tma_aligned),

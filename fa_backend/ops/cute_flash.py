@@ -5,11 +5,14 @@ dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 ping-po
 intra-warpgroup overlap with one; three consumers at d=64). The forward returns out contiguous (b, hq, sq, d) and
 the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too.
 
-The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; warp-specialised at d=128): on the
-H200 1.06-1.28x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
+The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; the warp-specialised kernel at d=128 and
+64): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
 (docs/benchmarks.md). The Triton backward kernels (fa_backend::triton_flash_bwd, which take the CuTe forward's
 outputs as they are) run instead under torch.use_deterministic_algorithms (the CuTe backward's dQ additions run
-in no fixed order), for scale 0, after a compile failure, and with CUTE_BACKWARD = False.
+in no fixed order), for scale 0, after a compile failure, with a key mask at d=64 / 96 (KEY_MASK_BACKWARD), and
+with CUTE_BACKWARD = False.
+
+A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both kernels, packed by key_words.
 
 The op never fails on what it accepts: inputs TMA cannot read (strides, offsets) are copied to contiguous
 tensors first, and a variant that fails to compile runs the Triton forward instead (logged once by the
@@ -27,12 +30,13 @@ from ..dispatch.reasons import BackendUnsupportedError, ReasonCode
 from ._library import NAMESPACE
 
 
-def check_cute_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool) -> None:
+def check_cute_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
+                      attn_mask: torch.Tensor | None = None) -> None:
     """ValueError for malformed input; BackendUnsupportedError listing every reason the cute backend
     has against these inputs otherwise, except two the op handles itself: a layout TMA cannot read (it
     copies) and a variant that failed to compile (it runs the Triton forward)."""
     validate(q, k, v)
-    call = AttentionCall.from_tensors(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+    call = AttentionCall.from_tensors(q, k, v, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=True)
     handled = (ReasonCode.LAYOUT, ReasonCode.COMPILE_FAILED) if call.shapes_consistent else (ReasonCode.COMPILE_FAILED,)
     reasons = [r for r in CuteBackend.why_not(call) if r.code not in handled]
     if reasons:
@@ -44,49 +48,79 @@ def _readable(t: torch.Tensor) -> torch.Tensor:
     return t if is_tma_aligned(t) and t.data_ptr() % 16 == 0 else t.contiguous()
 
 
-def _triton_forward(q, k, v, scale, is_causal, bottom_right):
+def _triton_forward(q, k, v, scale, is_causal, bottom_right, attn_mask=None):
     """The Triton forward under the op's contract (contiguous out, fp32 lse), counted as a triton run."""
     from ..kernels.triton import flash_fwd
 
     counters.record_run("triton")
-    out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, is_causal, bottom_right)
+    out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, is_causal, bottom_right,
+                         attn_mask=attn_mask)
     return out.contiguous(), lse.contiguous()
+
+
+def key_words(attn_mask: torch.Tensor, b: int, hq: int, sk: int) -> torch.Tensor:
+    """A bool key mask (no query dim: size 1 or stride 0) packed as the CuTe kernels read it: int32 (b, hq,
+    ceil(sk / 32) + 1), key j at bit j % 32 of word j // 32 (1 = attend; the Triton kernels' packing,
+    _mask_bounds.row_bits), then one word more: the row's key bound (1 + its last attended key, 0 if none), past
+    which the kernels visit no key block. Broadcast dims have stride 0; cached per mask tensor."""
+    from ..kernels.triton._mask_bounds import _cached
+
+    words = _cached(attn_mask, ("cute_key_words", sk), lambda: _words_and_bound(attn_mask, b, hq, sk))
+    return words.expand(b, hq, words.shape[-1])
+
+
+def _words_and_bound(attn_mask: torch.Tensor, b: int, hq: int, sk: int) -> torch.Tensor:
+    from ..kernels.triton._mask_bounds import row_bits
+
+    words, _, _ = row_bits(attn_mask, b, hq, sk)  # (mb, mh, nw)
+    nw = words.shape[-1]
+    index = torch.arange(nw, device=words.device)
+    last = torch.where(words != 0, index, -1).amax(-1)  # the last word holding an attended key, -1 if none
+    top = words.gather(-1, last.clamp(min=0)[..., None])[..., 0].to(torch.int64) & 0xFFFFFFFF
+    # 1 + the highest set bit of that word (exact: float64 holds every 32-bit value)
+    high = torch.floor(torch.log2(top.clamp(min=1).to(torch.float64))).to(torch.int64) + 1
+    bound = torch.where(last >= 0, 32 * last + high, 0).to(torch.int32)
+    return torch.cat([words, bound[..., None]], -1).contiguous()
 
 
 @torch.library.custom_op(f"{NAMESPACE}::cute_flash_fwd", mutates_args=())
 def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                   is_causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   is_causal: bool = False, bottom_right: bool = False,
+                   attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper; returns out (b, hq, sq, d) contiguous in q's dtype and the fp32
-    natural-log lse (b, hq, sq). GQA when hq is a multiple of hkv; causal top-left or bottom-right."""
-    check_cute_inputs(q, k, v, scale, is_causal)
+    natural-log lse (b, hq, sq). GQA when hq is a multiple of hkv; causal top-left or bottom-right; attn_mask: a
+    bool key mask (True = attend) broadcastable to (b, hq, sq, sk) without a query dim (size 1 or stride 0),
+    e.g. key padding (b, 1, 1, sk); a row that sees no key gets out 0 and lse -inf."""
+    check_cute_inputs(q, k, v, scale, is_causal, attn_mask)
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_fwd_ws import flash_fwd_fastest
 
     bottom_right = bottom_right and is_causal
     if scale == 0.0:  # -inf * 0 on masked keys: the kernels need a nonzero scale
-        return _triton_forward(q, k, v, scale, is_causal, bottom_right)
+        return _triton_forward(q, k, v, scale, is_causal, bottom_right, attn_mask)
     q, k, v = (_readable(t) for t in (q, k, v))
     if scale is not None and scale < 0:  # the kernels take the row max before scaling: (-q) k^T (-scale), exact
         q, scale = -q, -scale
+    words = None if attn_mask is None else key_words(attn_mask, q.shape[0], q.shape[1], k.shape[2])
     try:
-        out, lse = flash_fwd_fastest(q, k, v, scale, is_causal, bottom_right)
+        out, lse = flash_fwd_fastest(q, k, v, scale, is_causal, bottom_right, key_words=words)
     except CompileFailedError:  # logged once by the compile cache; the Triton forward keeps the contract
-        return _triton_forward(q, k, v, scale, is_causal, bottom_right)
+        return _triton_forward(q, k, v, scale, is_causal, bottom_right, attn_mask)
     counters.record_run("cute")
     return out, lse
 
 
 @cute_flash_fwd.register_fake
-def _(q, k, v, scale=None, is_causal=False, bottom_right=False):
+def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None):
     validate(q, k, v)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, is_causal, bottom_right = inputs
+    q, k, v, scale, is_causal, bottom_right, attn_mask = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.scale, ctx.is_causal, ctx.bottom_right = scale, is_causal, bottom_right and is_causal
 
 
@@ -94,24 +128,38 @@ def _setup_context(ctx, inputs, output):
 CUTE_BACKWARD = True
 # the CuTe backward's variant per head dim (flash_bwd keywords): at d=128 the warp-specialised kernel (two MMA
 # warpgroups with 128 keys per CTA and a producer warpgroup; 6-7 % faster than two warpgroups without the producer
-# at 2k-8k tokens on the H200, eleventh session); one warpgroup elsewhere
-BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True)}
+# at 2k-8k tokens on the H200, eleventh session); at d=64 the same kernel with 128 query rows per step (FA4's d=64
+# tile: +5-9 % over one warpgroup at 2k-8k, causal 2k equal, twelfth session); one warpgroup elsewhere
+BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, warp_specialized=True, tile_m=128)}
 
 
-def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right):
+# head dims whose backward variant runs a key mask: the warp-specialised kernel's 64-row steps. Its 128-row d=64
+# variant spills 104-140 bytes with the mask (sm90 compile check, against 24 without), so a masked d=64 backward,
+# like d=96's, runs the Triton kernels with the same mask.
+KEY_MASK_BACKWARD = frozenset({128})
+
+
+def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None):
     """(dq, dk, dv) from the CuTe backward, or None where it does not apply (deterministic mode, scale 0, a
-    variant that failed to compile: the caller runs the Triton backward)."""
+    variant that failed to compile, a key mask at a head dim whose backward variant has none: the caller runs the
+    Triton backward)."""
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_bwd import flash_bwd
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if scale == 0.0 or torch.are_deterministic_algorithms_enabled():
         return None
+    variant = BACKWARD_VARIANTS.get(q.shape[-1], {})  # one warpgroup where absent
+    words = None
+    if attn_mask is not None:
+        if q.shape[-1] not in KEY_MASK_BACKWARD:
+            return None
+        words = key_words(attn_mask, q.shape[0], q.shape[1], k.shape[2])
     q, k, v = (_readable(t) for t in (q, k, v))
     negate = scale < 0  # as the forward: (-q) k^T (-scale), so dq of -q is -dq
     try:
         dq, dk, dv = flash_bwd(dout, -q if negate else q, k, v, out, lse, -scale if negate else scale, is_causal,
-                               bottom_right, dlse=dlse, **BACKWARD_VARIANTS.get(q.shape[-1], {}))
+                               bottom_right, dlse=dlse, key_words=words, **variant)
     except CompileFailedError:  # logged once by the compile cache
         return None
     return (-dq if negate else dq), dk, dv
@@ -120,17 +168,18 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
 @torch.library.custom_op(f"{NAMESPACE}::cute_flash_bwd", mutates_args=())
 def cute_flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: torch.Tensor | None, scale: float | None = None, is_causal: bool = False,
-                   bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   bottom_right: bool = False,
+                   attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of cute_flash_fwd by the CuTe backward, contiguous whatever the inputs' strides
     (what the fake implementation promises); dlse is the gradient of its lse output, if any. The Triton backward
     where the CuTe one does not apply (see the module docstring)."""
-    grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right)
+    grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask)
     if grads is None:
         from ..kernels.triton import flash_bwd
 
         dq, dk, dv = _contiguous_like(q, k, v)
         grads = flash_bwd(dout, q, k, v, out, lse, q.shape[-1] ** -0.5 if scale is None else scale, is_causal,
-                          bottom_right, dlse, dq=dq, dk=dk, dv=dv)
+                          bottom_right, dlse, attn_mask=attn_mask, dq=dq, dk=dk, dv=dv)
     return grads
 
 
@@ -139,26 +188,28 @@ def _contiguous_like(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 @cute_flash_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=False):
+def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=False, attn_mask=None):
     return _contiguous_like(q, k, v)
 
 
 def _backward(ctx, dout, dlse):
     from .triton_flash import triton_flash_bwd
 
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
     backward = cute_flash_bwd if CUTE_BACKWARD else triton_flash_bwd
-    grads = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right)
-    return (*grads, None, None, None)
+    grads = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right, attn_mask)
+    return (*grads, None, None, None, None)
 
 
 cute_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                         is_causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the CuTe forward, differentiable in q, k and v (the CuTe backward, see the module docstring)."""
-    return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right))
+                         is_causal: bool = False, bottom_right: bool = False,
+                         attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the CuTe forward, differentiable in q, k and v (the CuTe backward, see the module docstring);
+    attn_mask: a bool key mask (cute_flash_fwd)."""
+    return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask)
 
 
 __all__ = ["check_cute_inputs", "cute_flash_attention", "cute_flash_bwd", "cute_flash_fwd"]

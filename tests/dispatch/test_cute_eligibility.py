@@ -210,3 +210,34 @@ def test_head_dim_96_runs_cute_without_grad_and_cudnn_with_it(enabled):
     assert "d=96" in decision.rejected["cute"][0].message and "backward" in decision.rejected["cute"][0].message
     assert [r.code for r in decision.rejected["triton"]] == [ReasonCode.SLOWER]
     assert select(dataclasses.replace(mha96, requires_grad=True, capability=(8, 0))).backend == "triton"  # no cute
+
+
+KEY_MASK = dict(mask_kind="bool", mask_shape=(2, 1, 1, 2048), mask_dtype=torch.bool, mask_key_only=True)
+
+
+def test_bool_key_masks_are_accepted(enabled):
+    """Key padding (b, 1, 1, sk) and per-head key masks run on the CuTe kernels (packed 32 keys per word)."""
+    assert _codes(**KEY_MASK) == []
+    assert _codes(**{**KEY_MASK, "mask_shape": (2, 8, 1, 2048)}) == []
+
+
+@pytest.mark.parametrize("changes", [
+    {"mask_key_only": False, "mask_shape": (2, 1, 1024, 2048)},  # varies along the queries
+    {"mask_kind": "additive", "mask_dtype": torch.bfloat16},
+    {"is_causal": True},  # with is_causal: left to PyTorch, as the Triton backend does
+    {"mask_shape": (3, 1, 1, 2048)},  # does not broadcast to the batch
+    {"mask_same_device": False},
+])
+def test_other_masks_give_a_mask_reason(enabled, changes):
+    codes = _codes(**{**KEY_MASK, **changes})
+    assert codes and all(c in (ReasonCode.MASK, ReasonCode.DEVICE) for c in codes)
+
+
+def test_key_only_is_read_from_the_mask_tensor():
+    q = torch.randn(2, 4, 64, 64)
+    k = v = torch.randn(2, 4, 80, 64)
+    describe = lambda m: AttentionCall.from_tensors(q, k, v, m).mask_key_only  # noqa: E731
+    assert describe(torch.ones(2, 1, 1, 80, dtype=torch.bool))
+    assert describe(torch.ones(80, dtype=torch.bool))
+    assert describe(torch.ones(2, 1, 1, 80, dtype=torch.bool).expand(2, 4, 64, 80))  # stride 0 on the queries
+    assert not describe(torch.ones(2, 1, 64, 80, dtype=torch.bool))

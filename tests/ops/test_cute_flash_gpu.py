@@ -40,6 +40,8 @@ def test_opcheck():
     q, k, v = _qkv(1, 4, 2, 200, 300, 64, grad=True)
     torch.library.opcheck(cute_flash_fwd, (q, k, v, None, True, True))
     torch.library.opcheck(cute_flash_fwd, (q, k, v, 0.3, False, False))
+    mask = torch.rand(1, 1, 1, 300, device="cuda") > 0.3  # a key mask: the key-mask variants
+    torch.library.opcheck(cute_flash_fwd, (q, k, v, None, False, False, mask))
 
 
 @pytest.mark.parametrize("with_dlse", [False, True])
@@ -270,3 +272,36 @@ def test_fast_call_path_gives_the_same_outputs(d, causal, monkeypatch):
     monkeypatch.setattr(_fast_call, "ENABLED", True)
     out2 = cute_flash_attention(q2, k[:1], v[:1], None, causal, True)
     assert torch.equal(out2[0], ref2[0]) and torch.equal(out2[1], ref2[1])
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_key_mask_forward_and_gradients_within_bar(d, dtype, cute_backward):
+    """A key-padding mask through the op: the CuTe forward and (d = 128) the CuTe backward's key-mask variant; at
+    d = 64 and 96 the Triton backward with the same mask. One sequence is fully masked (out 0, zero gradients)."""
+    from fa_backend.ops import cute_flash_attention
+    from tests.reference import check_features
+
+    q, k, v = _qkv(3, 8, 2, 333, 400, d, dtype)
+    lengths = torch.tensor([400, 123, 0], device="cuda")
+    mask = (torch.arange(400, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    out = check_features(lambda q, k, v: cute_flash_attention(q, k, v, None, False, False, mask)[0], q, k, v,
+                         attn_mask=mask)
+    assert out[2].abs().max().item() == 0.0
+    assert len(cute_backward) == (1 if d == 128 else 0)
+
+
+def test_routed_key_padding_call_runs_cute(clean):
+    """SDPA with a bool key-padding mask goes to the CuTe kernels when routing is on (forward and backward)."""
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(4, 16, 16, 2048, 2048, 128, grad=True)
+    mask = (torch.rand(4, 1, 1, 2048, device="cuda") > 0.1)
+    direct = cute_flash_attention(q, k, v, None, False, False, mask)[0]
+    fa_backend.reset_stats()
+    with fa_backend.enabled():
+        routed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        routed.sum().backward()
+    assert fa_backend.stats()["runs"] == {"cute": 1}
+    assert torch.equal(routed, direct)
+    assert q.grad is not None and not q.grad.isnan().any()

@@ -11,6 +11,24 @@ from ..call import AttentionCall
 from ..reasons import Reason, ReasonCode
 
 
+def mask_call_reasons(call: AttentionCall) -> list[Reason]:
+    """What every fused backend of ours refuses about a call that has an attn_mask, whatever its kind: the mask
+    together with is_causal, a shape that does not broadcast, another device, a mask that requires grad."""
+    reasons = []
+    if call.is_causal:
+        reasons.append(Reason(ReasonCode.MASK, "attn_mask together with is_causal=True (PyTorch's backends "
+                                               "disagree on it; left to PyTorch)"))
+    if not call.mask_broadcastable:
+        reasons.append(Reason(ReasonCode.MASK, f"attn_mask shape={list(call.mask_shape or ())} does not broadcast to "
+                                               f"{[call.batch, call.heads_q, call.seqlen_q, call.seqlen_k]} "
+                                               "(PyTorch reports the error)"))
+    if not call.mask_same_device:
+        reasons.append(Reason(ReasonCode.DEVICE, "attn_mask is on another device than the query"))
+    if call.mask_requires_grad:
+        reasons.append(Reason(ReasonCode.GRAD, "attn_mask requires grad (the kernels compute no mask gradient)"))
+    return reasons
+
+
 def input_reasons(call: AttentionCall) -> list[Reason]:
     """The rules every fused-kernel backend applies to the inputs themselves: plain tensors, 4-D
     (batch, heads, seqlen, head_dim), shapes that fit together, one device."""

@@ -1,8 +1,9 @@
 """The `cute` backend: fa_backend's CuTe DSL kernels for Hopper (issue 7) and their declared limits.
 
-It runs the warp-specialised sm90 forward (op fa_backend::cute_flash_fwd), which passed its GPU tests on
-the H200 on 2026-11-30; gradients come from the Triton backward kernels until a CuTe backward exists.
-Where nvidia-cutlass-dsl is missing every call gets a not_installed reason with the install hint.
+It runs the warp-specialised sm90 forward and the CuTe backward (op fa_backend::cute_flash_fwd and its autograd
+formula, ops/cute_flash.py; the Triton backward kernels under deterministic algorithms). Masks: bool key masks only
+(no query dim, e.g. key padding (b, 1, 1, sk)), read packed 32 keys per word. Where nvidia-cutlass-dsl is missing
+every call gets a not_installed reason with the install hint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from ...kernels.cute._availability import DSL_MISSING
 from ..call import CAUSAL_ALIGNMENTS, DECODE_MAX_SEQLEN_Q, AttentionCall
 from ..reasons import Reason, ReasonCode
-from .base import Backend, input_reasons
+from .base import Backend, input_reasons, mask_call_reasons
 from .triton import TRITON_MISSING
 
 # Read as a module constant (torch.compile); False turns the backend off (every call: not_installed).
@@ -41,7 +42,7 @@ def _compile_failure(call: AttentionCall) -> str | None:
     from ...kernels.cute.flash_fwd_ws import fastest_variant_key
 
     bottom_right = call.is_causal and call.causal_alignment == "bottom_right"
-    key = fastest_variant_key(call.dtype, call.head_dim, call.is_causal, bottom_right)
+    key = fastest_variant_key(call.dtype, call.head_dim, call.is_causal, bottom_right, call.mask_kind != "none")
     return _compile_cache.CACHE.failure(key)
 
 
@@ -58,11 +59,11 @@ class CuteBackend(Backend):
     SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
     SUPPORTED_HEAD_DIMS = frozenset({64, 96, 128})  # kernels/cute/flash_fwd.py HEAD_DIMS
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = False
-    SUPPORTED_MASKS = frozenset({"none"})  # causal is a flag, not a mask
+    SUPPORTED_MASKS = frozenset({"none", "bool"})  # bool: key masks only (KEY_MASKS_ONLY); causal is a flag
     CAUSAL_ALIGNMENTS = frozenset(CAUSAL_ALIGNMENTS)
     SUPPORTS_DROPOUT = False
     SUPPORTS_GQA = True
-    SUPPORTS_BACKWARD = True  # through the Triton backward kernels (ops/cute_flash.py)
+    SUPPORTS_BACKWARD = True  # the CuTe backward (the Triton one in deterministic mode: ops/cute_flash.py)
 
     @classmethod
     def why_not(cls, call: AttentionCall) -> list[Reason]:
@@ -93,7 +94,13 @@ class CuteBackend(Backend):
                 reasons.append(Reason(ReasonCode.GQA, f"heads_q={call.heads_q} != heads_kv={call.heads_kv} needs enable_gqa=True"))
         if call.mask_kind not in cls.SUPPORTED_MASKS:
             reasons.append(Reason(ReasonCode.MASK, f"attn_mask ({call.mask_kind}) is not supported "
-                                                   f"(supported: no attn_mask; is_causal=True)"))
+                                                   f"(supported: a bool key mask; is_causal=True)"))
+        elif call.mask_kind != "none":
+            if not call.mask_key_only:
+                reasons.append(Reason(ReasonCode.MASK, f"attn_mask shape={list(call.mask_shape or ())} varies along the "
+                                                       "query dim (supported: bool key masks, size 1 or stride 0 on "
+                                                       "the query dim, e.g. key padding (b, 1, 1, seqlen_k))"))
+            reasons += mask_call_reasons(call)
         if call.is_causal and call.causal_alignment not in cls.CAUSAL_ALIGNMENTS:
             reasons.append(Reason(ReasonCode.MASK, f"causal alignment {call.causal_alignment!r} (supported: "
                                                    f"{_names(cls.CAUSAL_ALIGNMENTS)})"))
@@ -130,4 +137,4 @@ class CuteBackend(Backend):
 
             _OPS.append(cute_flash_attention)
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
-        return _OPS[0](q, k, v, scale, bool(is_causal), bottom_right)[0]
+        return _OPS[0](q, k, v, scale, bool(is_causal), bottom_right, attn_mask)[0]

@@ -11,7 +11,7 @@ import torch
 
 from ..call import DECODE_MAX_SEQLEN_Q, AttentionCall
 from ..reasons import Reason, ReasonCode
-from .base import Backend, input_reasons
+from .base import Backend, input_reasons, mask_call_reasons
 
 # Probed once at import: traced code (torch.compile) must only read a constant.
 TRITON_MISSING: str | None = (None if importlib.util.find_spec("triton") is not None
@@ -107,17 +107,7 @@ class TritonBackend(Backend):
             reasons.append(Reason(ReasonCode.MASK, f"attn_mask dtype={call.mask_dtype} (supported: torch.bool, "
                                                    f"the query dtype {call.dtype} or torch.float32)"))
         if call.mask_kind != "none":
-            if call.is_causal:
-                reasons.append(Reason(ReasonCode.MASK, "attn_mask together with is_causal=True (PyTorch's backends "
-                                                       "disagree on it; left to PyTorch)"))
-            if not call.mask_broadcastable:
-                reasons.append(Reason(ReasonCode.MASK, f"attn_mask shape={list(call.mask_shape or ())} does not broadcast to "
-                                                       f"{[call.batch, call.heads_q, call.seqlen_q, call.seqlen_k]} "
-                                                       "(PyTorch reports the error)"))
-            if not call.mask_same_device:
-                reasons.append(Reason(ReasonCode.DEVICE, "attn_mask is on another device than the query"))
-            if call.mask_requires_grad:
-                reasons.append(Reason(ReasonCode.GRAD, "attn_mask requires grad (the kernels compute no mask gradient)"))
+            reasons += mask_call_reasons(call)
         if call.dropout_p > 0 and not cls.SUPPORTS_DROPOUT:
             reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0.0)"))
         elif not 0.0 <= call.dropout_p < 1.0:

@@ -31,6 +31,31 @@ ENABLED = True
 MAX_KEYS = 256  # marshalled argument lists kept per compiled variant
 
 
+def _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0,
+                   os1, os2, ls0, ls1) -> tuple:
+    """(q, k, v, o, lse) from pointers, sizes and strides, while tracing a PointerForward* call."""
+    return (_sdpa(pq, (b, hq, sq, d), (qs0, qs1, qs2)), _sdpa(pk, (b, hkv, sk, d), (ks0, ks1, ks2)),
+            _sdpa(pv, (b, hkv, sk, d), (vs0, vs1, vs2)), _sdpa(po, (b, hq, sq, d), (os0, os1, os2)),
+            _sdpa(plse, (b, hq, sq), (ls0, ls1)))
+
+
+def _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3, qs0, qs1, qs2,
+                    ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0, dks1, dks2, dvs0, dvs1,
+                    dvs2, dqs0, dqs1, dqs2) -> tuple:
+    """(q, k, v, dO, LSE, delta, dK, dV, dQ accumulator) from pointers, sizes and strides, while tracing a
+    PointerBackward* call."""
+    return (_sdpa(pq, (b, hq, sq, d), (qs0, qs1, qs2)), _sdpa(pk, (b, hkv, sk, d), (ks0, ks1, ks2)),
+            _sdpa(pv, (b, hkv, sk, d), (vs0, vs1, vs2)), _sdpa(pdo, (b, hq, sq, d), (os0, os1, os2)),
+            _sdpa(plse, (b, hq, sq), (ls0, ls1)), _sdpa(pdelta, (b, hq, sq), (es0, es1)),
+            _sdpa(pdk, (b, hkv, sk, d), (dks0, dks1, dks2)), _sdpa(pdv, (b, hkv, sk, d), (dvs0, dvs1, dvs2)),
+            _sdpa(pdq, (b, dq1, dq2, dq3), (dqs0, dqs1, dqs2)))
+
+
+def _sdpa(pointer, shape: tuple, strides: tuple):
+    """A tensor at `pointer` with these sizes and strides, the last mode's stride 1."""
+    return cute.make_tensor(pointer, cute.make_layout(shape, stride=(*strides, 1)))
+
+
 class PointerForward:
     """jit wrapper of a forward kernel variant: its SDPA-layout tensors from raw pointers and runtime sizes and
     strides (unit head_dim stride, every other size and stride dynamic, as flash_fwd._dynamic marks them)."""
@@ -44,12 +69,28 @@ class PointerForward:
                  qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
                  vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
                  scale_log2: Float32, stream: Any):
-        mQ = cute.make_tensor(pq, cute.make_layout((b, hq, sq, d), stride=(qs0, qs1, qs2, 1)))
-        mK = cute.make_tensor(pk, cute.make_layout((b, hkv, sk, d), stride=(ks0, ks1, ks2, 1)))
-        mV = cute.make_tensor(pv, cute.make_layout((b, hkv, sk, d), stride=(vs0, vs1, vs2, 1)))
-        mO = cute.make_tensor(po, cute.make_layout((b, hq, sq, d), stride=(os0, os1, os2, 1)))
-        mLSE = cute.make_tensor(plse, cute.make_layout((b, hq, sq), stride=(ls0, ls1, 1)))
-        self.kernel(mQ, mK, mV, mO, mLSE, scale_log2, stream)
+        views = _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
+                               vs2, os0, os1, os2, ls0, ls1)
+        self.kernel(*views, scale_log2, stream)
+
+
+class PointerForwardKeyMask:
+    """PointerForward for a key-mask variant: also the packed key-mask words (b, hq, words) int32 with their
+    (batch, head) strides (0 where broadcast)."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, pq: cute.Pointer, pk: cute.Pointer, pv: cute.Pointer, po: cute.Pointer, plse: cute.Pointer,
+                 pw: cute.Pointer, b: Int32, hq: Int32, hkv: Int32, sq: Int32, sk: Int32, d: Int32, nw: Int32,
+                 qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
+                 vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
+                 ws0: Int64, ws1: Int64, scale_log2: Float32, stream: Any):
+        views = _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
+                               vs2, os0, os1, os2, ls0, ls1)
+        mW = cute.make_tensor(pw, cute.make_layout((b, hq, nw), stride=(ws0, ws1, 1)))
+        self.kernel(*views, scale_log2, stream, mW)
 
 
 class PointerBackward:
@@ -67,16 +108,33 @@ class PointerBackward:
                  vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64, es0: Int64,
                  es1: Int64, dks0: Int64, dks1: Int64, dks2: Int64, dvs0: Int64, dvs1: Int64, dvs2: Int64,
                  dqs0: Int64, dqs1: Int64, dqs2: Int64, scale_log2: Float32, scale: Float32, stream: Any):
-        mQ = cute.make_tensor(pq, cute.make_layout((b, hq, sq, d), stride=(qs0, qs1, qs2, 1)))
-        mK = cute.make_tensor(pk, cute.make_layout((b, hkv, sk, d), stride=(ks0, ks1, ks2, 1)))
-        mV = cute.make_tensor(pv, cute.make_layout((b, hkv, sk, d), stride=(vs0, vs1, vs2, 1)))
-        mdO = cute.make_tensor(pdo, cute.make_layout((b, hq, sq, d), stride=(os0, os1, os2, 1)))
-        mLSE = cute.make_tensor(plse, cute.make_layout((b, hq, sq), stride=(ls0, ls1, 1)))
-        mDelta = cute.make_tensor(pdelta, cute.make_layout((b, hq, sq), stride=(es0, es1, 1)))
-        mdK = cute.make_tensor(pdk, cute.make_layout((b, hkv, sk, d), stride=(dks0, dks1, dks2, 1)))
-        mdV = cute.make_tensor(pdv, cute.make_layout((b, hkv, sk, d), stride=(dvs0, dvs1, dvs2, 1)))
-        mdQ = cute.make_tensor(pdq, cute.make_layout((b, dq1, dq2, dq3), stride=(dqs0, dqs1, dqs2, 1)))
-        self.kernel(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQ, scale_log2, scale, stream)
+        views = _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3,
+                                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0,
+                                dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
+        self.kernel(*views, scale_log2, scale, stream)
+
+
+class PointerBackwardKeyMask:
+    """PointerBackward for a key-mask variant: also the packed key-mask words (b, hq, words) int32 with their
+    (batch, head) strides (0 where broadcast)."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, pq: cute.Pointer, pk: cute.Pointer, pv: cute.Pointer, pdo: cute.Pointer, plse: cute.Pointer,
+                 pdelta: cute.Pointer, pdk: cute.Pointer, pdv: cute.Pointer, pdq: cute.Pointer, pw: cute.Pointer,
+                 b: Int32, hq: Int32, hkv: Int32, sq: Int32, sk: Int32, d: Int32, dq1: Int32, dq2: Int32,
+                 dq3: Int32, nw: Int32, qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
+                 vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
+                 es0: Int64, es1: Int64, dks0: Int64, dks1: Int64, dks2: Int64, dvs0: Int64, dvs1: Int64, dvs2: Int64,
+                 dqs0: Int64, dqs1: Int64, dqs2: Int64, ws0: Int64, ws1: Int64, scale_log2: Float32, scale: Float32,
+                 stream: Any):
+        views = _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3,
+                                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0,
+                                dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
+        mW = cute.make_tensor(pw, cute.make_layout((b, hq, nw), stride=(ws0, ws1, 1)))
+        self.kernel(*views, scale_log2, scale, stream, mW)
 
 
 def _pointer(t: torch.Tensor | int, dtype: type, align: int) -> Any:
@@ -84,41 +142,51 @@ def _pointer(t: torch.Tensor | int, dtype: type, align: int) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def forward_pointer_types(dtype: type) -> list[tuple[type, int]]:
-    """(element type, alignment) of PointerForward's pointers: q, k, v, o, then the fp32 LSE."""
-    return [(dtype, 16)] * 4 + [(Float32, 4)]
+def forward_pointer_types(dtype: type, key_mask: bool = False) -> list[tuple[type, int]]:
+    """(element type, alignment) of PointerForward's pointers: q, k, v, o, then the fp32 LSE (and, key_mask:
+    PointerForwardKeyMask's int32 words)."""
+    return [(dtype, 16)] * 4 + [(Float32, 4)] + ([(Int32, 4)] if key_mask else [])
 
 
-def backward_pointer_types(dtype: type) -> list[tuple[type, int]]:
-    """(element type, alignment) of PointerBackward's pointers."""
-    return [(dtype, 16)] * 4 + [(Float32, 4)] * 2 + [(dtype, 16)] * 2 + [(Float32, 16)]
+def backward_pointer_types(dtype: type, key_mask: bool = False) -> list[tuple[type, int]]:
+    """(element type, alignment) of PointerBackward's pointers (PointerBackwardKeyMask's with key_mask)."""
+    return [(dtype, 16)] * 4 + [(Float32, 4)] * 2 + [(dtype, 16)] * 2 + [(Float32, 16)] + (
+        [(Int32, 4)] if key_mask else [])
 
 
-def example_args(dtype: type) -> tuple:
-    """Arguments for cute.compile(PointerForward(kernel), ...) up to the stream: their types make the signature."""
-    return (*(_pointer(16, t, a) for t, a in forward_pointer_types(dtype)), *[Int32(1)] * 6, *[Int64(1)] * 14,
-            Float32(1.0))
+def example_args(dtype: type, key_mask: bool = False) -> tuple:
+    """Arguments for cute.compile(PointerForward(kernel), ...) (PointerForwardKeyMask with key_mask) up to the
+    stream: their types make the signature."""
+    return (*(_pointer(16, t, a) for t, a in forward_pointer_types(dtype, key_mask)),
+            *[Int32(1)] * (7 if key_mask else 6), *[Int64(1)] * (16 if key_mask else 14), Float32(1.0))
 
 
-def backward_example_args(dtype: type) -> tuple:
-    """Arguments for cute.compile(PointerBackward(kernel), ...) up to the stream."""
-    return (*(_pointer(16, t, a) for t, a in backward_pointer_types(dtype)), *[Int32(1)] * 9, *[Int64(1)] * 25,
-            Float32(1.0), Float32(1.0))
+def backward_example_args(dtype: type, key_mask: bool = False) -> tuple:
+    """Arguments for cute.compile(PointerBackward(kernel), ...) (PointerBackwardKeyMask with key_mask) up to the
+    stream."""
+    return (*(_pointer(16, t, a) for t, a in backward_pointer_types(dtype, key_mask)),
+            *[Int32(1)] * (10 if key_mask else 9), *[Int64(1)] * (27 if key_mask else 25), Float32(1.0), Float32(1.0))
 
 
-def scalars(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> tuple:
-    """The integer arguments of PointerForward for these tensors."""
+def scalars(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+            words: torch.Tensor | None = None) -> tuple:
+    """The integer arguments of PointerForward (PointerForwardKeyMask when `words` is given) for these tensors."""
     b, hq, sq, d = q.shape
-    return (b, hq, k.shape[1], sq, k.shape[2], d, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *o.stride()[:3], *lse.stride()[:2])
+    if words is None:
+        return (b, hq, k.shape[1], sq, k.shape[2], d, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *o.stride()[:3], *lse.stride()[:2])
+    return (b, hq, k.shape[1], sq, k.shape[2], d, words.shape[2], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *o.stride()[:3], *lse.stride()[:2], *words.stride()[:2])
 
 
-def backward_scalars(q, k, v, do, lse, delta, dk, dv, dqacc) -> tuple:
-    """The integer arguments of PointerBackward for these tensors."""
+def backward_scalars(q, k, v, do, lse, delta, dk, dv, dqacc, words=None) -> tuple:
+    """The integer arguments of PointerBackward (PointerBackwardKeyMask when `words` is given) for these tensors."""
     b, hq, sq, d = q.shape
-    return (b, hq, k.shape[1], sq, k.shape[2], d, *dqacc.shape[1:], *q.stride()[:3], *k.stride()[:3],
+    nw = (words.shape[2],) if words is not None else ()
+    ws = tuple(words.stride()[:2]) if words is not None else ()
+    return (b, hq, k.shape[1], sq, k.shape[2], d, *dqacc.shape[1:], *nw, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2], *dk.stride()[:3],
-            *dv.stride()[:3], *dqacc.stride()[:3])
+            *dv.stride()[:3], *dqacc.stride()[:3], *ws)
 
 
 class FastCall:

@@ -61,6 +61,43 @@ def mask_scores(acc_s: cute.Tensor, tScS: cute.Tensor, row0: Int32, col0: Int32,
             acc_s[i] = -Float32.inf
 
 
+KEY_WORDS = 4  # int32 words of a key mask per 128-key block (32 keys each)
+
+
+@cute.jit
+def load_key_words(mWords: cute.Tensor, block: Int32, words: cute.Tensor):
+    """The key mask's words of one 128-key block into `words` (mWords: the row of this (head, batch), its mask words
+    then its key bound (ops.cute_flash.key_words); bit j % 32 of word j // 32 is key j, 1 = attend; words past the
+    mask words read 0, hiding their keys). Every thread loads the same words."""
+    for w in cutlass.range_constexpr(KEY_WORDS):
+        idx = block * KEY_WORDS + w
+        word = cutlass.Uint32(0)
+        if idx < mWords.shape[0] - 1:
+            word = cutlass.Uint32(mWords[idx])
+        words[w] = word
+
+
+@cute.jit
+def mask_keys(acc_s: cute.Tensor, tScS0: cute.Tensor, words: cute.Tensor, lane: Int32):
+    """-inf for the scores of keys the key mask hides (`words` from load_key_words). tScS0: the accumulator's
+    coordinates for thread 0, static: value i's column is tScS0[i][1] + 2 * (lane % 4) (the wgmma accumulator's
+    quad layout), so after one shift per word every test is at a compile-time bit, once per column for both row
+    halves (values i and i + 2), and selects rather than branches (the lanes of a warp hold different keys). A
+    block whose 128 keys are all visible (the same words in every thread: a uniform branch) skips the tests."""
+    if (words[0] & words[1] & words[2] & words[3]) != cutlass.Uint32(0xFFFFFFFF):
+        shift = cutlass.Uint32((lane % 4) * 2)
+        shifted = cute.make_rmem_tensor((KEY_WORDS,), cutlass.Uint32)
+        for w in cutlass.range_constexpr(KEY_WORDS):
+            shifted[w] = words[w] >> shift
+        for g in cutlass.range_constexpr(cute.size(acc_s) // 4):
+            for j in cutlass.range_constexpr(2):
+                i = 4 * g + j  # row half 0; i + 2 is the same column in row half 1
+                col = tScS0[i][1]
+                hidden = (shifted[col // 32] >> cutlass.Uint32(col % 32)) & cutlass.Uint32(1) == cutlass.Uint32(0)
+                acc_s[i] = Float32(cutlass.select_(hidden, -Float32.inf, acc_s[i]))
+                acc_s[i + 2] = Float32(cutlass.select_(hidden, -Float32.inf, acc_s[i + 2]))
+
+
 @cute.jit
 def online_softmax(acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                    scale_log2: Float32):

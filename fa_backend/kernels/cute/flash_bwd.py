@@ -1,10 +1,9 @@
 """FlashAttention backward for Hopper (sm90a) in the CuTe DSL (issue 7).
 
 Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passes on the H200 for every variant below and for
-the warp-specialised kernel (flash_bwd_ws.py) with 64 and (bf16 cases so far) 80 query rows per step; its 128-row
-d=64 tile is compile-checked only (docs/cute.md). The compile test (test_flash_bwd_sm90_compile.py) runs in CI. The
-op fa_backend::cute_flash_fwd runs it as its backward (ops/cute_flash.py): one warpgroup at d=64 / 96, the
-warp-specialised kernel at d=128.
+the warp-specialised kernel (flash_bwd_ws.py) with 64, 80 (d=128) and 128 (d=64) query rows per step. The compile
+test (test_flash_bwd_sm90_compile.py) runs in CI. The op fa_backend::cute_flash_fwd runs it as its backward
+(ops/cute_flash.py): one warpgroup at d=96, the warp-specialised kernel at d=128 (64 rows) and d=64 (128 rows).
 
 Key-block stationary as FlashAttention-2/3's backward, no warp specialisation. With wgs=2 (d=128, FA3's tile):
 two warpgroups per CTA over 128 keys share the Q / dO stages, each with its own 64 keys for S^T, dP^T, dV, dK and
@@ -116,11 +115,12 @@ class FlashBackwardSm90(ForwardVariant):
         self.dq_transposed = False
         self.dq_rows = False
         self.smem_padding = 2 * 1024  # barriers and alignment
+        self.key_mask = False  # the warp-specialised kernel's key-mask variant (FlashBackwardSm90WS)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
-                 scale: Float32, stream: Any):
+                 scale: Float32, stream: Any, mWords: cute.Tensor = None):
         d = self.head_dim
         wgs = self.wgs
         # (s, d, h, b) views: the TMA / MMA mode order; (s, h, b) for the per-row LSE and delta
@@ -129,6 +129,9 @@ class FlashBackwardSm90(ForwardVariant):
                                       for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc))
         lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
         delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
+        words = None
+        if cutlass.const_expr(self.key_mask):  # (b, hq, words) -> (words, h, b)
+            words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
 
         tm = self.tile_m
         # S^T, dP^T (keys x queries, both operands K-major in shared memory)
@@ -162,9 +165,12 @@ class FlashBackwardSm90(ForwardVariant):
         # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (dq_buffer: + 32 KB of dQ block, + 16 KB of dS)
         smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * tm) * d + 2 * tm * TILE_N * self.ds_tiles
                       + 2 * 4 * QDO_STAGES * tm + self.smem_padding + (4 * tm * d if self.dq_buffer else 0))
-        self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
-                    lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
-                    sK_layout, sQ_layout, sdS_layout).launch(
+        kernel_args = (tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
+                       lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
+                       sK_layout, sQ_layout, sdS_layout)
+        if cutlass.const_expr(self.key_mask):
+            kernel_args = kernel_args + (words,)
+        self.kernel(*kernel_args).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]),
             block=(THREADS * self.cta_warpgroups, 1, 1), smem=smem_bytes, stream=stream,
             # warp-specialised: ptxas needs one CTA per SM stated to know the entry register count that setmaxnreg
@@ -480,15 +486,32 @@ class FlashBackwardSm90(ForwardVariant):
 
     @cute.jit
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
-                key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32):
-        """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight)."""
+                key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None):
+        """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
+        `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, 0 or +inf added to
+        the LSE (+inf: exp2(-inf) = 0 for a hidden key; one add instead of a test per score)."""
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             qi = tScS[i][1]
             visible = self._visible(key0 + tScS[i][0], qi, seqlen_k, row0, offset)
             p = Float32(0.0)
             if visible:
-                p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
+                score = acc_s[i] * scale_log2
+                if cutlass.const_expr(keep is not None):
+                    score = score - keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
+                p = cute.math.exp2(score - sRows[0, qi, stage], fastmath=True)
             acc_s[i] = p
+
+    @cute.jit
+    def _key_keep(self, words: cute.Tensor, tScS: cute.Tensor, key0: Int32, keep: cute.Tensor):
+        """keep[h] := 0.0 if the key mask row `words` (a (head, batch); bit j % 32 of word j // 32 is key j) attends
+        to this thread's key row of row half h, else +inf (keys past the words too): what _p_only adds to the LSE."""
+        for h in cutlass.range_constexpr(2):
+            key = key0 + tScS[h * 2][0]
+            word = cutlass.Uint32(0)
+            if key // 32 < words.shape[0] - 1:  # the row's last word is its key bound
+                word = cutlass.Uint32(words[key // 32])
+            attend = (word >> cutlass.Uint32(key % 32)) & cutlass.Uint32(1) != cutlass.Uint32(0)
+            keep[h] = Float32(cutlass.select_(attend, Float32(0.0), Float32.inf))
 
     @cute.jit
     def _ds_only(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32):
@@ -595,12 +618,14 @@ def dq_split(tile_m: int) -> str:
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
-                      warp_specialized: bool = False, tile_m: int = TILE_M) -> Any:
+                      warp_specialized: bool = False, tile_m: int = TILE_M, key_mask: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
     `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2), which also takes `tile_m` = 80 query rows per
-    step at d=128 (the dQ GEMM then transposed) and 128 at d=64 (the warpgroups split dQ by rows).
+    step at d=128 (the dQ GEMM then transposed) and 128 at d=64 (the warpgroups split dQ by rows); `key_mask`
+    (warp_specialized only): the variant that also takes a bool key mask packed 32 keys per int32 word (b, hq,
+    words) after the stream (as flash_fwd_ws's).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -616,6 +641,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError("dq_buffer=True needs the bulk-add dQ (dq_atomic=False)")
     if warp_specialized and (wgs != 2 or dq_atomic):
         raise ValueError("warp_specialized=True needs wgs=2 and the bulk-add dQ (dq_atomic=False)")
+    if key_mask and not warp_specialized:
+        raise ValueError("key_mask=True needs warp_specialized=True")
     if tile_m != TILE_M and not (warp_specialized and (tile_m, head_dim) in ((80, 128), (128, 64))):
         raise ValueError(f"tile_m={tile_m} with head_dim={head_dim} (supported: {TILE_M}; with warp_specialized=True "
                          f"also 80 at head_dim 128 and 128 at head_dim 64)")
@@ -628,22 +655,24 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
-            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m)
+            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m, key_mask)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
             from . import _fast_call
 
-            return cute.compile(_fast_call.PointerBackward(kernel), *_fast_call.backward_example_args(_DTYPES[dtype]),
+            wrapper = _fast_call.PointerBackwardKeyMask if key_mask else _fast_call.PointerBackward
+            return cute.compile(wrapper(kernel), *_fast_call.backward_example_args(_DTYPES[dtype], key_mask),
                                 make_fake_stream(), options=compile_options(arch, dump_dir))
+        words = (_dynamic(torch.empty(1, 1, 4, dtype=torch.int32), align=4),) if key_mask else ()
         return cute.compile(kernel, q, k, v, do, *rows, dk, dv, dqacc, Float32(1.0), Float32(1.0),
-                            make_fake_stream(), options=compile_options(arch, dump_dir))
+                            make_fake_stream(), *words, options=compile_options(arch, dump_dir))
 
     if dump_dir is not None:
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
-            + ("_ws" if warp_specialized else "") + ("_ptrargs" if pointer_args else ""))
+            + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, tile_m), arch)
     return CACHE.get_or_compile(key, build)
 
@@ -652,21 +681,24 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               lse: torch.Tensor, scale: float | None = None, causal: bool = False,
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
               wgs: int = 1, dq_buffer: bool = False,
-              warp_specialized: bool = False, tile_m: int = TILE_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              warp_specialized: bool = False, tile_m: int = TILE_M,
+              key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
     (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
     warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m = 80 (d=128) and
-    128 (d=64). The three gradients are contiguous
-    whatever the inputs' strides."""
+    128 (d=64). key_words: the forward's packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only). The
+    three gradients are contiguous whatever the inputs' strides."""
     from cuda.bindings import driver
 
-    from .flash_fwd import _check_inputs
+    from .flash_fwd import _check_inputs, _check_key_words
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_inputs(q, k, v, scale)
+    if key_words is not None:
+        _check_key_words(key_words, q, k)
     if dout.shape != q.shape or dout.dtype != q.dtype:
         raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype}")
     if dout.stride(3) != 1 or any(s <= 0 or s % 8 for s in dout.stride()[:3]) or dout.data_ptr() % 16:
@@ -676,7 +708,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
                                  pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
-                                 tile_m=tile_m)
+                                 tile_m=tile_m, key_mask=key_words is not None)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -687,14 +719,17 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                         device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     lse = lse.detach().contiguous()  # the op saves its own outputs, which may require grad
+    masked = key_words is not None
     if fast:
-        call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype]))
+        call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], masked))
         tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
-        call(tensors, _fast_call.backward_scalars(*tensors), (scale * _LOG2E, scale), stream)
+        call(tensors + ((key_words,) if masked else ()), _fast_call.backward_scalars(*tensors, words=key_words),
+             (scale * _LOG2E, scale), stream)
     else:
         compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse, align=4),
                  _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
-                 Float32(scale * _LOG2E), Float32(scale), stream)
+                 Float32(scale * _LOG2E), Float32(scale), stream,
+                 *((_dynamic(key_words.contiguous(), align=4),) if masked else ()))  # compact: as flash_fwd._run
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
     return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, dq_split(tile_m)), dk, dv

@@ -3,8 +3,8 @@
 The op's d=128 backward since the eleventh session (ops/cute_flash.BACKWARD_VARIANTS): 6-7 % faster than two
 warpgroups without the producer on the H200, and its steps wait for each GEMM only where its result is read
 (FA3's order, +0-3 %; docs/perf-log.md). flash_bwd.flash_bwd(..., warp_specialized=True) runs it, with tile_m=80
-(d=128) or 128 (d=64) for FA4's tiles (opt-in: docs/cute.md); tests/kernels/cute/test_flash_bwd_gpu.py checks its
-numerics on an H200.
+(d=128, opt-in) or 128 (d=64: the op's d=64 backward since the twelfth session, +5-9 % over one warpgroup) for
+FA4's tiles (docs/cute.md); tests/kernels/cute/test_flash_bwd_gpu.py checks its numerics on an H200.
 
 The math, the tiles and the shared-memory operands are FlashBackwardSm90's with two warpgroups (d=128: 128 keys per
 CTA, each MMA warpgroup 64 keys and half of the dQ block's columns) and its dq_buffer layout (the dQ block in its
@@ -54,8 +54,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
     """The warp-specialised variant of FlashBackwardSm90 (two MMA warpgroups, dQ by bulk adds): head_dim 128 with
     64 or 80 query rows per step, head_dim 64 with 128."""
 
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, tile_m: int = TILE_M):
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, tile_m: int = TILE_M,
+                 key_mask: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
+        self.key_mask = key_mask  # a bool key mask, packed 32 keys per word, read per step (_key_keep)
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
         self.tile_m = tile_m
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
@@ -70,7 +72,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor, mLSE: cute.Tensor,
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
                scale: Float32, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
-               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               mWords: cute.Tensor = None):
         d = self.head_dim
         wgs = self.wgs
         tidx, _, _ = cute.arch.thread_idx()
@@ -108,6 +111,15 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
 
         offset, m_start, n_m, steps = self._query_blocks(seqlen_q, seqlen_k, n_block, group)
+        if cutlass.const_expr(self.key_mask):
+            # no step where every query head of the group has its key bound (key padding) at or before the CTA's
+            # first key: dK and dV stay 0 (every role reads the same bounds, so all agree on the steps)
+            bound = Int32(0)
+            for g in cutlass.range(group, unroll=1):
+                row = mWords[None, head_kv * group + g, batch]
+                bound = cutlass.max(bound, row[row.shape[0] - 1])
+            if bound <= n_block * TILE_N * wgs:
+                steps = 0
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -121,7 +133,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             cute.arch.setmaxregister_increase(MMA_REGS)
             self._mma(_own_copy(mma_ss), _own_copy(mma_rs), _own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
                       bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
-                      n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps)
+                      n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords)
 
     @cute.jit
     def _produce(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -172,7 +184,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
              bar_kv: cute.Pointer, bar_dq: cute.Pointer, pipe: cutlass.Constexpr, mLSE: cute.Tensor,
              mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32,
              wt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
-             m_start: Int32, n_m: Int32, steps: Int32):
+             m_start: Int32, n_m: Int32, steps: Int32, mWords: cute.Tensor = None):
         """MMA warpgroup wg (thread wt of it): FlashBackwardSm90's step with two warpgroups, its loads, row copies and
         dQ adds left to the producer warpgroup."""
         wgs = self.wgs
@@ -192,7 +204,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
         self._mma_loop(mma_ss, mma_rs, mma_dq, f, acc_s, acc_dp, acc_dk, acc_dv, acc_dq, sdQ, sRows, bar_dq, pipe,
                        mLSE, mDelta, scale_log2, wt, key0, row_loader, head_kv, batch, group, seqlen_k, offset,
-                       m_start, n_m, steps, wg)
+                       m_start, n_m, steps, wg, mWords)
         self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block * wgs + wg, head_kv, batch)
 
     @cute.jit
@@ -223,7 +235,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                   acc_dq: cute.Tensor, sdQ: cute.Tensor, sRows: cute.Tensor, bar_dq: cute.Pointer,
                   pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, scale_log2: Float32, wt: Int32,
                   key0: Int32, row_loader, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
-                  m_start: Int32, n_m: Int32, steps: Int32, wg: Int32):
+                  m_start: Int32, n_m: Int32, steps: Int32, wg: Int32, mWords: cute.Tensor = None):
         """The MMA warpgroup's steps with each GEMM waited for only where its result is read (FA3's order); wgmma
         groups retire in commit order, so `wait_group(1)` leaves exactly the last group in flight:
         S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
@@ -243,9 +255,16 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
         t_p = cute.make_tensor(r_p.iterator, a_layout)
         t_ds = cute.make_tensor(r_ds.iterator, a_layout)
+        keep = None
+        if cutlass.const_expr(self.key_mask):  # the first head's key-mask terms, out of the step loop
+            keep = cute.make_rmem_tensor((2,), Float32)
+            self._key_keep(mWords[None, head_kv * group, batch], tScS, key0, keep)
         for step in cutlass.range(steps, unroll=1):
             rows = step % 2
             row0 = (m_start + step % n_m) * self.tile_m
+            if cutlass.const_expr(self.key_mask):
+                if step > 0 and step % n_m == 0:  # GQA: the next query head of the group (a uniform branch)
+                    self._key_keep(mWords[None, head_kv * group + step // n_m, batch], tScS, key0, keep)
             next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
                                                    n_m, wt, batch)
             pipe.consumer_wait(state)
@@ -261,7 +280,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 if step > 0:
                     pipe.consumer_release(released)  # step - 1's GEMMs are all done with its Q / dO stage
                     released.advance()
-            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset)
+            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep)
             if cutlass.const_expr(lean):
                 warpgroup.wait_group(0)  # dP^T
                 self._ds_only(acc_s, acc_dp, tScS, sRows, rows)

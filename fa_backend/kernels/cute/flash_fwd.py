@@ -206,10 +206,11 @@ def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
 
 def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int,
                      causal: bool, bottom_right: bool, arch: str, dump_dir: str | None,
-                     pointer_args: bool = False) -> Any:
+                     pointer_args: bool = False, key_mask: bool = False) -> Any:
     """compile_flash_fwd for any forward kernel class taking (dtype, head_dim, causal, bottom_right) and the
     arguments (q, k, v, o, lse, scale_log2, stream); `kernel_name` and `tile` go into the cache key;
-    `pointer_args`: the _fast_call.PointerForward convention, cached as kernel_name + "_ptrargs"."""
+    `pointer_args`: the _fast_call.PointerForward convention, cached as kernel_name + "_ptrargs"; `key_mask`: the
+    kernel also takes the packed key-mask words (b, hq, words) int32 after the stream (PointerForwardKeyMask)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if dtype not in _DTYPES:
@@ -225,9 +226,11 @@ def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...]
         if pointer_args:
             from . import _fast_call
 
-            return cute.compile(_fast_call.PointerForward(kernel), *_fast_call.example_args(cdtype),
+            wrapper = _fast_call.PointerForwardKeyMask if key_mask else _fast_call.PointerForward
+            return cute.compile(wrapper(kernel), *_fast_call.example_args(cdtype, key_mask),
                                 make_fake_stream(), options=compile_options(arch, dump_dir))
-        return cute.compile(kernel, q, k, v, o, lse, Float32(1.0), make_fake_stream(),
+        words = (_dynamic(torch.empty(1, 1, 4, dtype=torch.int32), align=4),) if key_mask else ()
+        return cute.compile(kernel, q, k, v, o, lse, Float32(1.0), make_fake_stream(), *words,
                             options=compile_options(arch, dump_dir))
 
     if dump_dir is not None:
@@ -276,12 +279,16 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
 
 def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Tensor, k: torch.Tensor,
-         v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right)."""
+         v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool,
+         key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right); key_words (a
+    key-mask variant's packed words, (b, hq, words) int32) go to the kernel after the stream."""
     from cuda.bindings import driver
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_inputs(q, k, v, scale)
+    if key_words is not None:
+        _check_key_words(key_words, q, k)
     from . import _fast_call
 
     fast = _fast_call.ENABLED
@@ -290,10 +297,26 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    masked = key_words is not None
     if fast:
-        call = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype]))
-        call((q, k, v, out, lse), _fast_call.scalars(q, k, v, out, lse), (scale * _LOG2E,), stream)
+        call = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype], masked))
+        call((q, k, v, out, lse) + ((key_words,) if masked else ()),
+             _fast_call.scalars(q, k, v, out, lse, key_words), (scale * _LOG2E,), stream)
         return out, lse
     # detach: DLPack refuses tensors that require grad (the op's implementation still sees the flag)
-    compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream)
+    # a compact copy of the (small) words: the from_dlpack convention mis-read their stride-0 broadcast dims on
+    # the H200 (the pointer convention takes them as they are)
+    words = (_dynamic(key_words.contiguous(), align=4),) if masked else ()
+    compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream,
+             *words)
     return out, lse
+
+
+def _check_key_words(words: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+    """ValueError unless `words` is a packed key mask for these inputs (ops.cute_flash.key_words): int32 (b, hq,
+    ceil(seqlen_k / 32) + 1) on q's device with a unit last stride."""
+    expected = (q.shape[0], q.shape[1], -(-k.shape[2] // 32) + 1)
+    if (words.dtype != torch.int32 or tuple(words.shape) != expected or words.device != q.device
+            or words.stride(2) != 1):
+        raise ValueError(f"key_words must be int32 {expected} on {q.device} with a unit last stride, got "
+                         f"{words.dtype} {tuple(words.shape)} strides {words.stride()} on {words.device}")

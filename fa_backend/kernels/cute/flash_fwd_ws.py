@@ -48,8 +48,8 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._fwd_parts import (  # noqa: E402
-    ForwardVariant, make_tiled_mmas, mask_scores, online_softmax, rescale_rows, sdpa_views, softmax_scores,
-    store_rows)
+    KEY_WORDS, ForwardVariant, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
+    rescale_rows, sdpa_views, softmax_scores, store_rows)
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
 WG_M = 64  # query rows per consumer warpgroup (the wgmma M)
@@ -92,10 +92,12 @@ class FlashForwardSm90WS(ForwardVariant):
     """
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
-                 pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False):
+                 pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
+                 key_mask: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right)
         _check_consumers(consumers, overlap, pingpong, persistent)
         self.persistent = persistent
+        self.key_mask = key_mask
         self.overlap = overlap or pingpong
         self.pingpong = pingpong
         self.consumers = consumers
@@ -105,9 +107,12 @@ class FlashForwardSm90WS(ForwardVariant):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 scale_log2: Float32, stream: Any):
+                 scale_log2: Float32, stream: Any, mWords: cute.Tensor = None):
         d = self.head_dim
         q, k, v, o, lse = sdpa_views(mQ, mK, mV, mO, mLSE)
+        words = None
+        if cutlass.const_expr(self.key_mask):  # (b, hq, words) -> (words, h, b)
+            words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
         mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, TILE_N, d)
         # staged smem layouts: Q has one stage per consumer (its 64 rows), K and V KV_STAGES each
         sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, self.consumers)
@@ -123,14 +128,18 @@ class FlashForwardSm90WS(ForwardVariant):
             grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
                     1, 1)
         self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
-                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout).launch(
+                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout, words).launch(
             grid=grid, block=(self.threads, 1, 1), smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
-    def _block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> tuple[Int32, Int32, Int32]:
-        """(key blocks to visit, how many of them, counted from the last, need the mask, causal offset)."""
+    def _block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                     key_row: cute.Tensor = None) -> tuple[Int32, Int32, Int32]:
+        """(key blocks to visit, how many of them, counted from the last, need the mask, causal offset). key_row
+        (key-mask variants): the tile's mask row, whose last word bounds the keys worth visiting (key padding)."""
         offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
         n_blocks = cute.ceil_div(seqlen_k, TILE_N)
+        if cutlass.const_expr(self.key_mask):  # no block past the row's last attended key
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(key_row[key_row.shape[0] - 1], TILE_N))
         # the last block is partial (1 block to mask) unless seqlen_k is a multiple of TILE_N (0)
         n_masked = cute.ceil_div(seqlen_k % TILE_N, TILE_N)
         if cutlass.const_expr(self.causal):
@@ -145,7 +154,7 @@ class FlashForwardSm90WS(ForwardVariant):
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, mWords: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         seqlen_k = mK.shape[0]
@@ -196,10 +205,10 @@ class FlashForwardSm90WS(ForwardVariant):
                         if j != first:  # the consumers are done with the previous tile's Q
                             cute.arch.mbarrier_wait(bar_q_free, ((j - first) // step - 1) % 2)
                         state_k, state_v = self._produce_tile(j, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q,
-                                                              pipe_k, pipe_v, state_k, state_v)
+                                                              pipe_k, pipe_v, state_k, state_v, mWords)
                 else:
                     self._produce_tile(Int32(0), tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v,
-                                       state_k, state_v)
+                                       state_k, state_v, mWords)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = warpgroup_idx - 1
@@ -209,7 +218,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 if wg == 0:  # consumer 0 takes the first turn; the turns then alternate, across tiles too
                     cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMERS * WG_THREADS)
             args = (mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, pipe_k, pipe_v, mO, mLSE, scale_log2, wg,
-                    tidx % WG_THREADS)
+                    tidx % WG_THREADS, mWords)
             if cutlass.const_expr(self.persistent):
                 first, _, _ = cute.arch.block_idx()
                 step, _, _ = cute.arch.grid_dim()
@@ -227,10 +236,14 @@ class FlashForwardSm90WS(ForwardVariant):
     @cute.jit
     def _produce_tile(self, j: Int32, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                       tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                      bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+                      bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, state_k: Any, state_v: Any,
+                      mWords: cute.Tensor) -> tuple[Any, Any]:
         """The producer's loads of tile j (_tile); returns the advanced pipeline states."""
         m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
-        n_blocks, _, _ = self._block_range(m_block, mQ.shape[0], mK.shape[0])
+        key_row = None
+        if cutlass.const_expr(self.key_mask):
+            key_row = mWords[None, head, batch]
+        n_blocks, _, _ = self._block_range(m_block, mQ.shape[0], mK.shape[0], key_row)
         return self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v, m_block, head, batch,
                              n_blocks, state_k, state_v)
 
@@ -238,13 +251,17 @@ class FlashForwardSm90WS(ForwardVariant):
     def _consume_tile(self, j: Int32, q_phase: Int32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
                       sK: cute.Tensor, sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, pipe_k: Any,
                       pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
-                      mQ: cute.Tensor, seqlen_k: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+                      mWords: cute.Tensor, mQ: cute.Tensor, seqlen_k: Int32, state_k: Any,
+                      state_v: Any) -> tuple[Any, Any]:
         """One consumer warpgroup's work on tile j (_tile); returns the advanced pipeline states."""
         m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
-        n_blocks, n_masked, offset = self._block_range(m_block, mQ.shape[0], seqlen_k)
+        key_row = None
+        if cutlass.const_expr(self.key_mask):
+            key_row = mWords[None, head, batch]
+        n_blocks, n_masked, offset = self._block_range(m_block, mQ.shape[0], seqlen_k, key_row)
         return self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, q_phase, pipe_k, pipe_v, mO, mLSE,
                              scale_log2, wg, wg_tidx, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset,
-                             state_k, state_v)
+                             state_k, state_v, mWords)
 
     @cute.jit
     def _tile(self, j: Int32, seqlen_q: Int32, mQ: cute.Tensor) -> tuple[Int32, Int32, Int32]:
@@ -299,7 +316,7 @@ class FlashForwardSm90WS(ForwardVariant):
                  sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, q_phase: Int32, pipe_k: Any,
                  pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
                  m_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32, n_blocks: Int32, n_masked: Int32,
-                 offset: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+                 offset: Int32, state_k: Any, state_v: Any, mWords: cute.Tensor) -> tuple[Any, Any]:
         """One consumer warpgroup, one tile: its 64 query rows against every visited key block, then the epilogue.
         Returns the advanced pipeline states."""
         d = self.head_dim
@@ -309,6 +326,9 @@ class FlashForwardSm90WS(ForwardVariant):
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
         # (row, col) within the 64-row tile of every accumulator value this thread holds
         tScS = thr_qk.partition_C(cute.make_identity_tensor((WG_M, TILE_N)))
+        key_row = None
+        if cutlass.const_expr(self.key_mask):
+            key_row = mWords[None, head, batch]
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((WG_M, d)))
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
@@ -327,7 +347,7 @@ class FlashForwardSm90WS(ForwardVariant):
         blocks = self._blocks_overlapped if cutlass.const_expr(self.overlap) else self._blocks
         state_k, state_v = blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p,
                                   row_max, row_sum, pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks,
-                                  n_masked, wg, state_k, state_v)
+                                  n_masked, wg, state_k, state_v, key_row)
         if cutlass.const_expr(self.persistent):
             # every GEMM that reads Q has been waited for: the producer may load the next tile's Q while this
             # warpgroup stores its rows
@@ -392,15 +412,30 @@ class FlashForwardSm90WS(ForwardVariant):
             cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=CONSUMERS * WG_THREADS)
 
     @cute.jit
+    def _key_mask_state(self, mma_qk: cute.TiledMma):
+        """(registers for one block's key-mask words, the S accumulator's static coordinates for thread 0), or
+        (None, None) without a key mask."""
+        words, tScS0 = None, None
+        if cutlass.const_expr(self.key_mask):
+            words = cute.make_rmem_tensor((KEY_WORDS,), cutlass.Uint32)
+            tScS0 = mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((WG_M, TILE_N)))
+        return words, tScS0
+
+    @cute.jit
     def _blocks(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor,
                 t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, pipe_k: Any, pipe_v: Any, row0: Int32,
                 seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32, wg: Int32,
-                state_k: Any, state_v: Any) -> tuple[Any, Any]:
+                state_k: Any, state_v: Any, key_row: cute.Tensor) -> tuple[Any, Any]:
         """The key-block loop of one consumer, last block first, each GEMM waited for before the next step.
         Returns the advanced pipeline states."""
+        words, tScS0 = self._key_mask_state(mma_qk)
         for i in cutlass.range(n_blocks, unroll=1):
+            if cutlass.const_expr(self.key_mask):  # loads in flight during the GEMM
+                load_key_words(key_row, n_blocks - 1 - i, words)
             state_k = self._scores(mma_qk, tSrQ, tSrK, acc_s, pipe_k, state_k)
+            if cutlass.const_expr(self.key_mask):
+                mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
             if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
                 mask_scores(acc_s, tScS, row0, (n_blocks - 1 - i) * TILE_N, seqlen_k, offset, self.causal)
             online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
@@ -413,13 +448,17 @@ class FlashForwardSm90WS(ForwardVariant):
                            tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor,
                            r_p: cute.Tensor, t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                            pipe_k: Any, pipe_v: Any, row0: Int32, seqlen_k: Int32, offset: Int32, scale_log2: Float32,
-                           n_blocks: Int32, n_masked: Int32, wg: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
+                           n_blocks: Int32, n_masked: Int32, wg: Int32, state_k: Any, state_v: Any,
+                           key_row: cute.Tensor) -> tuple[Any, Any]:
         """_blocks with intra-warpgroup overlap: S of block i is computed while P V of block i - 1 runs; O is
         rescaled only once that GEMM is done (alpha waits in registers). With pingpong, every GEMM issue (the
         first S, each S + P V pair, the last P V: n_blocks + 1 turns per consumer) takes a turn (consumer 0's first
         turn is handed to it once, before the first tile). Returns the advanced pipeline states."""
         alpha = cute.make_rmem_tensor((2,), Float32)
+        words, tScS0 = self._key_mask_state(mma_qk)
         if n_blocks > 0:
+            if cutlass.const_expr(self.key_mask):
+                load_key_words(key_row, n_blocks - 1, words)
             pipe_k.consumer_wait(state_k)
             self._turn_begin(wg)
             self._issue_qk(mma_qk, tSrQ, tSrK, acc_s, state_k.index)
@@ -427,12 +466,16 @@ class FlashForwardSm90WS(ForwardVariant):
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state_k)
             state_k.advance()
+            if cutlass.const_expr(self.key_mask):
+                mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
             if n_masked > 0:
                 mask_scores(acc_s, tScS, row0, (n_blocks - 1) * TILE_N, seqlen_k, offset, self.causal)
             softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
             r_p.store(acc_s.load().to(self.dtype))
             for i in cutlass.range(1, n_blocks, unroll=1):
                 n_block = n_blocks - 1 - i
+                if cutlass.const_expr(self.key_mask):  # in flight during the GEMMs
+                    load_key_words(key_row, n_block, words)
                 pipe_k.consumer_wait(state_k)
                 if cutlass.const_expr(self.pingpong):  # both stages ready before the turn: it only issues
                     pipe_v.consumer_wait(state_v)
@@ -445,6 +488,8 @@ class FlashForwardSm90WS(ForwardVariant):
                 warpgroup.wait_group(1)  # S is ready; P V (the newest group) may still run
                 pipe_k.consumer_release(state_k)
                 state_k.advance()
+                if cutlass.const_expr(self.key_mask):
+                    mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
                 if i < n_masked:
                     mask_scores(acc_s, tScS, row0, n_block * TILE_N, seqlen_k, offset, self.causal)
                 softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
@@ -466,7 +511,7 @@ class FlashForwardSm90WS(ForwardVariant):
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
                          pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
-                         persistent: bool = False) -> Any:
+                         persistent: bool = False, key_mask: bool = False) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
@@ -474,19 +519,23 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     intra-warpgroup overlap variant (FlashForwardSm90WS), cached as KERNEL_NAME + "_overlap"; `pingpong`: overlap
     with the consumers' turns (KERNEL_NAME + "_pingpong"); `consumers`: 3 for 192-row tiles (its own tile key);
     `pointer_args`: the _fast_call.PointerForward calling convention; `persistent`: at most PERSISTENT_CTAS CTAs,
-    each walking the tiles (suffix "_persistent")."""
+    each walking the tiles (suffix "_persistent"); `key_mask`: the variant that also takes a bool key mask packed
+    32 keys per int32 word, (b, hq, words) with broadcast strides (suffix "_keymask"; the last argument before
+    the scale)."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent)
-    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent)
+    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
-                                              consumers=consumers, persistent=persistent),
-                            name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args)
+                                              consumers=consumers, persistent=persistent, key_mask=key_mask),
+                            name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
+                            key_mask=key_mask)
 
 
-def _name_and_tile(overlap: bool, pingpong: bool, consumers: int,
-                   persistent: bool = False) -> tuple[str, tuple[int, ...]]:
+def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
+                   key_mask: bool = False) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile of a variant in its compile-cache key."""
-    suffix = ("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
+    suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
+              + ("_keymask" if key_mask else ""))
     return KERNEL_NAME + suffix, TILE if consumers == CONSUMERS else (WG_M * consumers, TILE_N, KV_STAGES)
 
 
@@ -503,7 +552,7 @@ FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
     (96, False): dict(overlap=True), (96, True): dict(overlap=True)}
 
 
-def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool):
+def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False):
     """The compile-cache key of the variant flash_fwd_fastest runs for these (what the dispatcher asks about), in
     the calling convention it compiles now (_fast_call.ENABLED: the pointer one)."""
     from . import _fast_call
@@ -511,25 +560,29 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
 
     kw = FASTEST[head_dim, causal]
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
-                                kw.get("persistent", False))
+                                kw.get("persistent", False), key_mask)
     return variant_key(name + ("_ptrargs" if _fast_call.ENABLED else ""), tile, dtype, head_dim, causal, bottom_right)
 
 
 def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                      causal: bool = False, bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool = False, bottom_right: bool = False,
+                      key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd_ws with the fastest variant for q's head_dim and `causal` (FASTEST)."""
     kw = FASTEST.get((q.shape[-1], bool(causal)), {}) if q.dim() == 4 else {}
-    return flash_fwd_ws(q, k, v, scale, causal, bottom_right, **kw)
+    return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, **kw)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
-                 consumers: int = CONSUMERS, persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 consumers: int = CONSUMERS, persistent: bool = False,
+                 key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
     (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
     flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant;
     `pingpong`: overlap plus the consumers' turns; `consumers`: 2 or 3 consumer warpgroups; `persistent`: at
-    most PERSISTENT_CTAS CTAs walking the tiles."""
+    most PERSISTENT_CTAS CTAs walking the tiles; `key_words`: a bool key mask packed 32 keys per int32 word (bit
+    j % 32 of word j // 32 of row (batch, head), 1 = attend), (b, hq, ceil(seqlen_k / 32)) with any strides
+    (0 where broadcast: _mask_bounds.row_bits' words expanded): the key-mask variant."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
-                                  persistent=persistent),
-                q, k, v, scale, causal, bottom_right)
+                                  persistent=persistent, key_mask=key_words is not None),
+                q, k, v, scale, causal, bottom_right, key_words)

@@ -61,21 +61,21 @@ def test_dq_buffer_one_warpgroup_within_bar(dtype, d, causal, bottom_right, b, h
     check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_buffer=True)
 
 
-@pytest.mark.parametrize("wgs,variant", [(1, "stage_dq"), (2, "stage_dq"), (2, "dq_buffer"), (2, "warp_specialized"),
-                                         (2, "ws_tile80")])
+@pytest.mark.parametrize("d,wgs,variant", [(128, 1, "stage_dq"), (128, 2, "stage_dq"), (128, 2, "dq_buffer"),
+                                           (128, 2, "warp_specialized"), (128, 2, "ws_tile80"), (64, 2, "ws_tile128")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fast_call_path_within_bar(wgs, variant, causal, monkeypatch):
+def test_fast_call_path_within_bar(d, wgs, variant, causal, monkeypatch):
     """kernels/cute/_fast_call.py for the backward (pointers, sizes, strides), twice per shape (the second call
     from its cache)."""
     from fa_backend.kernels.cute import _fast_call
 
     monkeypatch.setattr(_fast_call, "ENABLED", True)
     for _ in range(2):
-        check_backward(torch.bfloat16, 128, causal, True, 1, 8, 2, 300, 333, wgs=wgs, **VARIANTS[variant])
+        check_backward(torch.bfloat16, d, causal, True, 1, 8, 2, 300, 333, wgs=wgs, **VARIANTS[variant])
 
 
 VARIANTS = {"stage_dq": {}, "dq_buffer": dict(dq_buffer=True), "warp_specialized": dict(warp_specialized=True),
-            "ws_tile80": dict(warp_specialized=True, tile_m=80)}
+            "ws_tile80": dict(warp_specialized=True, tile_m=80), "ws_tile128": dict(warp_specialized=True, tile_m=128)}
 
 
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1, dq_buffer=False,

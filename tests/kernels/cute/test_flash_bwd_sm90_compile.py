@@ -233,3 +233,25 @@ def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, dq_buffer):
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
+
+
+@needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_mask_variant_keeps_wgmma_asynchronous(tmp_path, causal):
+    """The op's masked backward (d=128, 64-row steps; ops.cute_flash.KEY_MASK_BACKWARD): the mask's two terms per
+    thread are loaded once per query head and subtracted from the scores, with no spills and no C75xx
+    serialisation."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, key_mask=True).__ptx__
+    report = ptxas_report(ptx, tmp_path)
+    assert not re.findall(r"C75\d\d", report), report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_key_mask_needs_the_warp_specialised_kernel():
+    from fa_backend.kernels.cute import flash_bwd
+
+    with pytest.raises(ValueError, match="key_mask=True needs warp_specialized=True"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, wgs=2, key_mask=True)

@@ -232,3 +232,24 @@ def test_persistent_variant_compiles_without_spills(tmp_path, mode):
     assert "%nctaid.x" in ptx and "%nctaid.x" not in plain  # the tile stride is the grid size
     with pytest.raises(ValueError, match="persistent"):
         flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, False, consumers=3, persistent=True)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, False), (96, True)])
+def test_key_mask_variants_compile_without_spills(tmp_path, d, causal):
+    """The op's variant (FASTEST) with a bool key mask: four 32-bit word loads per key block and a bit test per
+    score (behind a uniform all-open branch), in the registers the variant already had: no spills, no local
+    memory; the variant without a mask does not read words (its PTX is the verified one)."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    kw = flash_fwd_ws.FASTEST[d, causal]
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path), key_mask=True,
+                                            pointer_args=True, **kw).__ptx__
+    plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path / "plain"),
+                                              pointer_args=True, **kw).__ptx__
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("ld.global.b32") + ptx.count("ld.global.u32") > plain.count("ld.global.b32") + plain.count(
+        "ld.global.u32")
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.findall(r"C75\d\d", report), report
