@@ -245,11 +245,11 @@ def test_key_mask_variants_compile_without_spills(tmp_path, d, causal):
     kw = flash_fwd_ws.FASTEST[d, causal]
     ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path), key_mask=True,
                                             pointer_args=True, **kw).__ptx__
-    plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path / "plain"),
-                                              pointer_args=True, **kw).__ptx__
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert ptx.count("ld.global.b32") + ptx.count("ld.global.u32") > plain.count("ld.global.b32") + plain.count(
-        "ld.global.u32")
+    if (d, causal) == (128, False):  # once (a compile costs seconds in CI): the words are read, and only when masked
+        plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path / "plain"),
+                                                  pointer_args=True, **kw).__ptx__
+        assert ptx.count("ld.global.b32") > plain.count("ld.global.b32")
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
