@@ -59,7 +59,7 @@ class CuteBackend(Backend):
     SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
     SUPPORTED_HEAD_DIMS = frozenset({64, 96, 128})  # kernels/cute/flash_fwd.py HEAD_DIMS
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = False
-    SUPPORTED_MASKS = frozenset({"none", "bool"})  # bool: key masks only (KEY_MASKS_ONLY); causal is a flag
+    SUPPORTED_MASKS = frozenset({"none", "bool"})  # bool: key masks only (AttentionCall.mask_key_only); causal is a flag
     CAUSAL_ALIGNMENTS = frozenset(CAUSAL_ALIGNMENTS)
     SUPPORTS_DROPOUT = False
     SUPPORTS_GQA = True
