@@ -488,30 +488,34 @@ class FlashBackwardSm90(ForwardVariant):
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
                 key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None):
         """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
-        `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, 0 or +inf added to
-        the LSE (+inf: exp2(-inf) = 0 for a hidden key; one add instead of a test per score)."""
+        `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, the key bound that
+        replaces seqlen_k in the visibility test (seqlen_k, or 0 for a hidden key), so that the code is the unmasked
+        one with a register for a uniform value. (A key term in the exp2, a select to -inf before it, or a test per
+        score made ptxas keep the exp2's branch as a real one per score, BSSY / BRA / BSYNC with the LSE address
+        recomputed each time, or serialise the wgmmas for registers, C7512: the key-mask backward ran 21-35 %
+        slower than without a mask on the H200.)"""
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             qi = tScS[i][1]
-            visible = self._visible(key0 + tScS[i][0], qi, seqlen_k, row0, offset)
+            limit = seqlen_k
+            if cutlass.const_expr(keep is not None):
+                limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
+            visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
             p = Float32(0.0)
             if visible:
-                score = acc_s[i] * scale_log2
-                if cutlass.const_expr(keep is not None):
-                    score = score - keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
-                p = cute.math.exp2(score - sRows[0, qi, stage], fastmath=True)
+                p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
             acc_s[i] = p
 
     @cute.jit
-    def _key_keep(self, words: cute.Tensor, tScS: cute.Tensor, key0: Int32, keep: cute.Tensor):
-        """keep[h] := 0.0 if the key mask row `words` (a (head, batch); bit j % 32 of word j // 32 is key j) attends
-        to this thread's key row of row half h, else +inf (keys past the words too): what _p_only adds to the LSE."""
+    def _key_keep(self, words: cute.Tensor, tScS: cute.Tensor, key0: Int32, seqlen_k: Int32, keep: cute.Tensor):
+        """keep[h] := seqlen_k if the key mask row `words` (a (head, batch); bit j % 32 of word j // 32 is key j)
+        attends to this thread's key row of row half h, else 0 (keys past the mask words too): _p_only's bound."""
         for h in cutlass.range_constexpr(2):
             key = key0 + tScS[h * 2][0]
             word = cutlass.Uint32(0)
             if key // 32 < words.shape[0] - 1:  # the row's last word is its key bound
                 word = cutlass.Uint32(words[key // 32])
             attend = (word >> cutlass.Uint32(key % 32)) & cutlass.Uint32(1) != cutlass.Uint32(0)
-            keep[h] = Float32(cutlass.select_(attend, Float32(0.0), Float32.inf))
+            keep[h] = Int32(cutlass.select_(attend, seqlen_k, Int32(0)))
 
     @cute.jit
     def _ds_only(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32):

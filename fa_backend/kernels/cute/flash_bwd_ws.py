@@ -257,14 +257,11 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         t_ds = cute.make_tensor(r_ds.iterator, a_layout)
         keep = None
         if cutlass.const_expr(self.key_mask):  # the first head's key-mask terms, out of the step loop
-            keep = cute.make_rmem_tensor((2,), Float32)
-            self._key_keep(mWords[None, head_kv * group, batch], tScS, key0, keep)
+            keep = cute.make_rmem_tensor((2,), Int32)
+            self._key_keep(mWords[None, head_kv * group, batch], tScS, key0, seqlen_k, keep)
         for step in cutlass.range(steps, unroll=1):
             rows = step % 2
             row0 = (m_start + step % n_m) * self.tile_m
-            if cutlass.const_expr(self.key_mask):
-                if step > 0 and step % n_m == 0:  # GQA: the next query head of the group (a uniform branch)
-                    self._key_keep(mWords[None, head_kv * group + step // n_m, batch], tScS, key0, keep)
             next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
                                                    n_m, wt, batch)
             pipe.consumer_wait(state)
@@ -281,6 +278,12 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                     pipe.consumer_release(released)  # step - 1's GEMMs are all done with its Q / dO stage
                     released.advance()
             self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep)
+            if cutlass.const_expr(self.key_mask):
+                # GQA: step + 1 starts the group's next query head (a uniform branch, once the key bounds are used;
+                # at the step's start it changed how the step's LSE addresses compile, at its end it cost registers)
+                if (step + 1) % n_m == 0 and step + 1 < steps:
+                    self._key_keep(mWords[None, head_kv * group + (step + 1) // n_m, batch], tScS, key0, seqlen_k,
+                                   keep)
             if cutlass.const_expr(lean):
                 warpgroup.wait_group(0)  # dP^T
                 self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
