@@ -9,7 +9,7 @@ The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; the warp
 64): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
 (docs/benchmarks.md). The Triton backward kernels (fa_backend::triton_flash_bwd, which take the CuTe forward's
 outputs as they are) run instead under torch.use_deterministic_algorithms (the CuTe backward's dQ additions run
-in no fixed order), for scale 0, after a compile failure, with a key mask at d=64 / 96 (KEY_MASK_BACKWARD), and
+in no fixed order), for scale 0, after a compile failure, with a key mask at d=96 (KEY_MASK_BACKWARD), and
 with CUTE_BACKWARD = False.
 
 A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both kernels, packed by key_words.
@@ -133,10 +133,11 @@ CUTE_BACKWARD = True
 BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, warp_specialized=True, tile_m=128)}
 
 
-# head dims whose backward variant runs a key mask: the warp-specialised kernel's 64-row steps. Its 128-row d=64
-# variant spills 104-140 bytes with the mask (sm90 compile check, against 24 without), so a masked d=64 backward,
-# like d=96's, runs the Triton kernels with the same mask.
-KEY_MASK_BACKWARD = frozenset({128})
+# head dims whose backward variant runs a key mask: the warp-specialised kernel's 64-row steps (d=128) and its 128-row
+# d=64 variant (with the per-row key bound it spills 12 bytes, 92 when causal, on the sm90 compile check; on the H200
+# its masked backward is within 8-9 % of its unmasked one, thirteenth session). d=96's backward variant is one
+# warpgroup without the mask: a masked d=96 backward runs the Triton kernels with the same mask.
+KEY_MASK_BACKWARD = frozenset({128, 64})
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None):
