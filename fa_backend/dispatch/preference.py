@@ -111,11 +111,13 @@ PREFERENCES: tuple[FasterPeer, ...] = (
     # The H200 runs of docs/benchmarks.md (torch 2.11, triton 3.6): PyTorch picks cuDNN for these calls
     # on sm90 and it ran 1.06-1.43x our Triton forward and 1.23-1.69x our backward (d=64/128,
     # seqlen 512-16k), and was faster inside nn.MultiheadAttention at seqlen 128 too. d=96
-    # (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): 1.24-1.37x forward, 1.55-1.63x backward.
+    # (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): 1.24-1.37x forward, 1.55-1.63x backward. d=192 / 256
+    # (docs/benchmarks.md, "Head dims 192 and 256 on the CuTe forward", bf16, seqlen 2k / 8k, 2026-12-01): 1.42-1.97x
+    # forward, 1.99-2.55x backward.
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128, 192, 256}),
                evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward (d=64 / 128; "
-                        "d=96: 1.24-1.37x, 1.55-1.63x)"),
+                        "d=96: 1.24-1.37x, 1.55-1.63x; d=192 / 256: 1.42-1.97x, 1.99-2.55x)"),
     # docs/benchmarks.md, "Masks and dropout" (H200, torch 2.11, bf16, d=128, seqlen 2k-16k): with dropout 0.1
     # cuDNN ran 1.42-1.46x our Triton forward and 2.42-2.55x our backward (ninth session: 0.99-1.01x forward,
     # 1.96-2.08x backward). Calls with only a mask are not in the rule: ours skips what the mask hides
@@ -169,10 +171,12 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                         evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and "
                                  f"{TINY_KV_BYTES >> 20} MiB of K and V): PyTorch's C++ path costs less host time "
                                  "per call than our CuTe runner"),
+    # d=192 / 256 (docs/benchmarks.md, "Head dims 192 and 256 on the CuTe forward", 2026-12-01): the CuTe forward at
+    # 0.76-1.00x cuDNN's; the backward is our Triton one, which cuDNN's beats 1.99-2.55x.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
-               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward; our backward is "
-                        "the Triton one"),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128, 192, 256}),
+               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward (d=192 / 256: "
+                        "1.00-1.31x); our backward is slower too"),
     # d=96 (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): the CuTe forward at 0.97-1.14x cuDNN's (calls
     # without gradients stay ours), the CuTe backward through the op at 0.80-0.87x (cuDNN 1.16-1.25x).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),

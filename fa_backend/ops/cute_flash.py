@@ -9,8 +9,8 @@ The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; the warp
 64): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
 (docs/benchmarks.md). The Triton backward kernels (fa_backend::triton_flash_bwd, which take the CuTe forward's
 outputs as they are) run instead under torch.use_deterministic_algorithms (the CuTe backward's dQ additions run
-in no fixed order), for scale 0, after a compile failure, with a key mask at d=96 (KEY_MASK_BACKWARD), and
-with CUTE_BACKWARD = False.
+in no fixed order), for scale 0, after a compile failure, with a key mask at d=96 (KEY_MASK_BACKWARD), at
+d=192 / 256 (the CuTe backward's head dims are 64, 96, 128), and with CUTE_BACKWARD = False.
 
 A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both kernels, packed by key_words.
 
@@ -141,14 +141,14 @@ KEY_MASK_BACKWARD = frozenset({128, 64})
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None):
-    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (deterministic mode, scale 0, a
-    variant that failed to compile, a key mask at a head dim whose backward variant has none: the caller runs the
-    Triton backward)."""
+    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (deterministic mode, scale 0, a head
+    dim the forward has and the backward not (192, 256), a variant that failed to compile, a key mask at a head
+    dim whose backward variant has none: the caller runs the Triton backward)."""
     from ..kernels.cute._compile_cache import CompileFailedError
-    from ..kernels.cute.flash_bwd import flash_bwd
+    from ..kernels.cute.flash_bwd import HEAD_DIMS, flash_bwd
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if scale == 0.0 or torch.are_deterministic_algorithms_enabled():
+    if scale == 0.0 or torch.are_deterministic_algorithms_enabled() or q.shape[-1] not in HEAD_DIMS:
         return None
     variant = BACKWARD_VARIANTS.get(q.shape[-1], {})  # one warpgroup where absent
     words = None

@@ -68,7 +68,7 @@ def test_grad_needs_the_triton_backward(enabled, monkeypatch):
     ({"capability": (12, 0)}, ReasonCode.CAPABILITY),
     ({"dtype": torch.float32}, ReasonCode.DTYPE),
     ({"same_dtype": False}, ReasonCode.DTYPE),
-    ({"head_dim": 256, "head_dim_v": 256}, ReasonCode.HEAD_DIM),
+    ({"head_dim": 80, "head_dim_v": 80}, ReasonCode.HEAD_DIM),
     ({"head_dim": 32, "head_dim_v": 32}, ReasonCode.HEAD_DIM),
     ({"head_dim_v": 64}, ReasonCode.HEAD_DIM),
     ({"mask_kind": "bool", "mask_shape": (1024, 2048), "mask_dtype": torch.bool}, ReasonCode.MASK),
@@ -119,7 +119,7 @@ def test_messages_name_limit_and_value(enabled):
         (r,) = CuteBackend.why_not(dataclasses.replace(OK, **changes))
         return r.message
 
-    assert message(head_dim=256, head_dim_v=256) == "head_dim=256 (supported: 64, 96, 128)"
+    assert message(head_dim=80, head_dim_v=80) == "head_dim=80 (supported: 64, 96, 128, 192, 256)"
     assert message(head_dim_v=64) == "head_dim_v=64 != head_dim=128 (supported: equal head dims)"
     assert message(capability=(10, 0)) == "compute capability (10, 0) (supported: 9.x, Hopper)"
     assert message(dtype=torch.float32) == "dtype=torch.float32 (supported: torch.bfloat16, torch.float16)"

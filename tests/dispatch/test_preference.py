@@ -23,6 +23,17 @@ def test_default_order_prefers_the_measured_faster_kernel():
     assert "cuDNN" in reason.message and "sdpa_backends(['triton'" in reason.message
 
 
+@pytest.mark.parametrize("d", [192, 256])
+def test_large_head_dims_prefer_cudnn_but_gqa_runs_ours(d):
+    """d = 192 / 256 on sm90: cuDNN measured faster than our Triton path and than the CuTe forward with the Triton
+    backward; GQA calls (outside the rule) keep ours."""
+    call = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d)
+    assert slower_than_peer("triton", call).code is ReasonCode.SLOWER
+    assert slower_than_peer("cute", call).code is ReasonCode.SLOWER
+    gqa = dataclasses.replace(call, heads_kv=2, enable_gqa=True)
+    assert slower_than_peer("triton", gqa) is None and slower_than_peer("cute", gqa) is None
+
+
 def test_users_order_is_followed_as_given():
     assert select(PLAIN, ("triton", "torch")).backend == "triton"
 
@@ -30,12 +41,12 @@ def test_users_order_is_followed_as_given():
 @pytest.mark.parametrize("changes", [
     {"capability": (8, 0)},
     {"dtype": torch.float16, "head_dim": 80, "head_dim_v": 80},
-    {"head_dim": 256, "head_dim_v": 256},
+    {"head_dim": 160, "head_dim_v": 160},
     {"heads_kv": 2, "enable_gqa": True},
     {"seqlen_k": 4096},  # causal with sq != sk: top-left, not measured
     {"mask_kind": "bool", "mask_shape": (2048, 2048), "is_causal": False, "head_dim": 64, "head_dim_v": 64},
     {"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64},
-], ids=["sm80", "d80", "d256", "gqa", "causal_sq_ne_sk", "mask_d64", "dropout_d64"])
+], ids=["sm80", "d80", "d160", "gqa", "causal_sq_ne_sk", "mask_d64", "dropout_d64"])
 def test_outside_the_measured_class_ours_runs(changes):
     call = dataclasses.replace(PLAIN, **changes)
     assert slower_than_peer("triton", call) is None

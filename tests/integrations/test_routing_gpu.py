@@ -20,7 +20,7 @@ def _qkv(b=2, h=8, s=1024, d=128, dtype=torch.bfloat16):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_preference_premise_pytorch_picks_cudnn(d):
     # The rule assumes PyTorch itself runs cuDNN for these calls on sm90: check it on this torch.
     q, k, v = _qkv(d=d)
@@ -49,7 +49,7 @@ def test_preferred_call_runs_pytorchs_kernel_and_forcing_runs_ours():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("d", [80, 256])  # head dims no preference names (d=64 / 96 / 128 go to cuDNN on sm90)
+@pytest.mark.parametrize("d", [80, 160])  # head dims no preference names (d=64 / 96 / 128 / 192 / 256: cuDNN on sm90)
 def test_outside_the_preference_our_kernel_runs_and_equals_the_op(d):
     q, k, v = (t.requires_grad_() for t in _qkv(s=512, d=d))
     with fa_backend.enabled():

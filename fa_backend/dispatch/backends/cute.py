@@ -57,7 +57,7 @@ class CuteBackend(Backend):
     DEVICE_TYPE = "cuda"
     CAPABILITY_MAJOR = 9  # Hopper only: the kernels are built for sm_90a (wgmma, TMA)
     SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
-    SUPPORTED_HEAD_DIMS = frozenset({64, 96, 128})  # kernels/cute/flash_fwd.py HEAD_DIMS
+    SUPPORTED_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})  # kernels/cute/flash_fwd_ws.py HEAD_DIMS
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = False
     SUPPORTED_MASKS = frozenset({"none", "bool"})  # bool: key masks only (AttentionCall.mask_key_only); causal is a flag
     CAUSAL_ALIGNMENTS = frozenset(CAUSAL_ALIGNMENTS)

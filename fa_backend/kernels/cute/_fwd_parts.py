@@ -61,16 +61,14 @@ def mask_scores(acc_s: cute.Tensor, tScS: cute.Tensor, row0: Int32, col0: Int32,
             acc_s[i] = -Float32.inf
 
 
-KEY_WORDS = 4  # int32 words of a key mask per 128-key block (32 keys each)
-
-
 @cute.jit
 def load_key_words(mWords: cute.Tensor, block: Int32, words: cute.Tensor):
-    """The key mask's words of one 128-key block into `words` (mWords: the row of this (head, batch), its mask words
-    then its key bound (ops.cute_flash.key_words); bit j % 32 of word j // 32 is key j, 1 = attend; words past the
-    mask words read 0, hiding their keys). Every thread loads the same words."""
-    for w in cutlass.range_constexpr(KEY_WORDS):
-        idx = block * KEY_WORDS + w
+    """The key mask's words of one key block of 32 * size(words) keys into `words` (mWords: the row of this (head,
+    batch), its mask words then its key bound (ops.cute_flash.key_words); bit j % 32 of word j // 32 is key j, 1 =
+    attend; words past the mask words read 0, hiding their keys). Every thread loads the same words."""
+    n = cute.size(words)
+    for w in cutlass.range_constexpr(n):
+        idx = block * n + w
         word = cutlass.Uint32(0)
         if idx < mWords.shape[0] - 1:
             word = cutlass.Uint32(mWords[idx])
@@ -83,11 +81,15 @@ def mask_keys(acc_s: cute.Tensor, tScS0: cute.Tensor, words: cute.Tensor, lane: 
     coordinates for thread 0, static: value i's column is tScS0[i][1] + 2 * (lane % 4) (the wgmma accumulator's
     quad layout), so after one shift per word every test is at a compile-time bit, once per column for both row
     halves (values i and i + 2), and selects rather than branches (the lanes of a warp hold different keys). A
-    block whose 128 keys are all visible (the same words in every thread: a uniform branch) skips the tests."""
-    if (words[0] & words[1] & words[2] & words[3]) != cutlass.Uint32(0xFFFFFFFF):
+    block whose keys are all visible (the same words in every thread: a uniform branch) skips the tests."""
+    n = cute.size(words)
+    open_keys = words[0]
+    for w in cutlass.range_constexpr(1, n):
+        open_keys = open_keys & words[w]
+    if open_keys != cutlass.Uint32(0xFFFFFFFF):
         shift = cutlass.Uint32((lane % 4) * 2)
-        shifted = cute.make_rmem_tensor((KEY_WORDS,), cutlass.Uint32)
-        for w in cutlass.range_constexpr(KEY_WORDS):
+        shifted = cute.make_rmem_tensor((n,), cutlass.Uint32)
+        for w in cutlass.range_constexpr(n):
             shifted[w] = words[w] >> shift
         for g in cutlass.range_constexpr(cute.size(acc_s) // 4):
             for j in cutlass.range_constexpr(2):

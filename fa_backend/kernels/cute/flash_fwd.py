@@ -206,13 +206,15 @@ def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
 
 def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int,
                      causal: bool, bottom_right: bool, arch: str, dump_dir: str | None,
-                     pointer_args: bool = False, key_mask: bool = False) -> Any:
+                     pointer_args: bool = False, key_mask: bool = False,
+                     head_dims: tuple[int, ...] = HEAD_DIMS) -> Any:
     """compile_flash_fwd for any forward kernel class taking (dtype, head_dim, causal, bottom_right) and the
     arguments (q, k, v, o, lse, scale_log2, stream); `kernel_name` and `tile` go into the cache key;
     `pointer_args`: the _fast_call.PointerForward convention, cached as kernel_name + "_ptrargs"; `key_mask`: the
-    kernel also takes the packed key-mask words (b, hq, words) int32 after the stream (PointerForwardKeyMask)."""
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
+    kernel also takes the packed key-mask words (b, hq, words) int32 after the stream (PointerForwardKeyMask);
+    `head_dims`: the kernel class's head dims."""
+    if head_dim not in head_dims:
+        raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, head_dims))})")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
     cdtype = _DTYPES[dtype]
@@ -246,16 +248,17 @@ def variant_key(kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, hea
     return CompileKey(kernel_name, dtype, head_dim, head_dim, causal, alignment, 0, tile, arch)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  head_dims: tuple[int, ...] = HEAD_DIMS) -> None:
     """ValueError unless the tensors fit the kernel: what compile_flash_fwd's symbolic signature and TMA assume."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"expected 4-D (batch, heads, seqlen, head_dim) tensors, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ValueError(f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (supported: one of torch.float16, torch.bfloat16)")
     b, hq, _, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or d not in HEAD_DIMS:
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or d not in head_dims:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (head_dim one of "
-                         f"{HEAD_DIMS}, equal for q, k and v)")
+                         f"{head_dims}, equal for q, k and v)")
     if k.shape[1] == 0 or hq % k.shape[1]:
         raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={k.shape[1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -280,13 +283,15 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
 def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Tensor, k: torch.Tensor,
          v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool,
-         key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         key_words: torch.Tensor | None = None,
+         head_dims: tuple[int, ...] = HEAD_DIMS) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right); key_words (a
-    key-mask variant's packed words, (b, hq, words) int32) go to the kernel after the stream."""
+    key-mask variant's packed words, (b, hq, words) int32) go to the kernel after the stream; head_dims: the
+    variant's kernel's."""
     from cuda.bindings import driver
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _check_inputs(q, k, v, scale)
+    _check_inputs(q, k, v, scale, head_dims)
     if key_words is not None:
         _check_key_words(key_words, q, k)
     from . import _fast_call

@@ -25,7 +25,8 @@ Epilogue: O / l from registers to global memory (rows past seqlen_q skipped), LS
 rows that see no key get O = 0 and LSE = -inf.
 
 Inputs as flash_fwd (SDPA layout, any 16-byte aligned strides with a unit head_dim stride, GQA by
-h // (hq // hkv), top-left or bottom-right causal). Shared memory: about 164 KB at d = 128, 84 KB at d = 64.
+h // (hq // hkv), top-left or bottom-right causal), head dims 64, 96, 128 and (two consumers, 64-key blocks:
+TILE_NS) 192 and 256. Shared memory: about 164 KB at d = 128, 84 KB at d = 64, 148 / 196 KB at d = 192 / 256.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._fwd_parts import (  # noqa: E402
-    KEY_WORDS, ForwardVariant, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
+    ForwardVariant, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
     rescale_rows, sdpa_views, softmax_scores, store_rows)
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
@@ -56,6 +57,11 @@ WG_M = 64  # query rows per consumer warpgroup (the wgmma M)
 CONSUMERS = 2
 TILE_M = WG_M * CONSUMERS
 TILE_N = 128  # key rows per block: S is 64 x 128 per consumer, 64 fp32 registers per thread
+# head dims of this kernel and their key block where it is not TILE_N: at d=192 / 256 the Q tile and two K / V
+# stages of 128 keys need 240 / 320 KB of shared memory; 64 keys need 144 / 192 KB (of 227), and the consumers'
+# O accumulator takes 96 / 128 of their 240 registers
+HEAD_DIMS = (64, 96, 128, 192, 256)
+TILE_NS = {192: 64, 256: 64}
 KV_STAGES = 2
 TILE = (TILE_M, TILE_N, KV_STAGES)  # in the compile-cache key
 WG_THREADS = 128
@@ -72,10 +78,13 @@ PINGPONG_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads'): one per co
 PERSISTENT_CTAS = 132  # persistent variants: CTAs launched at most (one per SM of an H100 / H200, 1 CTA per SM)
 
 
-def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False) -> None:
+def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False,
+                     head_dim: int = 128) -> None:
     if consumers not in (2, 3) or ((overlap or pingpong or persistent) and consumers != 2):
         raise ValueError(f"consumers={consumers} with overlap={overlap}, pingpong={pingpong}, persistent={persistent} "
                          "(supported: 2 consumers, or 3 without overlap and not persistent)")
+    if consumers == 3 and head_dim > 128:  # 128 registers per thread cannot hold O (96-128 of them) and S
+        raise ValueError(f"consumers=3 at head_dim={head_dim} (supported: head_dim <= 128)")
 
 
 class FlashForwardSm90WS(ForwardVariant):
@@ -95,13 +104,14 @@ class FlashForwardSm90WS(ForwardVariant):
                  pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
                  key_mask: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right)
-        _check_consumers(consumers, overlap, pingpong, persistent)
+        _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
         self.persistent = persistent
         self.key_mask = key_mask
         self.overlap = overlap or pingpong
         self.pingpong = pingpong
         self.consumers = consumers
         self.tile_m = WG_M * consumers
+        self.tile_n = TILE_NS.get(head_dim, TILE_N)
         self.threads = WG_THREADS * (1 + consumers)
         self.consumer_regs = CONSUMER_REGS if consumers == 2 else CONSUMER_REGS_3
 
@@ -113,16 +123,17 @@ class FlashForwardSm90WS(ForwardVariant):
         words = None
         if cutlass.const_expr(self.key_mask):  # (b, hq, words) -> (words, h, b)
             words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
-        mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, TILE_N, d)
+        mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, self.tile_n, d)
         # staged smem layouts: Q has one stage per consumer (its 64 rows), K and V KV_STAGES each
-        sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, self.consumers)
-        sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, TILE_N, d), self.dtype, KV_STAGES)
-        sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, d, TILE_N), self.dtype, KV_STAGES)
+        sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype, self.consumers)
+        sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype, KV_STAGES)
+        sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, d, self.tile_n), self.dtype, KV_STAGES)
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, cute.slice_(sQ_layout, (None, None, 0)), (WG_M, d))
-        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N))
-        smem_bytes = 2 * (self.tile_m + 2 * KV_STAGES * TILE_N) * d + 4 * 1024  # tiles, alignment padding, barriers
+        n = self.tile_n
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, cute.slice_(sK_layout, (None, None, 0)), (n, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (d, n))
+        smem_bytes = 2 * (self.tile_m + 2 * KV_STAGES * n) * d + 4 * 1024  # tiles, alignment padding, barriers
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         if cutlass.const_expr(self.persistent):  # one CTA per SM, each walking tiles bid, bid + grid, ...
             grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
@@ -137,16 +148,17 @@ class FlashForwardSm90WS(ForwardVariant):
         """(key blocks to visit, how many of them, counted from the last, need the mask, causal offset). key_row
         (key-mask variants): the tile's mask row, whose last word bounds the keys worth visiting (key padding)."""
         offset = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else 0
-        n_blocks = cute.ceil_div(seqlen_k, TILE_N)
+        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         if cutlass.const_expr(self.key_mask):  # no block past the row's last attended key
-            n_blocks = cutlass.min(n_blocks, cute.ceil_div(key_row[key_row.shape[0] - 1], TILE_N))
-        # the last block is partial (1 block to mask) unless seqlen_k is a multiple of TILE_N (0)
-        n_masked = cute.ceil_div(seqlen_k % TILE_N, TILE_N)
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(key_row[key_row.shape[0] - 1], self.tile_n))
+        # the last block is partial (1 block to mask) unless seqlen_k is a multiple of the block (0)
+        n_masked = cute.ceil_div(seqlen_k % self.tile_n, self.tile_n)
         if cutlass.const_expr(self.causal):
             # skip the blocks above the diagonal: no row of this tile sees their first key
-            n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div((m_block + 1) * self.tile_m + offset, TILE_N)), 0)
+            last_row = (m_block + 1) * self.tile_m + offset
+            n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div(last_row, self.tile_n)), 0)
             # blocks from the first one whose last key is past the tile's first row's diagonal need masking
-            first_masked = cutlass.max((m_block * self.tile_m + offset + 1) // TILE_N, 0)
+            first_masked = cutlass.max((m_block * self.tile_m + offset + 1) // self.tile_n, 0)
             n_masked = cutlass.max(n_blocks - first_masked, n_masked)
         return n_blocks, cutlass.min(n_masked, n_blocks), offset
 
@@ -175,7 +187,7 @@ class FlashForwardSm90WS(ForwardVariant):
         # each of the 8 consumer warps has released it (the pipeline lets lane 0 of each warp arrive)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumers * WG_THREADS // 32)
-        stage_bytes = TILE_N * self.head_dim * self.dtype.width // 8
+        stage_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
         pipe_k = pipeline.PipelineTmaAsync.create(num_stages=KV_STAGES, producer_group=producer,
                                                   consumer_group=consumers, tx_count=stage_bytes,
                                                   barrier_storage=bars_k, defer_sync=True)
@@ -290,8 +302,8 @@ class FlashForwardSm90WS(ForwardVariant):
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         one_cta = cute.make_layout(1)
         gQ = cute.local_tile(mQ[None, None, head, batch], (WG_M, d), (None, 0))  # (64, d, 64-row tiles)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, blocks)
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (d, TILE_N), (0, None))  # (d, TILE_N, blocks)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))  # (tile_n, d, blocks)
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (d, self.tile_n), (0, None))  # (d, tile_n, blocks)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
@@ -325,7 +337,7 @@ class FlashForwardSm90WS(ForwardVariant):
         tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stage)
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
         # (row, col) within the 64-row tile of every accumulator value this thread holds
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((WG_M, TILE_N)))
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((WG_M, self.tile_n)))
         key_row = None
         if cutlass.const_expr(self.key_mask):
             key_row = mWords[None, head, batch]
@@ -333,7 +345,7 @@ class FlashForwardSm90WS(ForwardVariant):
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
         acc_o.fill(0.0)
-        p_layout = mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_M, TILE_N))).layout
+        p_layout = mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_M, self.tile_n))).layout
         row_max = cute.make_rmem_tensor((2,), Float32)  # log2 units (scores times scale_log2)
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-math.inf)
@@ -417,8 +429,8 @@ class FlashForwardSm90WS(ForwardVariant):
         (None, None) without a key mask."""
         words, tScS0 = None, None
         if cutlass.const_expr(self.key_mask):
-            words = cute.make_rmem_tensor((KEY_WORDS,), cutlass.Uint32)
-            tScS0 = mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((WG_M, TILE_N)))
+            words = cute.make_rmem_tensor((self.tile_n // 32,), cutlass.Uint32)
+            tScS0 = mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((WG_M, self.tile_n)))
         return words, tScS0
 
     @cute.jit
@@ -437,7 +449,7 @@ class FlashForwardSm90WS(ForwardVariant):
             if cutlass.const_expr(self.key_mask):
                 mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
             if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
-                mask_scores(acc_s, tScS, row0, (n_blocks - 1 - i) * TILE_N, seqlen_k, offset, self.causal)
+                mask_scores(acc_s, tScS, row0, (n_blocks - 1 - i) * self.tile_n, seqlen_k, offset, self.causal)
             online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
             r_p.store(acc_s.load().to(self.dtype))
             state_v = self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
@@ -469,7 +481,7 @@ class FlashForwardSm90WS(ForwardVariant):
             if cutlass.const_expr(self.key_mask):
                 mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
             if n_masked > 0:
-                mask_scores(acc_s, tScS, row0, (n_blocks - 1) * TILE_N, seqlen_k, offset, self.causal)
+                mask_scores(acc_s, tScS, row0, (n_blocks - 1) * self.tile_n, seqlen_k, offset, self.causal)
             softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
             r_p.store(acc_s.load().to(self.dtype))
             for i in cutlass.range(1, n_blocks, unroll=1):
@@ -491,7 +503,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 if cutlass.const_expr(self.key_mask):
                     mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
                 if i < n_masked:
-                    mask_scores(acc_s, tScS, row0, n_block * TILE_N, seqlen_k, offset, self.causal)
+                    mask_scores(acc_s, tScS, row0, n_block * self.tile_n, seqlen_k, offset, self.causal)
                 softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
                 warpgroup.wait_group(0)  # P V is done: r_p and O are free
                 pipe_v.consumer_release(state_v)
@@ -523,12 +535,12 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     32 keys per int32 word, (b, hq, words) with broadcast strides (suffix "_keymask"; the last argument before
     the scale)."""
     # before the cache: a bad request is not a build failure
-    _check_consumers(consumers, overlap, pingpong, persistent)
+    _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
     name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers, persistent=persistent, key_mask=key_mask),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
-                            key_mask=key_mask)
+                            key_mask=key_mask, head_dims=HEAD_DIMS)
 
 
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
@@ -549,7 +561,12 @@ FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
     (64, False): dict(consumers=3), (64, True): dict(consumers=3),
     # d=96: overlap, at s = 2k / 8k 471 / 538 TFLOP/s non-causal (ping-pong 456 / 493) and 361 / 483 causal (ping-pong
     # 359 / 482); three consumers spill at d=96 (ptxas: 128 registers for 512 threads)
-    (96, False): dict(overlap=True), (96, True): dict(overlap=True)}
+    (96, False): dict(overlap=True), (96, True): dict(overlap=True),
+    # d=192 / 256 (64-key blocks), one run (2026-12-01, s = 2k / 8k): ping-pong 531 / 625 and 393 / 536 (causal) at
+    # d=192 (overlap 506 / 591, 382 / 526), 572 / 661 at d=256 (overlap 556 / 645); causal d=256 overlap 403 / 526
+    # (ping-pong 380 / 508)
+    (192, False): dict(pingpong=True), (192, True): dict(pingpong=True),
+    (256, False): dict(pingpong=True), (256, True): dict(overlap=True)}
 
 
 def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False):
@@ -585,4 +602,4 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     (0 where broadcast: _mask_bounds.row_bits' words expanded): the key-mask variant."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
                                   persistent=persistent, key_mask=key_words is not None),
-                q, k, v, scale, causal, bottom_right, key_words)
+                q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS)

@@ -70,3 +70,17 @@ def test_persistent_walks_several_tiles_per_cta(d, causal, bottom_right, b, hq, 
     assert b * hq * -(-sq // 128) > PERSISTENT_CTAS
     run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong", persistent=True)
     check_forward(run, torch.bfloat16, d, causal, bottom_right, b, hq, hkv, sq, sk)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES)
+@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong"])
+def test_large_head_dims_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, mode):
+    """d = 192 / 256 on 64-key blocks (flash_fwd_ws.TILE_NS): 3 / 4 TMA boxes per 128-byte-swizzled row, O in 96 /
+    128 registers per thread."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong")
+    check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)

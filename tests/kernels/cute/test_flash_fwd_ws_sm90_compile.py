@@ -24,7 +24,16 @@ VARIANTS = [  # dtype, head_dim, causal, bottom_right, overlap
     (torch.bfloat16, 128, True, True, True),
     (torch.float16, 64, False, False, True),
     (torch.bfloat16, 96, False, False, True),
+    (torch.bfloat16, 192, True, False, True),  # 64-key blocks (TILE_NS)
+    (torch.float16, 256, False, False, True),
+    (torch.bfloat16, 256, True, True, False),
 ]
+
+
+def _tile_n(d: int) -> int:
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    return flash_fwd_ws.TILE_NS.get(d, flash_fwd_ws.TILE_N)
 
 
 @pytest.fixture(autouse=True)
@@ -64,10 +73,10 @@ def test_wgmma_shapes_and_counts(compiled):
 
     (dtype, d, _, _, overlap), ptx, _ = compiled
     t = "bf16" if dtype == torch.bfloat16 else "f16"
-    qk = f"m64n{flash_fwd_ws.TILE_N}k16.f32.{t}.{t}"  # S = Q K^T per consumer: head_dim / 16 instructions
-    pv = f"m64n{d}k16.f32.{t}.{t}"  # O += P V: TILE_N / 16 instructions
+    qk = f"m64n{_tile_n(d)}k16.f32.{t}.{t}"  # S = Q K^T per consumer: head_dim / 16 instructions
+    pv = f"m64n{d}k16.f32.{t}.{t}"  # O += P V: tile_n / 16 instructions
     expected = {qk: d // 16}
-    expected[pv] = expected.get(pv, 0) + flash_fwd_ws.TILE_N // 16
+    expected[pv] = expected.get(pv, 0) + _tile_n(d) // 16
     if overlap:  # the first S and the last P V are peeled off the loop
         expected = {shape: 2 * count for shape, count in expected.items()}
     assert _wgmma_counts(ptx) == expected
@@ -97,11 +106,16 @@ def test_tma_loads_and_pipeline_barriers(compiled):
 def test_softmax_exp2_count_and_no_local_memory(compiled):
     from fa_backend.kernels.cute import flash_fwd_ws
 
-    (*_, overlap), ptx, _ = compiled
+    (_, d, *_, overlap), ptx, _ = compiled
     # one exp2 per score a consumer thread holds, plus one rescale factor per row half (twice with overlap:
     # the first block's softmax is peeled off the loop)
-    per_block = flash_fwd_ws.WG_M * flash_fwd_ws.TILE_N // flash_fwd_ws.WG_THREADS + 2
-    assert ptx.count("ex2.approx") == per_block * (2 if overlap else 1)
+    per_block = flash_fwd_ws.WG_M * _tile_n(d) // flash_fwd_ws.WG_THREADS + 2
+    expected = per_block * (2 if overlap else 1)
+    if _tile_n(d) < flash_fwd_ws.TILE_N and not overlap:
+        # the serial loop over 64-key blocks: the compiler copies the scores' exp2 (not the rescale factors') into
+        # the block's masked and unmasked paths; still one exp2 per score on either path
+        expected = 2 * per_block - 2
+    assert ptx.count("ex2.approx") == expected
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
@@ -165,15 +179,16 @@ def test_variants_are_compiled_once_under_their_own_name():
     assert flash_fwd_ws.KERNEL_NAME != "flash_fwd_sm90"
 
 
-@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 80), (torch.bfloat16, 256)])
-def test_unsupported_variants_are_refused(dtype, d):
+@pytest.mark.parametrize("dtype,d,consumers", [(torch.float32, 64, 2), (torch.float16, 80, 2), (torch.bfloat16, 320, 2),
+                                              (torch.bfloat16, 192, 3), (torch.float16, 256, 3)])
+def test_unsupported_variants_are_refused(dtype, d, consumers):
     from fa_backend.kernels.cute import flash_fwd_ws
 
     with pytest.raises(ValueError, match="supported"):
-        flash_fwd_ws.compile_flash_fwd_ws(dtype, d, False)
+        flash_fwd_ws.compile_flash_fwd_ws(dtype, d, False, consumers=consumers)
 
 
-def _block_ranges(cases: list[tuple[bool, bool, int, int, int]]) -> list[tuple[int, int, int]]:
+def _block_ranges(cases: list[tuple[bool, bool, int, int, int]], d: int = 64) -> list[tuple[int, int, int]]:
     """FlashForwardSm90WS._block_range traced with constant arguments (it then computes in Python)."""
     import cutlass
     import cutlass.cute as cute
@@ -185,24 +200,27 @@ def _block_ranges(cases: list[tuple[bool, bool, int, int, int]]) -> list[tuple[i
     @cute.jit
     def probe():
         for causal, bottom_right, m_block, sq, sk in cases:
-            kernel = FlashForwardSm90WS(cutlass.BFloat16, 64, causal, bottom_right)
+            kernel = FlashForwardSm90WS(cutlass.BFloat16, d, causal, bottom_right)
             found.append(kernel._block_range(m_block, sq, sk))
 
     cute.compile(probe, options="--gpu-arch sm_90a")
     return found
 
 
-def test_block_range_visits_what_is_visible_and_masks_only_where_needed():
+@pytest.mark.parametrize("d", [64, 256])  # 128- and 64-key blocks
+def test_block_range_visits_what_is_visible_and_masks_only_where_needed(d):
     """Against brute force over the tile's rows and keys: the visited blocks are exactly those holding a key
     some row of the tile sees, and the masked ones (counted from the last) exactly those where some
     (row, key) of the block is hidden."""
-    from fa_backend.kernels.cute.flash_fwd_ws import TILE_M, TILE_N
+    from fa_backend.kernels.cute.flash_fwd_ws import TILE_M
+
+    TILE_N = _tile_n(d)
 
     cases = [(causal, bottom_right and causal, m_block, sq, sk)
              for causal in (False, True) for bottom_right in (False, True)
              for sq, sk in ((1, 1), (128, 128), (300, 200), (200, 300), (100, 1000), (1000, 100), (384, 512))
              for m_block in range((sq + TILE_M - 1) // TILE_M)]
-    for (causal, bottom_right, m_block, sq, sk), (n_blocks, n_masked, offset) in zip(cases, _block_ranges(cases)):
+    for (causal, bottom_right, m_block, sq, sk), (n_blocks, n_masked, offset) in zip(cases, _block_ranges(cases, d)):
         assert offset == (sk - sq if bottom_right else 0)
         first, last = m_block * TILE_M, (m_block + 1) * TILE_M - 1
         keys = [range(n * TILE_N, (n + 1) * TILE_N) for n in range((sk + TILE_N - 1) // TILE_N)]

@@ -70,7 +70,8 @@ def _run(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, kind, backward):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["padding", "head_padding", "per_head", "broadcast"])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("d,backward", [(128, "ws64"), (128, "ws80"), (64, "ws128"), (96, None)])
+@pytest.mark.parametrize("d,backward", [(128, "ws64"), (128, "ws80"), (64, "ws128"), (96, None), (192, None),
+                                        (256, None)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(3, 4, 4, 256, 256), (2, 8, 2, 300, 333), (2, 2, 1, 1000, 1100)])
 def test_key_mask_within_bar(dtype, kind, causal, bottom_right, d, backward, b, hq, hkv, sq, sk):
     _run(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, kind, backward)
