@@ -63,7 +63,6 @@ TILE_N = 128  # key rows per block: S is 64 x 128 per consumer, 64 fp32 register
 HEAD_DIMS = (64, 96, 128, 192, 256)
 TILE_NS = {192: 64, 256: 64}
 KV_STAGES = 2
-TILE = (TILE_M, TILE_N, KV_STAGES)  # in the compile-cache key
 WG_THREADS = 128
 THREADS = WG_THREADS * (1 + CONSUMERS)
 # setmaxnreg: 384 threads start with 65536 / 384 = 170 registers each. The producer only walks TMA
@@ -536,7 +535,7 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     the scale)."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
-    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask)
+    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers, persistent=persistent, key_mask=key_mask),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
@@ -544,11 +543,11 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
 
 
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
-                   key_mask: bool = False) -> tuple[str, tuple[int, ...]]:
-    """The kernel name and tile of a variant in its compile-cache key."""
+                   key_mask: bool = False, head_dim: int = 128) -> tuple[str, tuple[int, ...]]:
+    """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
               + ("_keymask" if key_mask else ""))
-    return KERNEL_NAME + suffix, TILE if consumers == CONSUMERS else (WG_M * consumers, TILE_N, KV_STAGES)
+    return KERNEL_NAME + suffix, (WG_M * consumers, TILE_NS.get(head_dim, TILE_N), KV_STAGES)
 
 
 # The fastest variant per (head_dim, causal) on the H200, the one the op runs (scripts/bench_cute.py, bf16, 2026-11-30,
@@ -577,7 +576,7 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
 
     kw = FASTEST[head_dim, causal]
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
-                                kw.get("persistent", False), key_mask)
+                                kw.get("persistent", False), key_mask, head_dim)
     return variant_key(name + ("_ptrargs" if _fast_call.ENABLED else ""), tile, dtype, head_dim, causal, bottom_right)
 
 
