@@ -53,8 +53,11 @@ class FasterPeer:
     max_fwd_flops: int | None = None  # only calls with fewer forward FLOPs (fwd_flops)
     max_kv_bytes: int | None = None  # only calls reading fewer bytes of K and V (kv_bytes)
     max_seqlen_q: int | None = None  # only calls with at most this many queries
+    min_seqlen_q: int | None = None  # only calls with at least this many queries
     max_seqlen_k: int | None = None  # only calls with at most this many keys
     gqa: bool = False  # also calls with hq != hkv
+    gqa_only: bool = False  # only calls with hq != hkv
+    causal_only: bool = False  # only calls with is_causal
     grad_only: bool = False  # only calls that need gradients (the evidence is about forward + backward)
     choices: frozenset[str] = frozenset({"cudnn_attention"})  # PyTorch's own picks the evidence is about
 
@@ -65,11 +68,14 @@ class FasterPeer:
                 and (call.mask_kind == "none" or self.masks) and (call.dropout_p == 0.0 or self.dropout)
                 and (call.dropout_p > 0.0 or not self.dropout_only)
                 and (call.mask_kind != "none" or not self.mask_only)
-                and (call.heads_q == call.heads_kv or self.gqa)
+                and (call.heads_q == call.heads_kv or self.gqa or self.gqa_only)
+                and (call.heads_q != call.heads_kv or not self.gqa_only)
+                and (call.is_causal or not self.causal_only)
                 and (call.requires_grad or not self.grad_only)
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
                 and call.shapes_consistent and not call.subclass
                 and (self.max_seqlen_q is None or call.seqlen_q <= self.max_seqlen_q)
+                and (self.min_seqlen_q is None or call.seqlen_q >= self.min_seqlen_q)
                 and (self.max_seqlen_k is None or call.seqlen_k <= self.max_seqlen_k)
                 and (self.max_fwd_flops is None or fwd_flops(call) < self.max_fwd_flops)
                 and (self.max_kv_bytes is None or kv_bytes(call) < self.max_kv_bytes)
@@ -98,6 +104,10 @@ def kv_bytes(call: AttentionCall) -> int:
 # docs/benchmarks.md, "Host overhead").
 TINY_FWD_FLOPS = 1 << 30
 TINY_KV_BYTES = 1 << 23
+
+# The GQA rules' evidence is about dense calls (seqlen 2k / 8k); short-query (decode-sized, sq <= 16) GQA calls
+# were measured separately and keep their own rules.
+DENSE_MIN_SEQLEN_Q = 17
 
 PREFERENCES: tuple[FasterPeer, ...] = (
     # docs/benchmarks.md, "nn modules with routing on" (H200, torch 2.11): one tiny call (b=1, s=16, d=32)
@@ -130,6 +140,15 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                dropout=True, dropout_only=True,
                evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN 1.42-1.46x our Triton forward and "
                         "2.42-2.55x backward"),
+    # GQA (enable_gqa=True), which PyTorch 2.11 also gives to cuDNN on sm90 (docs/benchmarks.md, "GQA on sm90: cuDNN
+    # or ours", H200, bf16, hq:hkv 16:4 at d=128, 32:4 at d=64, 10:2 / 8:2 at d=192 / 256, seqlen 2k / 8k,
+    # 2026-12-01): cuDNN ran 1.06-1.82x our Triton forward and 1.29-2.44x our backward.
+    FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128, 192, 256}),
+               gqa_only=True,
+               min_seqlen_q=DENSE_MIN_SEQLEN_Q,
+               evidence="H200, torch 2.11, bf16, GQA, seqlen 2k / 8k: cuDNN 1.06-1.82x our Triton forward, "
+                        "1.29-2.44x backward (d=64 / 128 / 192 / 256)"),
     # Short-query calls with a mask (decode steps, sq <= 16) stay on cuDNN as before the rule above dropped
     # masks: the block bounds are the dense kernels' (a decode step has one query block), and our split-KV
     # decode kernel ran at 0.25-2.33x cuDNN eager and 0.97-1.13x as graph replays without a mask ("Decode (KV
@@ -165,7 +184,7 @@ PREFERENCES: tuple[FasterPeer, ...] = (
 # The CuTe forward (issue 7). Host-bound calls: as for "triton" above (its runner converts each tensor with
 # from_dlpack on every call). cuDNN: scripts/bench_cute.py on the H200 (torch 2.11, bf16, seqlen 2k-8k,
 # d=64/128, docs/cute.md): the CuTe forward at 0.76-0.97x cuDNN's; the backward runs our Triton kernels,
-# which cuDNN's beat (the "triton" cuDNN rule above). GQA calls stay with the CuTe forward.
+# which cuDNN's beat (the "triton" cuDNN rule above). GQA: the rules below.
 CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     dataclasses.replace(PREFERENCES[0], backend="cute",
                         evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and "
@@ -177,6 +196,20 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128, 192, 256}),
                evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward (d=192 / 256: "
                         "1.00-1.31x); our backward is slower too"),
+    # GQA (docs/benchmarks.md, "GQA on sm90: cuDNN or ours", H200, bf16, seqlen 2k / 8k, 2026-12-01): at d=192 / 256
+    # cuDNN ran 0.98-1.30x our CuTe forward and 1.97-2.42x our (Triton) backward; at d=64 / 128, causal, 1.00-1.24x
+    # the CuTe forward and 1.05-1.10x the CuTe backward. Non-causal GQA at d=64 / 128 stays ours: forward 0.95-1.14x,
+    # backward 0.94-0.99x, a training step 0.95-1.01x.
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192, 256}), gqa_only=True,
+               min_seqlen_q=DENSE_MIN_SEQLEN_Q,
+               evidence="H200, torch 2.11, bf16, GQA, d=192 / 256, seqlen 2k / 8k: cuDNN 0.98-1.30x our CuTe "
+                        "forward, 1.97-2.42x our backward"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}), gqa_only=True,
+               causal_only=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
+               evidence="H200, torch 2.11, bf16, causal GQA, d=64 / 128, seqlen 2k / 8k: cuDNN 1.00-1.24x our CuTe "
+                        "forward, 1.05-1.10x our CuTe backward"),
     # d=96 (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): the CuTe forward at 0.97-1.14x cuDNN's (calls
     # without gradients stay ours), the CuTe backward through the op at 0.80-0.87x (cuDNN 1.16-1.25x).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),

@@ -12,9 +12,11 @@ from fa_backend.dispatch import AttentionCall, ReasonCode, select
 from fa_backend.dispatch.backends import CuteBackend
 from fa_backend.dispatch.backends import cute as cute_backend
 
-# Eligible where the DSL is installed (GQA: no measured rule passes it over for cuDNN).
+# Eligible where the DSL is installed (non-causal GQA at d=128: no measured rule passes it over for cuDNN).
 OK = AttentionCall(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=2, heads_q=8, heads_kv=2,
                    seqlen_q=1024, seqlen_k=2048, head_dim=128, head_dim_v=128, enable_gqa=True)
+# GQA at d=96, where no measured rule passes over our Triton kernels either: shows the backend after cute.
+OK96 = dataclasses.replace(OK, head_dim=96, head_dim_v=96)
 
 
 @pytest.fixture
@@ -40,6 +42,14 @@ def test_cudnn_rule_passes_over_cute_without_gqa(enabled):
     assert "cuDNN" in decision.rejected["cute"][0].message
 
 
+@pytest.mark.parametrize("changes", [{"is_causal": True, "seqlen_q": 2048}, {"head_dim": 256, "head_dim_v": 256}])
+def test_cudnn_rules_pass_over_cute_for_causal_or_large_gqa(enabled, changes):
+    decision = select(dataclasses.replace(OK, **changes))
+    assert decision.backend == "torch"
+    assert [r.code for r in decision.rejected["cute"]] == [ReasonCode.SLOWER]
+    assert "GQA" in decision.rejected["cute"][0].message
+
+
 def test_host_bound_rule_passes_over_cute(enabled):
     decision = select(dataclasses.replace(OK, batch=1, seqlen_q=64, seqlen_k=64))
     assert decision.backend == "torch"
@@ -51,7 +61,7 @@ def test_turned_off_routes_nothing(enabled, monkeypatch):
     monkeypatch.setattr(cute_backend, "KERNELS_ENABLED", False)
     assert _codes() == [ReasonCode.NOT_INSTALLED]
     assert "turned off" in CuteBackend.why_not(OK)[0].message
-    assert select(OK).backend == "triton"
+    assert select(OK96).backend == "triton"
 
 
 def test_grad_needs_the_triton_backward(enabled, monkeypatch):
@@ -144,13 +154,13 @@ def test_not_installed_comes_first_with_the_limits(monkeypatch):
 def test_a_variant_that_failed_to_compile_is_reported(enabled):
     from fa_backend.kernels.cute import _compile_cache, flash_fwd_ws
 
-    key = flash_fwd_ws.fastest_variant_key(torch.bfloat16, 128, False, False)
+    key = flash_fwd_ws.fastest_variant_key(torch.bfloat16, 96, False, False)
     _compile_cache.CACHE._failed[key] = "DSLRuntimeError: boom"
     try:
-        (r,) = CuteBackend.why_not(OK)
+        (r,) = CuteBackend.why_not(OK96)
         assert r.code is ReasonCode.COMPILE_FAILED and "boom" in r.message
-        assert _codes(is_causal=True) == []  # other variants are not affected
-        assert select(OK).backend == "triton"
+        assert _codes(is_causal=True, head_dim=96, head_dim_v=96) == []  # other variants are not affected
+        assert select(OK96).backend == "triton"
     finally:
         _compile_cache.CACHE.clear()
 

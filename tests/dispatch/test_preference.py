@@ -24,14 +24,35 @@ def test_default_order_prefers_the_measured_faster_kernel():
 
 
 @pytest.mark.parametrize("d", [192, 256])
-def test_large_head_dims_prefer_cudnn_but_gqa_runs_ours(d):
+def test_large_head_dims_prefer_cudnn_with_and_without_gqa(d):
     """d = 192 / 256 on sm90: cuDNN measured faster than our Triton path and than the CuTe forward with the Triton
-    backward; GQA calls (outside the rule) keep ours."""
+    backward, for MHA and for GQA calls (PyTorch gives both to cuDNN)."""
     call = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d)
     assert slower_than_peer("triton", call).code is ReasonCode.SLOWER
     assert slower_than_peer("cute", call).code is ReasonCode.SLOWER
-    gqa = dataclasses.replace(call, heads_kv=2, enable_gqa=True)
-    assert slower_than_peer("triton", gqa) is None and slower_than_peer("cute", gqa) is None
+    for causal in (True, False):
+        gqa = dataclasses.replace(call, heads_kv=2, enable_gqa=True, is_causal=causal)
+        assert "GQA" in slower_than_peer("triton", gqa).message
+        assert "GQA, d=192 / 256" in slower_than_peer("cute", gqa).message
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_at_small_head_dims_prefers_cudnn_only_when_causal(d):
+    """d = 64 / 128 GQA: cuDNN beat the CuTe kernels on causal calls; non-causal GQA stays on the CuTe kernels
+    (measured on par or faster). Our Triton kernels lose to cuDNN on both."""
+    gqa = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d, heads_kv=2, enable_gqa=True)
+    assert "causal GQA" in slower_than_peer("cute", gqa).message
+    assert "GQA" in slower_than_peer("triton", gqa).message
+    non_causal = dataclasses.replace(gqa, is_causal=False)
+    assert slower_than_peer("cute", non_causal) is None
+    assert slower_than_peer("triton", non_causal).code is ReasonCode.SLOWER
+
+
+def test_gqa_rules_leave_decode_sized_calls_alone():
+    """The GQA evidence is about dense calls: a 16-query GQA call (the decode kernel's range) is not in it."""
+    step = dataclasses.replace(PLAIN, heads_kv=2, enable_gqa=True, is_causal=False, seqlen_q=16, seqlen_k=32768)
+    assert slower_than_peer("triton", step) is None and slower_than_peer("cute", step) is None
+    assert slower_than_peer("triton", dataclasses.replace(step, seqlen_q=17)) is not None
 
 
 def test_users_order_is_followed_as_given():
@@ -42,11 +63,11 @@ def test_users_order_is_followed_as_given():
     {"capability": (8, 0)},
     {"dtype": torch.float16, "head_dim": 80, "head_dim_v": 80},
     {"head_dim": 160, "head_dim_v": 160},
-    {"heads_kv": 2, "enable_gqa": True},
+    {"heads_kv": 2, "enable_gqa": True, "head_dim": 96, "head_dim_v": 96},
     {"seqlen_k": 4096},  # causal with sq != sk: top-left, not measured
     {"mask_kind": "bool", "mask_shape": (2048, 2048), "is_causal": False, "head_dim": 64, "head_dim_v": 64},
     {"dropout_p": 0.1, "head_dim": 64, "head_dim_v": 64},
-], ids=["sm80", "d80", "d160", "gqa", "causal_sq_ne_sk", "mask_d64", "dropout_d64"])
+], ids=["sm80", "d80", "d160", "gqa_d96", "causal_sq_ne_sk", "mask_d64", "dropout_d64"])
 def test_outside_the_measured_class_ours_runs(changes):
     call = dataclasses.replace(PLAIN, **changes)
     assert slower_than_peer("triton", call) is None

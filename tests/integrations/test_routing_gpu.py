@@ -31,6 +31,19 @@ def test_preference_premise_pytorch_picks_cudnn(d):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_gqa_preference_premise_pytorch_picks_cudnn(d):
+    # The GQA rules assume PyTorch runs cuDNN for enable_gqa=True calls on sm90: check it on this torch.
+    q = torch.randn(2, 8, 1024, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1024, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert pytorch_choice(q, k, v, is_causal=True, enable_gqa=True) == "cudnn_attention"
+    explanation = fa_backend.explain(q, k, v, is_causal=True, enable_gqa=True)
+    assert explanation.backend == "torch"
+    assert [r.code for r in explanation.reasons["triton"]] == [ReasonCode.SLOWER]
+    assert "GQA" in explanation.reasons["triton"][0].message
+
+
+@pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
 def test_preferred_call_runs_pytorchs_kernel_and_forcing_runs_ours():
     q, k, v = (t.requires_grad_() for t in _qkv())
     with fa_backend.enabled():

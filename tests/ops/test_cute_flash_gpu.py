@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fa_backend
+from fa_backend.dispatch.backends import pytorch_choice
 from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
 from tests.reference import (assert_grads_within_bar, assert_within_bar, attention_math, attention_same_dtype,
                              check_attention)
@@ -208,17 +209,28 @@ def test_a_variant_that_fails_to_compile_runs_the_triton_forward(clean, monkeypa
     assert [r.code.value for r in decision.rejected["cute"]] == ["compile_failed"]
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128])
 def test_routed_gqa_call_runs_cute_and_matches_the_op(clean, d):
+    # non-causal GQA at d=64 / 128: no measured rule passes the CuTe kernels over (dispatch/preference.py)
     from fa_backend.ops import cute_flash_attention
 
     q, k, v = _qkv(2, 16, 4, 2048, 2048, d)
-    direct = cute_flash_attention(q, k, v, None, True, False)[0]
+    direct = cute_flash_attention(q, k, v, None, False, False)[0]
     fa_backend.reset_stats()
     with fa_backend.enabled():
-        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        routed = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     assert fa_backend.stats()["runs"] == {"cute": 1}
     assert torch.equal(routed, direct)
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, True), (192, False), (256, True)])
+def test_routed_gqa_call_prefers_cudnn_where_measured_faster(clean, d, causal):
+    # the GQA rules' premise: PyTorch gives these GQA calls to cuDNN on this torch (else ours runs after all)
+    q, k, v = _qkv(2, 16, 4, 2048, 2048, d)
+    assert pytorch_choice(q, k, v, is_causal=causal, enable_gqa=True) == "cudnn_attention"
+    with fa_backend.enabled():
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    assert fa_backend.stats()["runs"] == {"torch": 1}
 
 
 @pytest.mark.parametrize("d", [128, 192, 256])
@@ -237,8 +249,8 @@ def test_compiled_routing_forward_and_backward(clean):
         graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
         return gm
 
-    def f(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def f(q, k, v):  # non-causal: causal GQA goes to cuDNN (a measured rule)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
     fa_backend.enable()
     out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
@@ -247,7 +259,7 @@ def test_compiled_routing_forward_and_backward(clean):
     assert any("fa_backend.cute_flash_fwd" in t for t in graphs[0])
     assert fa_backend.stats()["runs"].get("cute") == 1
     qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
     ref_grads = torch.autograd.grad(ref.float().square().sum(), (qd, kd, vd))
     assert (out - ref).abs().max().item() < 2e-2
     for g, r in zip(grads, ref_grads):
