@@ -59,7 +59,8 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--backward", action="store_true")
-    parser.add_argument("--runners", nargs="+", help="forward runners to time (default: all)")
+    parser.add_argument("--runners", nargs="+", help="forward runners to time (default: all); with --backward, the "
+                                                     f"backward kernel variants ({', '.join(CUTE_BACKWARDS[:-1])})")
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--host", action="store_true",
                         help="instead: host time per forward call, tensor convention against kernels/cute/_fast_call.py")
@@ -70,7 +71,7 @@ def main() -> None:
         host_time()
         return
     if args.backward:
-        records = backward(args.seqlens, tuple(args.dims))
+        records = backward(args.seqlens, tuple(args.dims), args.runners)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
@@ -173,12 +174,14 @@ def host_time(calls: int = 2000) -> None:
 
 # the CuTe backward's rows: the kernel function's variants, then the op through autograd
 # (dq_buffer with one warpgroup, at d=64: 8-14 % slower in the tenth session, no longer timed)
+# (_det: the deterministic variant, dQ adds in key-block order; the op's under torch.use_deterministic_algorithms)
 CUTE_BACKWARDS = ("cute_bwd", "cute_bwd_2wg", "cute_bwd_2wg_dqbuf", "cute_bwd_ws", "cute_bwd_ws80", "cute_bwd_ws128",
-                  "cute_op")
+                  "cute_bwd_ws_det", "cute_bwd_ws128_det", "cute_op")
 
 
-def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict]:
-    """Backward TFLOP/s per (d, causal, seqlen): the CuTe reference backward, Triton's, cuDNN's and flash's."""
+def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64), only: list[str] | None = None) -> list[dict]:
+    """Backward TFLOP/s per (d, causal, seqlen): the CuTe backward kernel's variants (`only`: these), the op's,
+    Triton's, cuDNN's and flash's."""
     from fa_backend.kernels.cute.flash_bwd import HEAD_DIMS as BWD_HEAD_DIMS
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.ops import cute_flash
@@ -202,8 +205,13 @@ def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict
                     variants.append(("cute_bwd_2wg_dqbuf", dict(wgs=2, dq_buffer=True)))
                     variants.append(("cute_bwd_ws", dict(wgs=2, warp_specialized=True)))
                     variants.append(("cute_bwd_ws80", dict(wgs=2, warp_specialized=True, tile_m=80)))
+                    variants.append(("cute_bwd_ws_det", dict(wgs=2, warp_specialized=True, deterministic=True)))
                 if d == 64:
                     variants.append(("cute_bwd_ws128", dict(wgs=2, warp_specialized=True, tile_m=128)))
+                    variants.append(("cute_bwd_ws128_det", dict(wgs=2, warp_specialized=True, tile_m=128,
+                                                                deterministic=True)))
+                if only:
+                    variants = [(n, kw) for n, kw in variants if n in only]
                 for name, kw in variants:
                     t0 = time.perf_counter()
                     flash_bwd(dout, q, k, v, out, lse, causal=causal, **kw)
@@ -232,7 +240,7 @@ def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64)) -> list[dict
                 records.append(row)
                 cells = "  ".join(f"{n} {row[n]:6.1f}" for n in (*CUTE_BACKWARDS, "triton", "cudnn", "flash", "fa4")
                                   if row.get(n) is not None)
-                best = max(row[n] for n in CUTE_BACKWARDS if row.get(n) is not None)
+                best = max(row[n] for n in CUTE_BACKWARDS if row.get(n) is not None and not n.endswith("_det"))
                 print(f"bwd d={d:3d} causal={int(causal)} s={s:5d}  TFLOP/s: {cells}  best cute/cudnn "
                       f"{best / row['cudnn']:.2f}  cute_op/triton {row['cute_op'] / row['triton']:.2f}", flush=True)
                 del q, k, v, dout, out, lse, leaves

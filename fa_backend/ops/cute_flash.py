@@ -8,9 +8,11 @@ the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too.
 The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; the warp-specialised kernel at d=128 and
 64): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
 (docs/benchmarks.md). The Triton backward kernels (fa_backend::triton_flash_bwd, which take the CuTe forward's
-outputs as they are) run instead under torch.use_deterministic_algorithms (the CuTe backward's dQ additions run
-in no fixed order), for scale 0, after a compile failure, with a key mask at d=96 (KEY_MASK_BACKWARD), at
-d=192 / 256 (the CuTe backward's head dims are 64, 96, 128), and with CUTE_BACKWARD = False.
+outputs as they are) run instead for scale 0, after a compile failure, with a key mask at d=96
+(KEY_MASK_BACKWARD), at d=192 / 256 (the CuTe backward's head dims are 64, 96, 128), with CUTE_BACKWARD = False, and
+under torch.use_deterministic_algorithms where the CuTe backward has no deterministic variant (d=96, key masks).
+Under deterministic algorithms at d=64 / 128 the warp-specialised kernel adds each dQ block's parts in key-block
+order (turn flags), so its gradients are the same bits on every run.
 
 A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both kernels, packed by key_words.
 
@@ -141,16 +143,22 @@ KEY_MASK_BACKWARD = frozenset({128, 64})
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None):
-    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (deterministic mode, scale 0, a head
-    dim the forward has and the backward not (192, 256), a variant that failed to compile, a key mask at a head
-    dim whose backward variant has none: the caller runs the Triton backward)."""
+    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, a head dim the forward has and
+    the backward not (192, 256), a variant that failed to compile, a key mask at a head dim whose backward variant
+    has none, deterministic mode at d=96 or with a key mask: the caller runs the Triton backward). Under
+    torch.use_deterministic_algorithms the warp-specialised kernel adds dQ in a fixed order (d=64 / 128)."""
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_bwd import HEAD_DIMS, flash_bwd
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if scale == 0.0 or torch.are_deterministic_algorithms_enabled() or q.shape[-1] not in HEAD_DIMS:
+    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS:
         return None
     variant = BACKWARD_VARIANTS.get(q.shape[-1], {})  # one warpgroup where absent
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic:
+        if not variant.get("warp_specialized") or attn_mask is not None:
+            return None  # the deterministic variant is the warp-specialised kernel's, without a key mask
+        variant = dict(variant, deterministic=True)
     words = None
     if attn_mask is not None:
         if q.shape[-1] not in KEY_MASK_BACKWARD:

@@ -1,7 +1,8 @@
 """The `cute` backend: fa_backend's CuTe DSL kernels for Hopper (issue 7) and their declared limits.
 
 It runs the warp-specialised sm90 forward and the CuTe backward (op fa_backend::cute_flash_fwd and its autograd
-formula, ops/cute_flash.py; the Triton backward kernels under deterministic algorithms). Masks: bool key masks only
+formula, ops/cute_flash.py; under deterministic algorithms its ordered-dQ variant at d=64 / 128, the Triton
+backward kernels at d=96 and with a key mask). Masks: bool key masks only
 (no query dim, e.g. key padding (b, 1, 1, sk)), read packed 32 keys per word. Where nvidia-cutlass-dsl is missing
 every call gets a not_installed reason with the install hint.
 """
@@ -63,7 +64,7 @@ class CuteBackend(Backend):
     CAUSAL_ALIGNMENTS = frozenset(CAUSAL_ALIGNMENTS)
     SUPPORTS_DROPOUT = False
     SUPPORTS_GQA = True
-    SUPPORTS_BACKWARD = True  # the CuTe backward (the Triton one in deterministic mode: ops/cute_flash.py)
+    SUPPORTS_BACKWARD = True  # the CuTe backward (deterministic mode: its ordered variant or Triton's, ops/cute_flash.py)
 
     @classmethod
     def why_not(cls, call: AttentionCall) -> list[Reason]:

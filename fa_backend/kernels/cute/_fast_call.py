@@ -116,7 +116,8 @@ class PointerBackward:
 
 class PointerBackwardKeyMask:
     """PointerBackward for a key-mask variant: also the packed key-mask words (b, hq, words) int32 with their
-    (batch, head) strides (0 where broadcast)."""
+    (batch, head) strides (0 where broadcast); for the deterministic variant, its turn flags (b, hq, query blocks)
+    in the same place."""
 
     def __init__(self, kernel: Any):
         self.kernel = kernel

@@ -116,6 +116,7 @@ class FlashBackwardSm90(ForwardVariant):
         self.dq_rows = False
         self.smem_padding = 2 * 1024  # barriers and alignment
         self.key_mask = False  # the warp-specialised kernel's key-mask variant (FlashBackwardSm90WS)
+        self.deterministic = False  # its deterministic variant (dQ adds in key-block order, turn flags in mWords)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -130,7 +131,7 @@ class FlashBackwardSm90(ForwardVariant):
         lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
         delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
         words = None
-        if cutlass.const_expr(self.key_mask):  # (b, hq, words) -> (words, h, b)
+        if cutlass.const_expr(self.key_mask or self.deterministic):  # (b, hq, n) -> (n, h, b)
             words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
 
         tm = self.tile_m
@@ -168,7 +169,7 @@ class FlashBackwardSm90(ForwardVariant):
         kernel_args = (tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                        lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                        sK_layout, sQ_layout, sdS_layout)
-        if cutlass.const_expr(self.key_mask):
+        if cutlass.const_expr(self.key_mask or self.deterministic):
             kernel_args = kernel_args + (words,)
         self.kernel(*kernel_args).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]),
@@ -622,14 +623,17 @@ def dq_split(tile_m: int) -> str:
 def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
-                      warp_specialized: bool = False, tile_m: int = TILE_M, key_mask: bool = False) -> Any:
+                      warp_specialized: bool = False, tile_m: int = TILE_M, key_mask: bool = False,
+                      deterministic: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
     `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2), which also takes `tile_m` = 80 query rows per
     step at d=128 (the dQ GEMM then transposed) and 128 at d=64 (the warpgroups split dQ by rows); `key_mask`
     (warp_specialized only): the variant that also takes a bool key mask packed 32 keys per int32 word (b, hq,
-    words) after the stream (as flash_fwd_ws's).
+    words) after the stream (as flash_fwd_ws's); `deterministic` (warp_specialized only, not with key_mask): the
+    variant whose dQ adds to each query block happen in key-block order, taking its zeroed int32 turn flags (b, hq,
+    query blocks) where the key-mask variant takes its words.
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -647,6 +651,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError("warp_specialized=True needs wgs=2 and the bulk-add dQ (dq_atomic=False)")
     if key_mask and not warp_specialized:
         raise ValueError("key_mask=True needs warp_specialized=True")
+    if deterministic and (not warp_specialized or key_mask):
+        raise ValueError("deterministic=True needs warp_specialized=True and no key mask")
     if tile_m != TILE_M and not (warp_specialized and (tile_m, head_dim) in ((80, 128), (128, 64))):
         raise ValueError(f"tile_m={tile_m} with head_dim={head_dim} (supported: {TILE_M}; with warp_specialized=True "
                          f"also 80 at head_dim 128 and 128 at head_dim 64)")
@@ -659,16 +665,18 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
-            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m, key_mask)
+            kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m, key_mask,
+                                         deterministic)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
             from . import _fast_call
 
-            wrapper = _fast_call.PointerBackwardKeyMask if key_mask else _fast_call.PointerBackward
-            return cute.compile(wrapper(kernel), *_fast_call.backward_example_args(_DTYPES[dtype], key_mask),
+            side = key_mask or deterministic  # an int32 (b, hq, n) tensor after the stream
+            wrapper = _fast_call.PointerBackwardKeyMask if side else _fast_call.PointerBackward
+            return cute.compile(wrapper(kernel), *_fast_call.backward_example_args(_DTYPES[dtype], side),
                                 make_fake_stream(), options=compile_options(arch, dump_dir))
-        words = (_dynamic(torch.empty(1, 1, 4, dtype=torch.int32), align=4),) if key_mask else ()
+        words = (_dynamic(torch.empty(1, 1, 4, dtype=torch.int32), align=4),) if key_mask or deterministic else ()
         return cute.compile(kernel, q, k, v, do, *rows, dk, dv, dqacc, Float32(1.0), Float32(1.0),
                             make_fake_stream(), *words, options=compile_options(arch, dump_dir))
 
@@ -676,7 +684,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         return build()
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
-            + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "") + ("_ptrargs" if pointer_args else ""))
+            + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "")
+            + ("_deterministic" if deterministic else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, tile_m), arch)
     return CACHE.get_or_compile(key, build)
 
@@ -686,14 +695,16 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
               wgs: int = 1, dq_buffer: bool = False,
               warp_specialized: bool = False, tile_m: int = TILE_M,
-              key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              key_words: torch.Tensor | None = None,
+              deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
     (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
     warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m = 80 (d=128) and
-    128 (d=64). key_words: the forward's packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only). The
+    128 (d=64). key_words: the forward's packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only).
+    deterministic (warp_specialized, no key_words): the same bits on every run (dQ's fp32 adds in a fixed order). The
     three gradients are contiguous whatever the inputs' strides."""
     from cuda.bindings import driver
 
@@ -712,7 +723,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     fast = _fast_call.ENABLED
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
                                  pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
-                                 tile_m=tile_m, key_mask=key_words is not None)
+                                 tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -723,17 +734,19 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                         device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     lse = lse.detach().contiguous()  # the op saves its own outputs, which may require grad
-    masked = key_words is not None
+    if deterministic:  # the turn flags, passed where a key-mask variant takes its words
+        key_words = torch.zeros((b, hq, m_blocks), dtype=torch.int32, device=q.device)
+    side = key_words is not None  # the key-mask words or the turn flags
     if fast:
-        call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], masked))
+        call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], side))
         tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
-        call(tensors + ((key_words,) if masked else ()), _fast_call.backward_scalars(*tensors, words=key_words),
+        call(tensors + ((key_words,) if side else ()), _fast_call.backward_scalars(*tensors, words=key_words),
              (scale * _LOG2E, scale), stream)
     else:
         compiled(*(_dynamic(t.detach()) for t in (q, k, v, dout)), _dynamic(lse, align=4),
                  _dynamic(delta, align=4), _dynamic(dk), _dynamic(dv), _dynamic(dqacc),
                  Float32(scale * _LOG2E), Float32(scale), stream,
-                 *((_dynamic(key_words.contiguous(), align=4),) if masked else ()))  # compact: as flash_fwd._run
+                 *((_dynamic(key_words.contiguous(), align=4),) if side else ()))  # compact: as flash_fwd._run
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
     return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, dq_split(tile_m)), dk, dv

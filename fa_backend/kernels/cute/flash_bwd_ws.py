@@ -33,7 +33,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
-from ._bulk import bulk_reduce_add_f32  # noqa: E402
+from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
 from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm, dq_split  # noqa: E402
 
 TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (the dQ GEMM transposed), 128 at d=64
@@ -55,9 +55,14 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
     64 or 80 query rows per step, head_dim 64 with 128."""
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, tile_m: int = TILE_M,
-                 key_mask: bool = False):
+                 key_mask: bool = False, deterministic: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
+        if key_mask and deterministic:
+            raise ValueError("deterministic=True does not take a key mask (a CTA that skips its steps takes no turn)")
         self.key_mask = key_mask  # a bool key mask, packed 32 keys per word, read per step (_key_keep)
+        # dQ adds in key-block order: the side tensor (mWords) is then one int32 turn flag per (query block, head,
+        # batch), zeroed by the caller (_write_dq)
+        self.deterministic = deterministic
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
         self.tile_m = tile_m
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
@@ -128,12 +133,22 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 self._produce(tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, sK, sV, sQ, sdO, bar_kv, pipe, n_block,
                               head_kv, batch, group, m_start, n_m, steps)
             if warp == 1:
-                self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps)
+                self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps, n_block, mWords)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self._mma(_own_copy(mma_ss), _own_copy(mma_rs), _own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
                       bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
                       n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords)
+
+    @cute.jit
+    def _m_block(self, m_start: Int32, n_m: Int32, step: Int32) -> Int32:
+        """The query block of a step (every role walks the same order): ascending from the CTA's first block; in the
+        deterministic causal variant descending from the last one, so that every CTA reaches a block at the same step
+        (CTAs start together and the adds' turns go to key blocks in ascending order; ascending query blocks would
+        have CTA k wait for CTA 0 to walk the 2k blocks before its own first one)."""
+        if cutlass.const_expr(self.deterministic and self.causal):
+            return m_start + n_m - 1 - step % n_m
+        return m_start + step % n_m
 
     @cute.jit
     def _produce(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -155,7 +170,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
                                                  cute.group_modes(gdO, 0, 2))
             pipe.producer_acquire(state)  # waits until both MMA warpgroups freed the stage, then expects its bytes
-            m_block = m_start + step % n_m
+            m_block = self._m_block(m_start, n_m, step)
             cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
             cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state))
@@ -163,20 +178,38 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
 
     @cute.jit
     def _write_dq(self, sdQ: cute.Tensor, mdQacc: cute.Tensor, bar_dq: cute.Pointer, head_kv: Int32, batch: Int32,
-                  group: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+                  group: Int32, m_start: Int32, n_m: Int32, steps: Int32, n_block: Int32, mTurns: cute.Tensor = None):
         """The dQ writer warp: each step's block, once stored, added to its chunk of the fp32 buffer with one bulk
-        reduce-add; the buffer is handed back once the add has read it."""
+        reduce-add; the buffer is handed back once the add has read it.
+
+        Deterministic: the adds to a query block's chunk happen in key-block order, so the fp32 sums, and dQ, are the
+        same bits on every run. The CTAs that add to a block are key blocks 0, 1, ..., K (the first query block a
+        CTA sees never decreases with its key block, _query_blocks), so the block's turn flag (mTurns, zeroed)
+        counts the adds done and this CTA waits for it to equal its n_block; after its add has completed it adds 1.
+        A CTA waits only for CTAs of lower index in the grid, launched before it: no deadlock (the reverse turn
+        order could deadlock once a head's key blocks outnumber the CTAs resident at a time). Causal CTAs walk the
+        query blocks last first (_m_block), so that they reach each block together."""
         d = self.head_dim
         for step in cutlass.range(steps, unroll=1):
             head = head_kv * group + step // n_m
+            m_block = self._m_block(m_start, n_m, step)
             gdQ = mdQacc[None, None, head, batch]  # (blocks, tile_m * d) chunks
             cute.arch.mbarrier_wait(bar_dq, step % 2)
             if cute.arch.lane_idx() == 0:
-                chunk = gdQ.iterator + cute.crd2idx((m_start + step % n_m, 0), gdQ.layout)
+                chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
+                if cutlass.const_expr(self.deterministic):
+                    turn = mTurns.iterator + cute.crd2idx((m_block, head, batch), mTurns.layout)
+                    while load_acquire_i32(turn) != n_block:
+                        pass
+                    fence_proxy_async_global()  # the earlier CTAs' adds are seen before this one is issued
                 bulk_reduce_add_f32(sdQ.iterator, chunk, 4 * self.tile_m * d)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.mbarrier_arrive(bar_dq + 1)
+                if cutlass.const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the add is complete in global memory
+                    fence_proxy_async_global()
+                    add_release_i32(turn, 1)
 
     @cute.jit
     def _mma(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
@@ -196,7 +229,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         row_loader = (wg == wgs - 1) & (wt < self.tile_m)
         if steps > 0:
             if row_loader:
-                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group, m_start * self.tile_m + wt, batch)
+                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group,
+                                                  self._m_block(m_start, n_m, 0) * self.tile_m + wt, batch)
                 sRows[0, wt, 0] = self._lse_log2(row_lse)
                 sRows[1, wt, 0] = row_delta
         cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
@@ -217,7 +251,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         if step + 1 < steps:
             if row_loader:
                 next_lse, next_delta = self._rows(mLSE, mDelta, head_kv * group + (step + 1) // n_m,
-                                                  (m_start + (step + 1) % n_m) * self.tile_m + wt, batch)
+                                                  self._m_block(m_start, n_m, step + 1) * self.tile_m + wt,
+                                                  batch)
         return next_lse, next_delta
 
     @cute.jit
@@ -261,7 +296,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             self._key_keep(mWords[None, head_kv * group, batch], tScS, key0, seqlen_k, keep)
         for step in cutlass.range(steps, unroll=1):
             rows = step % 2
-            row0 = (m_start + step % n_m) * self.tile_m
+            row0 = self._m_block(m_start, n_m, step) * self.tile_m
             next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
                                                    n_m, wt, batch)
             pipe.consumer_wait(state)

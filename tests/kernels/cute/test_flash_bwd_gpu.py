@@ -78,8 +78,38 @@ VARIANTS = {"stage_dq": {}, "dq_buffer": dict(dq_buffer=True), "warp_specialized
             "ws_tile80": dict(warp_specialized=True, tile_m=80), "ws_tile128": dict(warp_specialized=True, tile_m=128)}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(1, 8, 2, 100, 333), (2, 2, 1, 333, 100), (1, 4, 2, 1000, 1100)])
+def test_deterministic_variant_within_bar_and_bitwise_stable(dtype, d, tile_m, causal, bottom_right, b, hq, hkv, sq,
+                                                             sk):
+    """The warp-specialised kernel with its dQ adds in key-block order (the op's backward under
+    torch.use_deterministic_algorithms): within the 2x bar, and three runs give the same bits."""
+    check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, warp_specialized=True, tile_m=tile_m,
+                   deterministic=True, repeat=3)
+
+
+@pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_variant_is_bitwise_stable_at_training_sizes(d, tile_m, causal):
+    """Many CTAs adding into each query block (32 key blocks at 4k tokens) and GQA 4:1: five runs, the same bits."""
+    from fa_backend.kernels.cute.flash_bwd import flash_bwd
+    from fa_backend.kernels.cute.flash_fwd import flash_fwd
+
+    q = torch.randn(2, 16, 4096, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = flash_fwd(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    runs = [flash_bwd(dout, q, k, v, out, lse, causal=causal, wgs=2, warp_specialized=True, tile_m=tile_m,
+                      deterministic=True) for _ in range(5)]
+    for run in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), run, runs[0]):
+            assert torch.equal(a, b), name
+
+
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1, dq_buffer=False,
-                   warp_specialized=False, tile_m=64):
+                   warp_specialized=False, tile_m=64, deterministic=False, repeat=1):
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd import flash_fwd
 
@@ -87,9 +117,15 @@ def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic
     k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype) for _ in range(2))
     out, lse = flash_fwd(q, k, v, causal=causal, bottom_right=bottom_right)
     dout = torch.randn_like(out)
-    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic,
-                           wgs=wgs, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
-                           tile_m=tile_m)
+    def run():
+        return flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic,
+                         wgs=wgs, dq_buffer=dq_buffer, warp_specialized=warp_specialized, tile_m=tile_m,
+                         deterministic=deterministic)
+
+    dq, dk, dv = run()
+    for _ in range(repeat - 1):  # deterministic: the same bits again
+        for name, again, first in zip(("dq", "dk", "dv"), run(), (dq, dk, dv)):
+            assert torch.equal(again, first), name
 
     kw = dict(is_causal=causal, bottom_right=bottom_right)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]

@@ -274,3 +274,35 @@ def test_key_mask_needs_the_warp_specialised_kernel():
 
     with pytest.raises(ValueError, match="key_mask=True needs warp_specialized=True"):
         flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, wgs=2, key_mask=True)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("d,tile_m,causal", [(128, 64, False), (128, 64, True), (64, 128, True)])
+def test_deterministic_variant_orders_its_dq_adds(tmp_path, d, tile_m, causal):
+    """The deterministic variant (the op's backward under torch.use_deterministic_algorithms): the dQ writer spins on
+    an acquire load of the block's turn flag before its bulk add and, once the add is complete (wait_group 0, not
+    .read), releases the next turn; the MMA warpgroups' code is unchanged (no spills, no C75xx)."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, tile_m=tile_m, deterministic=True).__ptx__
+    assert ptx.count("ld.global.acquire.gpu.b32") == 1 and ptx.count("red.release.gpu.global.add.s32") == 1
+    assert ptx.count("fence.proxy.async.global") == 2
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 1
+    waits = re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s+0;", ptx)
+    assert waits.count(".read") == 1 and waits.count("") == 1
+    # the flag's release comes after the full wait, the acquire before the add
+    assert ptx.index("ld.global.acquire.gpu.b32") < ptx.index("cp.reduce.async.bulk.global")
+    full_wait = re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+    assert full_wait and full_wait.start() < ptx.index("red.release.gpu.global.add.s32")
+    report = ptxas_report(ptx, tmp_path)
+    assert not re.findall(r"C75\d\d", report), report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report or d == 64, report
+
+
+def test_deterministic_needs_the_warp_specialised_kernel_without_a_mask():
+    from fa_backend.kernels.cute import flash_bwd
+
+    for kwargs in (dict(wgs=1), dict(wgs=2, warp_specialized=True, key_mask=True)):
+        with pytest.raises(ValueError, match="deterministic=True needs warp_specialized=True and no key mask"):
+            flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, deterministic=True, **kwargs)
