@@ -30,7 +30,8 @@ def _inputs(b=1, hq=2, hkv=1, sq=20, sk=24, d=16, dv=16, transposed=False, grad=
 def test_opcheck_fwd(is_causal, bottom_right, transposed):
     q, k, v = _inputs(transposed=transposed, grad=True)
     torch.library.opcheck(triton_flash_fwd, (q, k, v, None, is_causal, bottom_right))
-    torch.library.opcheck(triton_flash_fwd, (q, k, v, 0.3, is_causal, bottom_right))
+    if is_causal and bottom_right and transposed:  # an explicit scale: once (the same schema and fake)
+        torch.library.opcheck(triton_flash_fwd, (q, k, v, 0.3, is_causal, bottom_right))
 
 
 def test_opcheck_bwd():

@@ -68,7 +68,7 @@ def test_bottom_right_fully_masked_rows_are_zero():
     assert (dq[:, :, :30] == 0).all()
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1), (8, 8), (6, 3)])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1), (6, 3)])  # MHA (hq == hkv) is every other test's case
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gqa(hq, hkv, is_causal):
     _check(*_qkv(2, hq, hkv, 37, 45, 32), is_causal=is_causal, alignment="bottom_right")
