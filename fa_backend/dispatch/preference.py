@@ -27,9 +27,14 @@ from .reasons import Reason, ReasonCode
 
 
 @torch.compiler.assume_constant_result
-def _cudnn_sdp_enabled() -> bool:
-    """PyTorch's cuDNN SDPA switch (read once per trace: Dynamo cannot trace the C getter)."""
-    return bool(torch.backends.cuda.cudnn_sdp_enabled())
+def _cudnn_sdp_usable() -> bool:
+    """Whether PyTorch may pick its cuDNN SDPA kernel: its switch is on and deterministic algorithms (unless
+    warn-only) do not rule it out, as PyTorch's own check_cudnn_deterministic does (read once per trace: Dynamo
+    cannot trace the C getters). Under torch.use_deterministic_algorithms the cuDNN rules therefore pass nothing
+    over, and our kernels (deterministic backwards) run."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    return not (torch._C._get_deterministic_algorithms() and not torch._C._get_deterministic_algorithms_warn_only())
 
 
 # PyTorch's fused kernels (what pytorch_choice names them) that run without our per-call Python.
@@ -79,7 +84,7 @@ class FasterPeer:
                 and (self.max_seqlen_k is None or call.seqlen_k <= self.max_seqlen_k)
                 and (self.max_fwd_flops is None or fwd_flops(call) < self.max_fwd_flops)
                 and (self.max_kv_bytes is None or kv_bytes(call) < self.max_kv_bytes)
-                and (self.choices != CUDNN_ONLY or _cudnn_sdp_enabled()))
+                and (self.choices != CUDNN_ONLY or _cudnn_sdp_usable()))
 
     def reason(self) -> Reason:
         return Reason(ReasonCode.SLOWER, f"PyTorch's {self.kernel} kernel is faster here ({self.evidence}); "

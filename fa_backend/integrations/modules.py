@@ -87,7 +87,8 @@ def _torch_decision(call: AttentionCall | None):
     from .sdpa import _Routed
 
     allowed = allowed_backends()
-    key = (call, allowed, torch._C._get_cudnn_sdp_enabled())
+    key = (call, allowed, torch._C._get_cudnn_sdp_enabled(),
+           torch._C._get_deterministic_algorithms(), torch._C._get_deterministic_algorithms_warn_only())
     entry = _DECISIONS.get(key)
     if entry is None:
         if len(_DECISIONS) >= 1024:
@@ -117,7 +118,8 @@ def _fast_path_decision(mha: nn.MultiheadAttention, x, masks: tuple):
            None if weight is None else weight.dtype, None if bias is None else bias.dtype, mha.batch_first,
            mha.num_heads, mha._qkv_same_embed_dim, mha.bias_k is None, mha.bias_v is None, mha.add_zero_attn,
            torch.is_autocast_enabled(), torch.backends.mha.get_fastpath_enabled(),
-           allowed_backends(), torch._C._get_cudnn_sdp_enabled())
+           allowed_backends(), torch._C._get_cudnn_sdp_enabled(),
+           torch._C._get_deterministic_algorithms(), torch._C._get_deterministic_algorithms_warn_only())
     entry = _FAST_PATH_MEMO.get(key)
     if entry is None:
         if len(_FAST_PATH_MEMO) >= 1024:
@@ -288,7 +290,8 @@ def _host_bound_decision(mha: nn.MultiheadAttention, call: list):
                                         or any(p is not None and p.requires_grad for p in params.values()))
     attrs = mha.__dict__
     memo_key = (id(mha), query.shape, key.shape, query.dtype, query.device, attrs["training"], grad,
-                allowed_backends(), torch._C._get_cudnn_sdp_enabled())
+                allowed_backends(), torch._C._get_cudnn_sdp_enabled(),
+                torch._C._get_deterministic_algorithms(), torch._C._get_deterministic_algorithms_warn_only())
     entry = _HOST_BOUND_MEMO.get(memo_key)
     if entry is not None:
         return entry or None

@@ -176,6 +176,7 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
            v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, _C._get_cudnn_sdp_enabled(),
            _C._get_mem_efficient_sdp_enabled(), _C._get_flash_sdp_enabled(),
+           _C._get_deterministic_algorithms(), _C._get_deterministic_algorithms_warn_only(),  # cuDNN's availability
            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
            (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # cheaper; implies the next but for
            or (q.stride()[-1:] == _UNIT and k.stride()[-1:] == _UNIT and v.stride()[-1:] == _UNIT))  # a size-1 dim

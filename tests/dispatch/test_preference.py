@@ -186,3 +186,23 @@ def test_d32_short_sequences_prefer_pytorchs_kernel(seqlen, ours):
     if not ours:
         (reason,) = decision.rejected["triton"]
         assert reason.code is ReasonCode.SLOWER and "d=32" in reason.message
+
+
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_deterministic_algorithms_take_cudnn_out_of_the_rules(warn_only):
+    """PyTorch does not pick cuDNN under torch.use_deterministic_algorithms (unless warn-only): the cuDNN rules'
+    premise fails, so our kernels, whose backwards are deterministic there, keep the call."""
+    from fa_backend.dispatch.backends import cute
+
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        rule = slower_than_peer("triton", PLAIN)
+        backend = select(PLAIN).backend
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+    if warn_only:
+        assert rule.code is ReasonCode.SLOWER and backend == "torch"
+    else:
+        assert rule is None and backend == ("triton" if cute.DSL_MISSING else "cute")
+    assert slower_than_peer("triton", PLAIN).code is ReasonCode.SLOWER  # restored

@@ -44,6 +44,29 @@ def test_gqa_preference_premise_pytorch_picks_cudnn(d):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
+def test_deterministic_mode_keeps_the_cudnn_class_on_ours():
+    # PyTorch skips cuDNN under deterministic algorithms: the routed call runs our kernels (deterministic backwards),
+    # and the eager decision cache tells the two modes apart
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with fa_backend.enabled():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert fa_backend.stats()["runs"] == {"torch": 1}
+        torch.use_deterministic_algorithms(True)
+        try:
+            outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True) for _ in range(2)]
+            grads = [torch.autograd.grad(o.float().sum(), (q, k, v)) for o in outs]
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=was_warn)
+        ours = {name: n for name, n in fa_backend.stats()["runs"].items() if name != "torch"}
+        assert sum(ours.values()) == 2 and set(ours) <= {"cute", "triton"}
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert fa_backend.stats()["runs"]["torch"] == 2
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the measured preference is for sm90")
 def test_preferred_call_runs_pytorchs_kernel_and_forcing_runs_ours():
     q, k, v = (t.requires_grad_() for t in _qkv())
     with fa_backend.enabled():
