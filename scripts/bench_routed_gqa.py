@@ -1,0 +1,66 @@
+"""A routed GQA training step (forward + backward through F.scaled_dot_product_attention) with fa_backend routing on
+and off, on the GPU at hand: what a model that passes enable_gqa=True sees. Prints ms and the on / off ratio, and
+which backend the router ran.
+
+    python scripts/bench_routed_gqa.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import fa_backend
+
+SHAPES = [  # (batch, hq, hkv, seqlen, d, causal): Llama-3-8B-like and Gemma-2-9B-like heads
+    (4, 32, 8, 4096, 128, True), (4, 32, 8, 4096, 128, False),
+    (4, 16, 8, 4096, 256, True), (4, 16, 8, 4096, 256, False),
+]
+
+
+def step_ms(q, k, v, causal, dout, routed: bool, order: list[str] | None = None) -> float:
+    """Median ms of one forward + backward; `order`: an sdpa_backends restriction (e.g. our kernels forced)."""
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    if not routed:
+        return triton.testing.do_bench(step, warmup=10, rep=100)
+    with fa_backend.enabled():
+        if order is None:
+            return triton.testing.do_bench(step, warmup=10, rep=100)
+        with fa_backend.sdpa_backends(order):
+            return triton.testing.do_bench(step, warmup=10, rep=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    for b, hq, hkv, s, d, causal in SHAPES:
+        q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        dout = torch.randn_like(q)
+        fa_backend.reset_stats()
+        on = step_ms(q, k, v, causal, dout, True)
+        ran = dict(fa_backend.stats()["runs"])
+        off = step_ms(q, k, v, causal, dout, False)
+        ours = step_ms(q, k, v, causal, dout, True, ["cute", "triton"])  # what ran before the GQA rules
+        row = dict(batch=b, hq=hq, hkv=hkv, seqlen=s, d=d, causal=causal, on_ms=on, off_ms=off, ratio=off / on,
+                   ours_forced_ms=ours,
+                   runs=ran, explain=fa_backend.explain(q, k, v, is_causal=causal, enable_gqa=True).backend)
+        rows.append(row)
+        print(f"b={b} hq={hq} hkv={hkv} s={s} d={d} causal={int(causal)}: on {on:.3f} ms, off {off:.3f} ms, "
+              f"off/on {off / on:.2f}, routed to {row['explain']}; our kernels forced {ours:.3f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
