@@ -206,3 +206,23 @@ def test_deterministic_algorithms_take_cudnn_out_of_the_rules(warn_only):
     else:
         assert rule is None and backend == ("triton" if cute.DSL_MISSING else "cute")
     assert slower_than_peer("triton", PLAIN).code is ReasonCode.SLOWER  # restored
+
+
+def test_compiled_code_follows_the_deterministic_mode():
+    """Compiled code reads the cuDNN premise once per trace; Dynamo's global-state guard retraces when deterministic
+    algorithms are switched, so the rule follows the mode there too."""
+    def f(x):
+        return x + 1 if slower_than_peer("triton", PLAIN) is not None else x - 1
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.zeros(2)
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        assert compiled(x).tolist() == [1.0, 1.0]
+        torch.use_deterministic_algorithms(True)
+        assert compiled(x).tolist() == [-1.0, -1.0]
+        torch.use_deterministic_algorithms(False)
+        assert compiled(x).tolist() == [1.0, 1.0]
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+        torch._dynamo.reset()
