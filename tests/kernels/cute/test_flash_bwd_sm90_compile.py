@@ -297,7 +297,17 @@ def test_deterministic_variant_orders_its_dq_adds(tmp_path, d, tile_m, causal):
     assert full_wait and full_wait.start() < ptx.index("red.release.gpu.global.add.s32")
     report = ptxas_report(ptx, tmp_path)
     assert not re.findall(r"C75\d\d", report), report
-    assert "0 bytes spill stores, 0 bytes spill loads" in report or d == 64, report
+    # no more spills than the unordered variant (none at d=128; d=64's 128-row kernel spills 20-24 bytes already)
+    (tmp_path / "unordered").mkdir()
+    unordered = flash_bwd.compile_flash_bwd(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path / "unordered"),
+                                            wgs=2, warp_specialized=True, tile_m=tile_m).__ptx__
+    assert _spill_bytes(report) <= _spill_bytes(ptxas_report(unordered, tmp_path / "unordered")), report
+    assert d == 64 or _spill_bytes(report) == 0, report
+
+
+def _spill_bytes(report: str) -> int:
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
+    return int(stores) + int(loads)
 
 
 def test_deterministic_needs_the_warp_specialised_kernel_without_a_mask():
