@@ -183,6 +183,7 @@ def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64), only: list[s
     """Backward TFLOP/s per (d, causal, seqlen): the CuTe backward kernel's variants (`only`: these), the op's,
     Triton's, cuDNN's and flash's."""
     from fa_backend.kernels.cute.flash_bwd import HEAD_DIMS as BWD_HEAD_DIMS
+    from fa_backend.kernels.cute.flash_bwd import WIDE_HEAD_DIMS
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.ops import cute_flash
 
@@ -197,14 +198,16 @@ def backward(seqlens: list[int], dims: tuple[int, ...] = (128, 64), only: list[s
                 out, lse = flash_fwd_ws(q, k, v, causal=causal, overlap=True)
                 flops = 2.5 * _flops(b, h, s, d, causal)
                 row = dict(d=d, causal=causal, seqlen=s, batch=b, heads=h)
-                # the atomic-dQ variant (136-160 TFLOP/s at 8k) is no longer timed; d=192 / 256: the op only (its
-                # backward is Triton's)
+                # the atomic-dQ variant (136-160 TFLOP/s at 8k) is no longer timed
                 variants = [("cute_bwd", dict())] if d in BWD_HEAD_DIMS else []
                 if d == 128:
                     variants.append(("cute_bwd_2wg", dict(wgs=2)))
                     variants.append(("cute_bwd_2wg_dqbuf", dict(wgs=2, dq_buffer=True)))
                     variants.append(("cute_bwd_ws", dict(wgs=2, warp_specialized=True)))
                     variants.append(("cute_bwd_ws80", dict(wgs=2, warp_specialized=True, tile_m=80)))
+                    variants.append(("cute_bwd_ws_det", dict(wgs=2, warp_specialized=True, deterministic=True)))
+                if d in WIDE_HEAD_DIMS:  # flash_bwd_wide's kernel
+                    variants.append(("cute_bwd_ws", dict(wgs=2, warp_specialized=True)))
                     variants.append(("cute_bwd_ws_det", dict(wgs=2, warp_specialized=True, deterministic=True)))
                 if d == 64:
                     variants.append(("cute_bwd_ws128", dict(wgs=2, warp_specialized=True, tile_m=128)))

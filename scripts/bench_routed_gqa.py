@@ -1,8 +1,8 @@
 """A routed GQA training step (forward + backward through F.scaled_dot_product_attention) with fa_backend routing on
 and off, on the GPU at hand: what a model that passes enable_gqa=True sees. Prints ms and the on / off ratio, and
-which backend the router ran.
+which backend the router ran. Other shapes (MHA too: hq == hkv) with --shape.
 
-    python scripts/bench_routed_gqa.py [--json FILE]
+    python scripts/bench_routed_gqa.py [--json FILE] [--shape b,hq,hkv,seqlen,d,causal ...]
 """
 
 from __future__ import annotations
@@ -40,9 +40,14 @@ def step_ms(q, k, v, causal, dout, routed: bool, order: list[str] | None = None)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--shape", action="append", default=None,
+                        help="b,hq,hkv,seqlen,d,causal (repeatable; default: the GQA shapes in SHAPES)")
     args = parser.parse_args()
+    shapes = SHAPES if args.shape is None else [
+        tuple(int(x) for x in spec.split(",")[:5]) + (spec.split(",")[5] in ("1", "True", "true"),)
+        for spec in args.shape]
     rows = []
-    for b, hq, hkv, s, d, causal in SHAPES:
+    for b, hq, hkv, s, d, causal in shapes:
         q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         dout = torch.randn_like(q)

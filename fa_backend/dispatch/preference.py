@@ -64,6 +64,7 @@ class FasterPeer:
     gqa_only: bool = False  # only calls with hq != hkv
     causal_only: bool = False  # only calls with is_causal
     grad_only: bool = False  # only calls that need gradients (the evidence is about forward + backward)
+    no_grad_only: bool = False  # only calls that need no gradients (the evidence is about the forward)
     choices: frozenset[str] = frozenset({"cudnn_attention"})  # PyTorch's own picks the evidence is about
 
     def applies(self, call: AttentionCall) -> bool:
@@ -77,6 +78,7 @@ class FasterPeer:
                 and (call.heads_q != call.heads_kv or not self.gqa_only)
                 and (call.is_causal or not self.causal_only)
                 and (call.requires_grad or not self.grad_only)
+                and (not call.requires_grad or not self.no_grad_only)
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
                 and call.shapes_consistent and not call.subclass
                 and (self.max_seqlen_q is None or call.seqlen_q <= self.max_seqlen_q)
@@ -195,21 +197,34 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                         evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and "
                                  f"{TINY_KV_BYTES >> 20} MiB of K and V): PyTorch's C++ path costs less host time "
                                  "per call than our CuTe runner"),
-    # d=192 / 256 (docs/benchmarks.md, "Head dims 192 and 256 on the CuTe forward", 2026-12-01): the CuTe forward at
-    # 0.76-1.00x cuDNN's; the backward is our Triton one, which cuDNN's beats 1.99-2.55x.
+    # d=256 (docs/benchmarks.md, "CuTe backward at d=192 / 256", 2026-12-01): the CuTe forward at 0.76-0.98x cuDNN's,
+    # the CuTe backward (flash_bwd_wide) at 0.91-1.08x: a training step 0.88-1.06x cuDNN's.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128, 192, 256}),
-               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward (d=192 / 256: "
-                        "1.00-1.31x); our backward is slower too"),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128, 256}),
+               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward (d=256: "
+                        "1.02-1.33x, a training step 0.94-1.14x); our backward is slower too (d=64 / 128)"),
+    # d=192: the CuTe backward at 1.10-1.31x cuDNN's, a training step 1.05-1.24x (same section): cuDNN keeps the
+    # calls without gradients only, whose forward it runs 1.02-1.30x faster.
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), no_grad_only=True,
+               evidence="H200, torch 2.11, bf16, d=192, seqlen 2k-8k: cuDNN 1.02-1.30x our CuTe forward (calls with "
+                        "gradients run ours: a training step 1.05-1.24x cuDNN's)"),
     # GQA (docs/benchmarks.md, "GQA on sm90: cuDNN or ours", H200, bf16, seqlen 2k / 8k, 2026-12-01): at d=192 / 256
-    # cuDNN ran 0.98-1.30x our CuTe forward and 1.97-2.42x our (Triton) backward; at d=64 / 128, causal, 1.00-1.24x
+    # cuDNN ran 0.98-1.30x our CuTe forward and 1.97-2.42x our backward, then Triton's; at d=64 / 128, causal, 1.00-1.24x
     # the CuTe forward and 1.05-1.10x the CuTe backward. Non-causal GQA at d=64 / 128 stays ours: forward 0.95-1.14x,
     # backward 0.94-0.99x, a training step 0.95-1.01x.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192, 256}), gqa_only=True,
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({256}), gqa_only=True,
                min_seqlen_q=DENSE_MIN_SEQLEN_Q,
-               evidence="H200, torch 2.11, bf16, GQA, d=192 / 256, seqlen 2k / 8k: cuDNN 0.98-1.30x our CuTe "
-                        "forward, 1.97-2.42x our backward"),
+               evidence="H200, torch 2.11, bf16, GQA, d=256, seqlen 2k / 8k: cuDNN 0.98-1.30x our CuTe forward; "
+                        "without GQA a training step 0.94-1.14x ours"),
+    # GQA at d=192 since flash_bwd_wide (docs/benchmarks.md, "CuTe backward at d=192 / 256", 10:2, 2k / 8k): the
+    # CuTe backward 1.22-1.34x cuDNN's, a training step 1.11-1.25x; calls without gradients stay on cuDNN.
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), gqa_only=True,
+               no_grad_only=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
+               evidence="H200, torch 2.11, bf16, GQA, d=192, seqlen 2k / 8k: cuDNN 1.02-1.28x our CuTe forward "
+                        "(calls with gradients run ours: a training step 1.11-1.25x cuDNN's)"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}), gqa_only=True,
                causal_only=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,

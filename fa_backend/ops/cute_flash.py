@@ -6,13 +6,13 @@ intra-warpgroup overlap with one; three consumers at d=64). The forward returns 
 the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too.
 
 The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; the warp-specialised kernel at d=128 and
-64): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens, d=64 and 128, causal or not
-(docs/benchmarks.md). The Triton backward kernels (fa_backend::triton_flash_bwd, which take the CuTe forward's
-outputs as they are) run instead for scale 0, after a compile failure, with a key mask at d=96
-(KEY_MASK_BACKWARD), at d=192 / 256 (the CuTe backward's head dims are 64, 96, 128), with CUTE_BACKWARD = False, and
-under torch.use_deterministic_algorithms where the CuTe backward has no deterministic variant (d=96, key masks).
-Under deterministic algorithms at d=64 / 128 the warp-specialised kernel adds each dQ block's parts in key-block
-order (turn flags), so its gradients are the same bits on every run.
+64, flash_bwd_wide's at d=192 and 256): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens,
+d=64 and 128, causal or not, 2.4-3.2x at d=192 / 256 (docs/benchmarks.md). The Triton backward kernels
+(fa_backend::triton_flash_bwd, which take the CuTe forward's outputs as they are) run instead for scale 0, after a
+compile failure, with a key mask at d=96 / 192 / 256 (KEY_MASK_BACKWARD), with CUTE_BACKWARD = False, and under
+torch.use_deterministic_algorithms where the CuTe backward has no deterministic variant (d=96, key masks). Under
+deterministic algorithms the warp-specialised kernels add each dQ block's parts in key-block order (turn flags), so
+their gradients are the same bits on every run.
 
 A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both kernels, packed by key_words.
 
@@ -132,7 +132,10 @@ CUTE_BACKWARD = True
 # warpgroups with 128 keys per CTA and a producer warpgroup; 6-7 % faster than two warpgroups without the producer
 # at 2k-8k tokens on the H200, eleventh session); at d=64 the same kernel with 128 query rows per step (FA4's d=64
 # tile: +5-9 % over one warpgroup at 2k-8k, causal 2k equal, twelfth session); one warpgroup elsewhere
-BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, warp_specialized=True, tile_m=128)}
+# d=192 / 256: flash_bwd_wide's kernel (both MMA warpgroups on one 64-key tile, split by columns; 2.4-3.2x the Triton
+# backward it replaced, fifteenth session)
+BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, warp_specialized=True, tile_m=128),
+                     192: dict(wgs=2, warp_specialized=True), 256: dict(wgs=2, warp_specialized=True)}
 
 
 # head dims whose backward variant runs a key mask: the warp-specialised kernel's 64-row steps (d=128) and its 128-row
@@ -143,15 +146,15 @@ KEY_MASK_BACKWARD = frozenset({128, 64})
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None):
-    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, a head dim the forward has and
-    the backward not (192, 256), a variant that failed to compile, a key mask at a head dim whose backward variant
-    has none, deterministic mode at d=96 or with a key mask: the caller runs the Triton backward). Under
-    torch.use_deterministic_algorithms the warp-specialised kernel adds dQ in a fixed order (d=64 / 128)."""
+    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, a variant that failed to
+    compile, a key mask at a head dim whose backward variant has none (96, 192, 256), deterministic mode at d=96 or
+    with a key mask: the caller runs the Triton backward). Under torch.use_deterministic_algorithms the
+    warp-specialised kernels add dQ in a fixed order (d=64 / 128 / 192 / 256)."""
     from ..kernels.cute._compile_cache import CompileFailedError
-    from ..kernels.cute.flash_bwd import HEAD_DIMS, flash_bwd
+    from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, flash_bwd
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS:
+    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS:
         return None
     variant = BACKWARD_VARIANTS.get(q.shape[-1], {})  # one warpgroup where absent
     deterministic = torch.are_deterministic_algorithms_enabled()

@@ -86,7 +86,7 @@ def cute_backward(monkeypatch):
 def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, backward, request):
     """Outputs and gradients (q, k, v of hkv heads) against float64, the project's 2x rule; the references
     repeat K and V over each query group, so their gradients are summed back over it. d = 192 / 256: the CuTe
-    forward and the Triton backward whatever `backward` says (the CuTe backward has no such head dims)."""
+    backward is flash_bwd_wide's kernel."""
     from fa_backend.ops import cute_flash_attention
 
     calls = request.getfixturevalue("cute_backward") if backward == "cute" else None
@@ -111,7 +111,7 @@ def test_forward_and_gradients_within_bar(dtype, d, causal, bottom_right, b, hq,
     assert_within_bar("out", out, pt, ref)
     assert_grads_within_bar(out, ours, pt, pt_leaves, ref, ref_leaves)
     if calls is not None:
-        assert len(calls) == (0 if d > 128 else 1)
+        assert len(calls) == 1
 
 
 def _scores_ref(q, k, scale, bottom_right_causal):
@@ -158,10 +158,10 @@ def test_cute_backward_negative_scale(cute_backward):
     assert len(cute_backward) == 1
 
 
-@pytest.mark.parametrize("d,causal", [(128, True), (128, False), (64, True)])
+@pytest.mark.parametrize("d,causal", [(128, True), (128, False), (64, True), (192, False), (256, True)])
 def test_deterministic_mode_runs_the_deterministic_cute_backward(cute_backward, d, causal):
     """Under torch.use_deterministic_algorithms the op's backward is the CuTe kernel's deterministic variant at
-    d=64 / 128: the same bits on every run, and the bits flash_bwd(..., deterministic=True) gives."""
+    d=64 / 128 / 192 / 256: the same bits on every run, and the bits flash_bwd(..., deterministic=True) gives."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.ops import cute_flash, cute_flash_attention
 
@@ -349,3 +349,24 @@ def test_routed_key_padding_call_runs_cute(clean):
     assert fa_backend.stats()["runs"] == {"cute": 1}
     assert torch.equal(routed, direct)
     assert q.grad is not None and not q.grad.isnan().any()
+
+
+@pytest.mark.parametrize("hkv", [16, 4])
+def test_routed_d192_call_runs_cute_with_gradients_and_cudnn_without(clean, cute_backward, hkv):
+    """d=192, MHA or GQA: a call with gradients runs the CuTe kernels (their backward, flash_bwd_wide's, beat
+    cuDNN's, and a training step with it); the same call without gradients stays on cuDNN (faster forward)."""
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(2, 16, hkv, 2048, 2048, 192, grad=True)
+    direct = cute_flash_attention(q, k, v, None, True)[0]
+    fa_backend.reset_stats()
+    with fa_backend.enabled():
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != 16)
+        routed.sum().backward()
+        assert fa_backend.stats()["runs"] == {"cute": 1}
+        assert torch.equal(routed, direct) and len(cute_backward) == 1
+        fa_backend.reset_stats()
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != 16)
+    assert fa_backend.stats()["runs"] == {"torch": 1}
+    assert not q.grad.isnan().any()

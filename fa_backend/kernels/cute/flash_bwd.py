@@ -68,6 +68,7 @@ from .flash_fwd import _DTYPES, _dynamic  # noqa: E402
 
 KERNEL_NAME = "flash_bwd_sm90"
 HEAD_DIMS = (64, 96, 128)
+WIDE_HEAD_DIMS = (192, 256)  # flash_bwd_wide.py (warp_specialized=True only)
 TILE_N = 64  # keys per warpgroup: its wgmma M
 TILE_M = _dq_layout.TILE_M  # query rows per step (64)
 THREADS = _dq_layout.THREADS  # per warpgroup (128)
@@ -117,6 +118,7 @@ class FlashBackwardSm90(ForwardVariant):
         self.smem_padding = 2 * 1024  # barriers and alignment
         self.key_mask = False  # the warp-specialised kernel's key-mask variant (FlashBackwardSm90WS)
         self.deterministic = False  # its deterministic variant (dQ adds in key-block order, turn flags in mWords)
+        self.key_tiles = wgs  # TILE_N-key tiles per CTA (one per warpgroup; flash_bwd_wide's share one)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -155,13 +157,8 @@ class FlashBackwardSm90(ForwardVariant):
                                                  self.ds_tiles)
         else:
             sdS_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tm, d, TILE_N), self.dtype, self.ds_tiles)
-        load = cpasync.CopyBulkTensorTileG2SOp()
-        one_k = cute.slice_(sK_layout, (None, None, 0))
-        one_stage = cute.slice_(sQ_layout, (None, None, 0))
-        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, one_k, (TILE_N, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, one_k, (TILE_N, d))
-        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, one_stage, (tm, d))
-        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load, do, one_stage, (tm, d))
+        tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do = self._tma_atoms(
+            k, v, q, do, sK_layout, sQ_layout)
         # K, V, the Q and dO stages, dS, the LSE and delta stages, alignment padding and barriers: 107 KB at
         # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (dq_buffer: + 32 KB of dQ block, + 16 KB of dS)
         smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * tm) * d + 2 * tm * TILE_N * self.ds_tiles
@@ -177,6 +174,19 @@ class FlashBackwardSm90(ForwardVariant):
             # warp-specialised: ptxas needs one CTA per SM stated to know the entry register count that setmaxnreg
             # changes (else C7508 at d=64, "setmaxnreg ignored")
             min_blocks_per_mp=1 if self.cta_warpgroups > self.wgs else 0)
+
+    def _tma_atoms(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor,
+                   sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout) -> tuple:
+        """TMA load atoms and their tensors for K, V (one TILE_N-key tile of sK_layout) and Q, dO (one stage of
+        sQ_layout), from (s, d, h, b) views."""
+        d, tm = self.head_dim, self.tile_m
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        one_k = cute.slice_(sK_layout, (None, None, 0))
+        one_stage = cute.slice_(sQ_layout, (None, None, 0))
+        return (*cpasync.make_tiled_tma_atom(load, k, one_k, (TILE_N, d)),
+                *cpasync.make_tiled_tma_atom(load, v, one_k, (TILE_N, d)),
+                *cpasync.make_tiled_tma_atom(load, q, one_stage, (tm, d)),
+                *cpasync.make_tiled_tma_atom(load, do, one_stage, (tm, d)))
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -423,19 +433,19 @@ class FlashBackwardSm90(ForwardVariant):
     @cute.jit
     def _load_kv(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, sK: cute.Tensor,
                  sV: cute.Tensor, bar_kv: cute.Pointer, n_block: Int32, head_kv: Int32, batch: Int32):
-        """The producer warp: K and V of the CTA's wgs key tiles, by TMA on bar_kv."""
+        """The producer warp: K and V of the CTA's key tiles, by TMA on bar_kv."""
         d = self.head_dim
-        wgs = self.wgs
         one_cta = cute.make_layout(1)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, key tiles)
         gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tiles = self.key_tiles
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * wgs * TILE_N * d * self.dtype.width // 8)
-        for j in cutlass.range_constexpr(wgs):
-            cute.copy(tma_k, tKgK[None, n_block * wgs + j], tKsK[None, j], tma_bar_ptr=bar_kv)
-            cute.copy(tma_v, tVgV[None, n_block * wgs + j], tVsV[None, j], tma_bar_ptr=bar_kv)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * tiles * TILE_N * d * self.dtype.width // 8)
+        for j in cutlass.range_constexpr(tiles):
+            cute.copy(tma_k, tKgK[None, n_block * tiles + j], tKsK[None, j], tma_bar_ptr=bar_kv)
+            cute.copy(tma_v, tVgV[None, n_block * tiles + j], tVsV[None, j], tma_bar_ptr=bar_kv)
 
     @cute.jit
     def _query_blocks(self, seqlen_q: Int32, seqlen_k: Int32, n_block: Int32, group: Int32):
@@ -446,7 +456,7 @@ class FlashBackwardSm90(ForwardVariant):
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         m_start = 0
         if cutlass.const_expr(self.causal):
-            m_start = cutlass.min(cutlass.max(n_block * TILE_N * self.wgs - offset, 0) // self.tile_m, m_blocks)
+            m_start = cutlass.min(cutlass.max(n_block * TILE_N * self.key_tiles - offset, 0) // self.tile_m, m_blocks)
         n_m = m_blocks - m_start
         return offset, m_start, n_m, group * n_m
 
@@ -638,11 +648,16 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
     """
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
+    wide = head_dim in WIDE_HEAD_DIMS  # flash_bwd_wide's kernel: warp-specialised, 64-row steps, nothing else
+    if head_dim not in HEAD_DIMS and not wide:
+        raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS + WIDE_HEAD_DIMS))})")
+    if wide and not (warp_specialized and wgs == 2 and tile_m == TILE_M and not key_mask and not dq_atomic
+                     and not dq_buffer):
+        raise ValueError(f"head_dim={head_dim} needs warp_specialized=True, wgs=2, tile_m={TILE_M} and no key_mask, "
+                         f"dq_atomic or dq_buffer")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
-    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128 and not (head_dim == 64 and tile_m == 128)):
+    if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128 and not (head_dim == 64 and tile_m == 128) and not wide):
         raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128, or with 64 and "
                          f"tile_m=128)")
     if dq_buffer and dq_atomic:
@@ -662,7 +677,11 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         q, k, v, do, dk, dv = (_dynamic(example) for _ in range(6))
         rows = [_dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4) for _ in range(2)]
         dqacc = _dynamic(torch.empty(1, 1, 8, head_dim, dtype=torch.float32))
-        if warp_specialized:
+        if wide:
+            from .flash_bwd_wide import FlashBackwardSm90Wide
+
+            kernel = FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, deterministic)
+        elif warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
             kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m, key_mask,
@@ -686,7 +705,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
             + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "")
             + ("_deterministic" if deterministic else "") + ("_ptrargs" if pointer_args else ""))
-    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * wgs, tile_m), arch)
+    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * (1 if wide else wgs), tile_m),
+                     arch)
     return CACHE.get_or_compile(key, build)
 
 
@@ -711,7 +731,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     from .flash_fwd import _check_inputs, _check_key_words
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _check_inputs(q, k, v, scale)
+    _check_inputs(q, k, v, scale, head_dims=HEAD_DIMS + WIDE_HEAD_DIMS)
     if key_words is not None:
         _check_key_words(key_words, q, k)
     if dout.shape != q.shape or dout.dtype != q.dtype:

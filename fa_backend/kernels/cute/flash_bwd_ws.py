@@ -64,6 +64,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # batch), zeroed by the caller (_write_dq)
         self.deterministic = deterministic
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
+        self.qdo_stages = QDO_STAGES  # Q / dO pipeline depth (flash_bwd_wide's may differ)
         self.tile_m = tile_m
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
         self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
@@ -160,7 +161,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         d = self.head_dim
         self._load_kv(tma_k, mK, tma_v, mV, sK, sV, bar_kv, n_block, head_kv, batch)
         one_cta = cute.make_layout(1)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QDO_STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.qdo_stages)
         for step in cutlass.range(steps, unroll=1):
             head = head_kv * group + step // n_m
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))  # (tile_m, d, blocks)

@@ -108,14 +108,42 @@ def test_deterministic_variant_is_bitwise_stable_at_training_sizes(d, tile_m, ca
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100),
+                                             (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 40)])
+def test_wide_head_dims_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
+    """flash_bwd_wide (d = 192 / 256): both MMA warpgroups on one 64-key tile, split by queries for S^T / dP^T and
+    by columns for dK, dV and dQ; sq = 1000 reuses every pipeline stage and P^T / dS^T tile many times; sk = 40: a
+    partial key tile only."""
+    check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, warp_specialized=True)
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_head_dims_fast_call_and_deterministic(d, causal, monkeypatch):
+    """The wide kernel through the fast call path (twice: the second call from its cache), and its deterministic
+    variant within the bar and bitwise stable over three runs."""
+    from fa_backend.kernels.cute import _fast_call
+
+    monkeypatch.setattr(_fast_call, "ENABLED", True)
+    for _ in range(2):
+        check_backward(torch.bfloat16, d, causal, True, 1, 8, 2, 300, 333, wgs=2, warp_specialized=True)
+    check_backward(torch.bfloat16, d, causal, True, 1, 8, 2, 700, 733, wgs=2, warp_specialized=True,
+                   deterministic=True, repeat=3)
+
+
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1, dq_buffer=False,
                    warp_specialized=False, tile_m=64, deterministic=False, repeat=1):
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
-    from fa_backend.kernels.cute.flash_fwd import flash_fwd
+    from fa_backend.kernels.cute.flash_fwd import HEAD_DIMS, flash_fwd
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype) for _ in range(2))
-    out, lse = flash_fwd(q, k, v, causal=causal, bottom_right=bottom_right)
+    forward = flash_fwd if d in HEAD_DIMS else flash_fwd_ws  # d = 192 / 256: the warp-specialised forward only
+    out, lse = forward(q, k, v, causal=causal, bottom_right=bottom_right)
     dout = torch.randn_like(out)
     def run():
         return flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic,

@@ -316,3 +316,46 @@ def test_deterministic_needs_the_warp_specialised_kernel_without_a_mask():
     for kwargs in (dict(wgs=1), dict(wgs=2, warp_specialized=True, key_mask=True)):
         with pytest.raises(ValueError, match="deterministic=True needs warp_specialized=True and no key mask"):
             flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, deterministic=True, **kwargs)
+
+
+@pytest.mark.parametrize("d,causal,deterministic", [(256, False, False), (192, True, False), (256, True, True)])
+def test_wide_head_dims_compile_for_sm90a(tmp_path, d, causal, deterministic):
+    """flash_bwd_wide (d = 192 / 256): S^T / dP^T as m64n32 GEMMs over the warpgroup's 32 queries (d / 16 each),
+    dV, dK and the dQ block as m64n(d/2) GEMMs with every operand in shared memory (64 / 16 each), P^T and dS^T
+    stored by stmatrix, the dQ block's four pieces (each warpgroup's part through its column halves of the step's Q
+    and dO tiles) by four bulk adds per step, no local memory."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, d, causal, True, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, deterministic=deterministic).__ptx__
+    scores = _wgmma_lines(ptx, "m64n32k16.f32.bf16.bf16")
+    grads = _wgmma_lines(ptx, f"m64n{d // 2}k16.f32.bf16.bf16")
+    assert len(scores) == 2 * d // 16 and len(grads) == 3 * 64 // 16
+    assert not [line for line in grads if "{%r" in line.split("}, ")[1]]  # A from shared memory, not registers
+    assert len(re.findall(r"stmatrix", ptx)) == 4
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32", ptx)) == 4
+    assert ("ld.global.acquire" in ptx) == deterministic  # the turn flags
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_ptxas
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_head_dims_registers_fit(tmp_path, d):
+    """The MMA warpgroups' accumulators (S^T and dP^T 16 + 16, dK, dV and the dQ block 3 x d / 4 registers per
+    thread) fit the 240 registers setmaxnreg gives them: no spills, no wgmma serialised (C75xx)."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, d, True, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True).__ptx__
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.findall(r"C75\d\d", report), report
+
+
+def test_wide_head_dims_refuse_other_variants():
+    from fa_backend.kernels.cute import flash_bwd
+
+    for kwargs in (dict(), dict(wgs=2), dict(wgs=2, warp_specialized=True, key_mask=True),
+                   dict(wgs=2, warp_specialized=True, tile_m=128)):
+        with pytest.raises(ValueError, match="head_dim=256 needs warp_specialized=True"):
+            flash_bwd.compile_flash_bwd(torch.bfloat16, 256, False, **kwargs)

@@ -1,0 +1,339 @@
+"""Warp-specialised FlashAttention backward for Hopper (sm90a) at head_dim 192 and 256, in the CuTe DSL (issue 7).
+
+flash_bwd.flash_bwd(..., warp_specialized=True) runs it at these head dims. The d = 64 / 128 kernel
+(flash_bwd_ws.py) gives each MMA warpgroup its own 64 keys and every accumulator of them: dK and dV alone would
+take 192 (d=192) or 256 (d=256) registers per thread there. Here the two MMA warpgroups share one tile of 64 keys
+and split the work by columns (FA3's split at large head dims; the budget is in docs/cute.md):
+- S^T = K Q^T and dP^T = V dO^T by query columns: warpgroup g takes queries [32 g, 32 g + 32) of the step's 64
+  (m64n32 GEMMs, 16 + 16 accumulator registers), computes its half of P^T and dS^T and stores it (stmatrix) into
+  shared-memory tiles of the whole 64 x 64 block;
+- after one barrier of the two warpgroups, each runs dV += P^T dO, dK += dS^T Q and the dQ block = dS K for its
+  half of the head dim's columns (d / 2: 96 or 128), all three with both operands in shared memory (P^T and dS^T
+  are each warpgroup's A operand but computed by halves): 48 / 64 registers per accumulator;
+- the P^T / dS^T tiles alternate between steps, so that one barrier per step orders their writes and reads;
+- the dQ block goes to the producer warpgroup's dQ writer warp through the step's own Q / dO stage: once a
+  warpgroup's dV and dK GEMMs are done, its column halves of that stage's Q and dO tiles (2 * 64 * d / 2 bf16 values)
+  have no reader left and hold exactly its part of the fp32 block (64 * d / 2 values). The writer adds the parts with
+  bulk reduce-adds into the chunked "columns" order that _dq_layout converts, and it (not the MMA warpgroups)
+  releases the stage to the producer once the adds have read it. Without a dQ buffer of its own (64 KB at d=256) two
+  Q / dO stages fit at d=256: with one stage, a step's loads start only when the step before it ends (d=256 ran at
+  0.63-0.70x cuDNN so, 0.90-1.05x with two; d=192 with one stage 0.59-0.64x of two).
+A warpgroup's column half must be whole swizzle atoms for the MN-major views (dO, Q, K as B operands): d=256 keeps
+128-byte swizzling (64-column atoms), d=192 uses 64-byte swizzling (32-column atoms: 96 = 3 of them); the column
+halves are then contiguous regions of a tile (the atoms tile the rows first).
+Shared memory (bytes, bf16/fp16): K and V 2 * 64 * d * 2, Q and dO 2 * 64 * d * 2 per stage, P^T and dS^T 2 * 2 *
+8 KB: 224 KB at d=256 with two Q / dO stages and at d=192 with three (QDO_STAGES; 227 KB is what an sm90 CTA may
+have).
+"""
+
+from __future__ import annotations
+
+from ._compile_cache import enable_dsl_disk_cache
+
+enable_dsl_disk_cache()  # before the DSL's first compile in this process
+
+from typing import Any  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp  # noqa: E402
+from cutlass.memory import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
+from .flash_bwd import THREADS, TILE_M, TILE_N, WIDE_HEAD_DIMS, _gemm, _transposed  # noqa: E402
+from .flash_bwd_ws import MMA_BARRIER, MMA_REGS, PRODUCER_REGS, FlashBackwardSm90WS, _own_copy  # noqa: E402
+
+HEAD_DIMS = WIDE_HEAD_DIMS
+PT_TILES = 2  # P^T / dS^T tiles alternate between steps: one barrier per step orders their writes and reads
+
+
+# Q / dO pipeline depth: at d=192 three stages (a stage stays held until the dQ writer's adds have read the dQ parts
+# in it: two gave 0.79-0.83x of the first version's separate dQ buffer on the H200, three 1.01-1.04x), at d=256 the
+# two that fit (one: 0.63-0.70x cuDNN, two 0.90-1.05x)
+QDO_STAGES = {192: 3, 256: 2}
+
+
+class FlashBackwardSm90Wide(FlashBackwardSm90WS):
+    """The warp-specialised backward with both MMA warpgroups on one 64-key tile, split by columns (module
+    docstring): head_dim 192 or 256, 64 query rows per step."""
+
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, deterministic: bool = False):
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
+        super().__init__(dtype, head_dim, causal, bottom_right, TILE_M, key_mask=False, deterministic=deterministic)
+        self.key_tiles = 1  # one 64-key tile per CTA, shared by both MMA warpgroups
+        self.qdo_stages = QDO_STAGES[head_dim]
+        self.cols = head_dim // self.wgs  # each MMA warpgroup's columns of dK, dV and the dQ block
+        self.smem_padding = 1024  # the barriers before the first 1024-byte-aligned tile
+
+    def _smem_bytes(self) -> int:
+        d, tm, width = self.head_dim, self.tile_m, self.dtype.width // 8
+        return (width * (2 * TILE_N + 2 * self.qdo_stages * tm) * d + 2 * PT_TILES * width * tm * TILE_N
+                + 4 * 2 * tm * 2 + self.smem_padding)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
+                 scale: Float32, stream: Any, mWords: cute.Tensor = None):
+        d = self.head_dim
+        tm = self.tile_m
+        sdhb = [2, 3, 1, 0]  # (s, d, h, b) views; (s, h, b) for the rows
+        q, k, v, do, dk, dv, dqacc = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=sdhb))
+                                      for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc))
+        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
+        turns = None
+        if cutlass.const_expr(self.deterministic):  # (b, hq, query blocks) -> (n, h, b)
+            turns = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
+
+        # S^T, dP^T of a warpgroup's 32 queries (keys x queries, both operands K-major)
+        mma_s = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                            (1, 1, 1), (TILE_N, tm // self.wgs))
+        # dV, dK of a warpgroup's columns (keys x d / 2): P^T / dS^T K-major, dO / Q MN-major (transposed views)
+        mma_kv = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
+                                             Float32, (1, 1, 1), (TILE_N, self.cols))
+        # the dQ block's columns (queries x d / 2) = dS K: both MN-major
+        mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN,
+                                             Float32, (1, 1, 1), (tm, self.cols))
+        # K, V, Q, dO: rows of d contiguous values, swizzled in atoms that a warpgroup's column half is made of
+        atom = sm90.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.cols),
+                                          self.dtype)
+        sK_layout = cute.tile_to_shape(atom, (TILE_N, d, 1), order=(0, 1, 2))
+        sQ_layout = cute.tile_to_shape(atom, (tm, d, self.qdo_stages), order=(0, 1, 2))
+        # P^T and dS^T: (queries, keys) tiles, queries contiguous (the dQ GEMM's MN-major A; transposed, the K-major
+        # A of dV / dK)
+        sP_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tm, d, TILE_N), self.dtype, PT_TILES)
+        tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do = self._tma_atoms(
+            k, v, q, do, sK_layout, sQ_layout)
+        self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do, lse, delta,
+                    dk, dv, dqacc, scale_log2, scale, mma_s, mma_kv, mma_dq, sK_layout, sQ_layout, sP_layout,
+                    turns).launch(
+            grid=(cute.ceil_div(k.shape[0], TILE_N), k.shape[2], k.shape[3]),
+            block=(THREADS * self.cta_warpgroups, 1, 1), smem=self._smem_bytes(), stream=stream,
+            min_blocks_per_mp=1)  # ptxas needs one CTA per SM stated for setmaxnreg (flash_bwd.__call__)
+
+    @cute.kernel
+    def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor, mLSE: cute.Tensor,
+               mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
+               scale: Float32, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma,
+               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               mTurns: cute.Tensor = None):
+        d = self.head_dim
+        wgs = self.wgs
+        stages = self.qdo_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: the producer warpgroup, 1 + wg: MMA warpgroup wg
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+
+        smem = SmemAllocator()
+        bar_kv = smem.allocate_array(cutlass.Int64, 1)
+        bars_qdo = smem.allocate_array(cutlass.Int64, 2 * stages)
+        bar_dq = smem.allocate_array(cutlass.Int64, stages)  # per stage: its dQ parts are stored
+        sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        # the Q and dO stages as raw bytes: the swizzled operand views, and the unswizzled fp32 views through which
+        # the dQ parts reach the writer (module docstring)
+        stage_bytes = self.tile_m * d * self.dtype.width // 8
+        raw_q = smem.allocate(stages * stage_bytes, byte_alignment=1024)
+        raw_do = smem.allocate(stages * stage_bytes, byte_alignment=1024)
+        sQ = cute.make_tensor(cute.recast_ptr(raw_q, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
+        sdO = cute.make_tensor(cute.recast_ptr(raw_do, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
+        fQ = cute.make_tensor(cute.recast_ptr(raw_q, dtype=Float32), cute.make_layout(stages * stage_bytes // 4))
+        fdO = cute.make_tensor(cute.recast_ptr(raw_do, dtype=Float32), cute.make_layout(stages * stage_bytes // 4))
+        sP = smem.allocate_tensor(self.dtype, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sdS = smem.allocate_tensor(self.dtype, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
+        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, self.tile_m, 2)), byte_alignment=16)
+
+        # a stage is refilled once the dQ writer has released it (its adds have read the dQ parts stored there)
+        pipe = pipeline.PipelineTmaAsync.create(
+            num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=2 * stage_bytes, barrier_storage=bars_qdo, defer_sync=True)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar_kv, 1)
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(bar_dq + s, wgs * THREADS)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        offset, m_start, n_m, steps = self._query_blocks(seqlen_q, seqlen_k, n_block, group)
+        if role == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp == 0:
+                self._produce(tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, sK, sV, sQ, sdO, bar_kv, pipe, n_block,
+                              head_kv, batch, group, m_start, n_m, steps)
+            if warp == 1:
+                self._write_dq_parts(fQ, fdO, mdQacc, bar_dq, pipe, head_kv, batch, group, m_start, n_m, steps,
+                                     n_block, mTurns)
+        else:
+            cute.arch.setmaxregister_increase(MMA_REGS)
+            self._mma_wide(_own_copy(mma_s), _own_copy(mma_kv), _own_copy(mma_dq), sK, sV, sQ, sdO, sP, sdS, fQ,
+                           fdO, sRows, bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1,
+                           tidx % THREADS, n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps)
+
+    def _part_floats(self) -> int:
+        """fp32 values of one piece of a warpgroup's dQ part: its column half of one Q (or dO) tile, reread."""
+        return self.tile_m * self.cols * self.dtype.width // 8 // 4
+
+    @cute.jit
+    def _write_dq_parts(self, fQ: cute.Tensor, fdO: cute.Tensor, mdQacc: cute.Tensor, bar_dq: cute.Pointer,
+                        pipe: cutlass.Constexpr, head_kv: Int32, batch: Int32, group: Int32, m_start: Int32,
+                        n_m: Int32, steps: Int32, n_block: Int32, mTurns: cute.Tensor = None):
+        """The dQ writer warp: once both MMA warpgroups stored a step's dQ parts in its stage, each part's two pieces
+        (its column half of the Q tile, then of the dO tile) added to the chunk with bulk reduce-adds; once they have
+        been read, the stage goes back to the producer. Deterministic: the turn flags of flash_bwd_ws._write_dq."""
+        piece = self._part_floats()
+        stage_floats = self.tile_m * self.head_dim * self.dtype.width // 8 // 4
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.qdo_stages)
+        for step in cutlass.range(steps, unroll=1):
+            head = head_kv * group + step // n_m
+            m_block = self._m_block(m_start, n_m, step)
+            gdQ = mdQacc[None, None, head, batch]  # (blocks, tile_m * d) chunks
+            cute.arch.mbarrier_wait(bar_dq + state.index, state.phase)
+            if cute.arch.lane_idx() == 0:
+                chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
+                if cutlass.const_expr(self.deterministic):
+                    turn = mTurns.iterator + cute.crd2idx((m_block, head, batch), mTurns.layout)
+                    while load_acquire_i32(turn) != n_block:
+                        pass
+                    fence_proxy_async_global()
+                for g in cutlass.range_constexpr(self.wgs):
+                    src = state.index * stage_floats + g * piece
+                    bulk_reduce_add_f32(fQ.iterator + src, chunk + 2 * g * piece, 4 * piece)
+                    bulk_reduce_add_f32(fdO.iterator + src, chunk + (2 * g + 1) * piece, 4 * piece)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                pipe.consumer_release(state)  # lane 0 is the pipeline's signalling thread
+                if cutlass.const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    fence_proxy_async_global()
+                    add_release_i32(turn, 1)
+            state.advance()
+
+    @cute.jit
+    def _wide_fragments(self, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
+                        sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sP: cute.Tensor, sdS: cute.Tensor,
+                        wg: Int32, wt: Int32):
+        """Warpgroup wg's thread wt's operand views of the five GEMMs (stage or tile mode last), the block
+        coordinates of its S^T and dK / dV values, and the stmatrix copy of its P^T / dS^T half with both
+        destinations."""
+        tm, cols = self.tile_m, self.cols
+        half_q = tm // self.wgs
+        thr_s, thr_kv, thr_dq = mma_s.get_slice(wt), mma_kv.get_slice(wt), mma_dq.get_slice(wt)
+        tSrK = mma_s.make_fragment_A(thr_s.partition_A(sK[None, None, 0]))
+        tSrV = mma_s.make_fragment_A(thr_s.partition_A(sV[None, None, 0]))
+        tSrQ = mma_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sQ, (half_q, self.head_dim), (wg, 0, None))))
+        tSrdO = mma_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sdO, (half_q, self.head_dim),
+                                                                        (wg, 0, None))))
+        tVrP = mma_kv.make_fragment_A(thr_kv.partition_A(_transposed(sP)))  # (keys, queries, tile)
+        tKrdS = mma_kv.make_fragment_A(thr_kv.partition_A(_transposed(sdS)))
+        tVrdO = mma_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(_transposed(sdO), (cols, tm),
+                                                                          (wg, 0, None))))
+        tKrQ = mma_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(_transposed(sQ), (cols, tm), (wg, 0, None))))
+        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (queries, keys, tile)
+        tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(cute.local_tile(_transposed(sK[None, None, 0]),
+                                                                         (cols, TILE_N), (wg, 0))))
+        tScS = thr_s.partition_C(cute.local_tile(cute.make_identity_tensor((TILE_N, tm)), (TILE_N, half_q), (0, wg)))
+        tKcK = thr_kv.partition_C(cute.local_tile(cute.make_identity_tensor((TILE_N, self.head_dim)),
+                                                  (TILE_N, cols), (0, wg)))
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((tm, cols)))
+        store = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_s)
+        tPsP = store.get_slice(wt).partition_D(cute.local_tile(_transposed(sP), (TILE_N, half_q), (0, wg, None)))
+        tDSsdS = store.get_slice(wt).partition_D(cute.local_tile(_transposed(sdS), (TILE_N, half_q), (0, wg, None)))
+        return tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS
+
+    @cute.jit
+    def _mma_wide(self, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
+                  sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sP: cute.Tensor, sdS: cute.Tensor,
+                  fQ: cute.Tensor, fdO: cute.Tensor, sRows: cute.Tensor, bar_kv: cute.Pointer, bar_dq: cute.Pointer,
+                  pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor,
+                  mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32, wt: Int32, n_block: Int32,
+                  head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32, m_start: Int32,
+                  n_m: Int32, steps: Int32):
+        """MMA warpgroup wg (thread wt of it): per step, its query half of S^T / dP^T / P^T / dS^T, one barrier,
+        then its column half of dV, dK and the dQ block."""
+        wgs = self.wgs
+        key0 = n_block * TILE_N
+        f = self._wide_fragments(mma_s, mma_kv, mma_dq, sK, sV, sQ, sdO, sP, sdS, wg, wt)
+        tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS = f
+        acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
+        row_loader = (wg == wgs - 1) & (wt < self.tile_m)
+        if steps > 0:
+            if row_loader:
+                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group,
+                                                self._m_block(m_start, n_m, 0) * self.tile_m + wt, batch)
+                sRows[0, wt, 0] = self._lse_log2(row_lse)
+                sRows[1, wt, 0] = row_delta
+        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
+        cute.arch.mbarrier_wait(bar_kv, 0)
+        mma_kv.set(warpgroup.Field.ACCUMULATE, True)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.qdo_stages)
+        r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
+        r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
+        thr_store = store.get_slice(wt)
+        for step in cutlass.range(steps, unroll=1):
+            rows = step % 2
+            tile = step % PT_TILES
+            row0 = self._m_block(m_start, n_m, step) * self.tile_m
+            next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
+                                                   n_m, wt, batch)
+            pipe.consumer_wait(state)
+            stage = state.index
+
+            warpgroup.fence()
+            _gemm(mma_s, acc_s, tSrK, tSrQ[None, None, None, stage])
+            warpgroup.commit_group()
+            _gemm(mma_s, acc_dp, tSrV, tSrdO[None, None, None, stage])
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)  # S^T
+            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset)
+            r_p.store(acc_s.load().to(self.dtype))
+            cute.copy(store, thr_store.retile(r_p), tPsP[None, None, None, tile])
+            warpgroup.wait_group(0)  # dP^T
+            self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
+            r_ds.store(acc_dp.load().to(self.dtype))
+            cute.copy(store, thr_store.retile(r_ds), tDSsdS[None, None, None, tile])
+            if row_loader:
+                sRows[0, wt, 1 - rows] = self._lse_log2(next_lse)
+                sRows[1, wt, 1 - rows] = next_delta
+            # both halves of P^T / dS^T in (and step + 1's rows published); both warpgroups are past step - 1's
+            # GEMMs, the last readers of the other tile
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
+
+            warpgroup.fence()
+            _gemm(mma_dq, acc_dq, tQrdS[None, None, None, tile], tQrK)
+            warpgroup.commit_group()
+            for kk in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
+                cute.gemm(mma_kv, acc_dv, tVrP[None, None, kk, tile], tVrdO[None, None, kk, stage], acc_dv)
+            warpgroup.commit_group()
+            for kk in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
+                cute.gemm(mma_kv, acc_dk, tKrdS[None, None, kk, tile], tKrQ[None, None, kk, stage], acc_dk)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)  # dQ, dV and dK: this warpgroup's column halves of the stage are free
+
+            # the dQ part into them (_dq_slot's order within the part: its first half in the Q tile's columns, its
+            # second in dO's), then the arrival for the writer, which releases the stage
+            piece = self._part_floats()
+            base = stage * (self.tile_m * self.head_dim * self.dtype.width // 8 // 4) + wg * piece
+            pairs = cute.size(acc_dq) // 2
+            for i in cutlass.range_constexpr(cute.size(acc_dq)):
+                p = (i // 2) * 2 * THREADS + 2 * wt + i % 2
+                if cutlass.const_expr(i // 2 < pairs // 2):
+                    fQ[base + p] = acc_dq[i]
+                else:
+                    fdO[base + p - piece] = acc_dq[i]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(bar_dq + stage)
+            state.advance()
+        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block, head_kv, batch)
