@@ -9,7 +9,7 @@ The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; the warp
 64, flash_bwd_wide's at d=192 and 256): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens,
 d=64 and 128, causal or not, 2.4-3.2x at d=192 / 256 (docs/benchmarks.md). The Triton backward kernels
 (fa_backend::triton_flash_bwd, which take the CuTe forward's outputs as they are) run instead for scale 0, after a
-compile failure, with a key mask at d=96 / 192 / 256 (KEY_MASK_BACKWARD), with CUTE_BACKWARD = False, and under
+compile failure, with a key mask at d=96 (KEY_MASK_BACKWARD), with CUTE_BACKWARD = False, and under
 torch.use_deterministic_algorithms where the CuTe backward has no deterministic variant (d=96, key masks). Under
 deterministic algorithms the warp-specialised kernels add each dQ block's parts in key-block order (turn flags), so
 their gradients are the same bits on every run.
@@ -140,14 +140,15 @@ BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, wa
 
 # head dims whose backward variant runs a key mask: the warp-specialised kernel's 64-row steps (d=128) and its 128-row
 # d=64 variant (with the per-row key bound it spills 12 bytes, 92 when causal, on the sm90 compile check; on the H200
-# its masked backward is within 8-9 % of its unmasked one, thirteenth session). d=96's backward variant is one
-# warpgroup without the mask: a masked d=96 backward runs the Triton kernels with the same mask.
-KEY_MASK_BACKWARD = frozenset({128, 64})
+# its masked backward is within 8-9 % of its unmasked one, thirteenth session), and flash_bwd_wide at d=192 / 256
+# (fifteenth session). d=96's backward variant is one warpgroup without the mask: a masked d=96 backward runs the
+# Triton kernels with the same mask.
+KEY_MASK_BACKWARD = frozenset({128, 64, 192, 256})
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None):
     """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, a variant that failed to
-    compile, a key mask at a head dim whose backward variant has none (96, 192, 256), deterministic mode at d=96 or
+    compile, a key mask at a head dim whose backward variant has none (96), deterministic mode at d=96 or
     with a key mask: the caller runs the Triton backward). Under torch.use_deterministic_algorithms the
     warp-specialised kernels add dQ in a fixed order (d=64 / 128 / 192 / 256)."""
     from ..kernels.cute._compile_cache import CompileFailedError

@@ -651,10 +651,9 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     wide = head_dim in WIDE_HEAD_DIMS  # flash_bwd_wide's kernel: warp-specialised, 64-row steps, nothing else
     if head_dim not in HEAD_DIMS and not wide:
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS + WIDE_HEAD_DIMS))})")
-    if wide and not (warp_specialized and wgs == 2 and tile_m == TILE_M and not key_mask and not dq_atomic
-                     and not dq_buffer):
-        raise ValueError(f"head_dim={head_dim} needs warp_specialized=True, wgs=2, tile_m={TILE_M} and no key_mask, "
-                         f"dq_atomic or dq_buffer")
+    if wide and not (warp_specialized and wgs == 2 and tile_m == TILE_M and not dq_atomic and not dq_buffer):
+        raise ValueError(f"head_dim={head_dim} needs warp_specialized=True, wgs=2, tile_m={TILE_M} and no dq_atomic "
+                         f"or dq_buffer")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
     if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128 and not (head_dim == 64 and tile_m == 128) and not wide):
@@ -680,7 +679,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if wide:
             from .flash_bwd_wide import FlashBackwardSm90Wide
 
-            kernel = FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, deterministic)
+            kernel = FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, key_mask, deterministic)
         elif warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 

@@ -10,6 +10,8 @@ and split the work by columns (FA3's split at large head dims; the budget is in 
 - after one barrier of the two warpgroups, each runs dV += P^T dO, dK += dS^T Q and the dQ block = dS K for its
   half of the head dim's columns (d / 2: 96 or 128), all three with both operands in shared memory (P^T and dS^T
   are each warpgroup's A operand but computed by halves): 48 / 64 registers per accumulator;
+- P^T branch-free (_p_select), bool key masks as flash_bwd_ws takes them (a per-row key bound in the visibility
+  test), GQA by walking the group's query heads, the deterministic variant's turn flags as flash_bwd_ws's;
 - the P^T / dS^T tiles alternate between steps, so that one barrier per step orders their writes and reads;
 - the dQ block goes to the producer warpgroup's dQ writer warp through the step's own Q / dO stage: once a
   warpgroup's dV and dK GEMMs are done, its column halves of that stage's Q and dO tiles (2 * 64 * d / 2 bf16 values)
@@ -62,10 +64,12 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
     """The warp-specialised backward with both MMA warpgroups on one 64-key tile, split by columns (module
     docstring): head_dim 192 or 256, 64 query rows per step."""
 
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, deterministic: bool = False):
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False,
+                 deterministic: bool = False):
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
-        super().__init__(dtype, head_dim, causal, bottom_right, TILE_M, key_mask=False, deterministic=deterministic)
+        super().__init__(dtype, head_dim, causal, bottom_right, TILE_M, key_mask=key_mask,
+                         deterministic=deterministic)
         self.key_tiles = 1  # one 64-key tile per CTA, shared by both MMA warpgroups
         self.qdo_stages = QDO_STAGES[head_dim]
         self.cols = head_dim // self.wgs  # each MMA warpgroup's columns of dK, dV and the dQ block
@@ -87,9 +91,9 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                                       for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc))
         lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
         delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
-        turns = None
-        if cutlass.const_expr(self.deterministic):  # (b, hq, query blocks) -> (n, h, b)
-            turns = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
+        words = None  # the key-mask words (b, hq, words), or the deterministic variant's turn flags (b, hq, blocks)
+        if cutlass.const_expr(self.key_mask or self.deterministic):  # -> (n, h, b)
+            words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
 
         # S^T, dP^T of a warpgroup's 32 queries (keys x queries, both operands K-major)
         mma_s = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
@@ -112,7 +116,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             k, v, q, do, sK_layout, sQ_layout)
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do, lse, delta,
                     dk, dv, dqacc, scale_log2, scale, mma_s, mma_kv, mma_dq, sK_layout, sQ_layout, sP_layout,
-                    turns).launch(
+                    words).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N), k.shape[2], k.shape[3]),
             block=(THREADS * self.cta_warpgroups, 1, 1), smem=self._smem_bytes(), stream=stream,
             min_blocks_per_mp=1)  # ptxas needs one CTA per SM stated for setmaxnreg (flash_bwd.__call__)
@@ -123,7 +127,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
                scale: Float32, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
-               mTurns: cute.Tensor = None):
+               mWords: cute.Tensor = None):
         d = self.head_dim
         wgs = self.wgs
         stages = self.qdo_stages
@@ -165,6 +169,15 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         cute.arch.sync_threads()
 
         offset, m_start, n_m, steps = self._query_blocks(seqlen_q, seqlen_k, n_block, group)
+        if cutlass.const_expr(self.key_mask):
+            # no step where every query head of the group has its key bound at or before the CTA's first key (key
+            # padding): dK and dV stay 0 (every role reads the same bounds)
+            bound = Int32(0)
+            for g in cutlass.range(group, unroll=1):
+                row = mWords[None, head_kv * group + g, batch]
+                bound = cutlass.max(bound, row[row.shape[0] - 1])
+            if bound <= n_block * TILE_N:
+                steps = 0
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -173,12 +186,13 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                               head_kv, batch, group, m_start, n_m, steps)
             if warp == 1:
                 self._write_dq_parts(fQ, fdO, mdQacc, bar_dq, pipe, head_kv, batch, group, m_start, n_m, steps,
-                                     n_block, mTurns)
+                                     n_block, mWords)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self._mma_wide(_own_copy(mma_s), _own_copy(mma_kv), _own_copy(mma_dq), sK, sV, sQ, sdO, sP, sdS, fQ,
                            fdO, sRows, bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1,
-                           tidx % THREADS, n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps)
+                           tidx % THREADS, n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps,
+                           mWords)
 
     def _part_floats(self) -> int:
         """fp32 values of one piece of a warpgroup's dQ part: its column half of one Q (or dO) tile, reread."""
@@ -252,15 +266,33 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         return tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS
 
     @cute.jit
+    def _p_select(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32,
+                  scale_log2: Float32, key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32,
+                  keep: cute.Tensor = None):
+        """In place: acc_s := P^T as flash_bwd._p_only computes it, but branch-free: the exp2 of every score, then a
+        select. With the exp2 under `if visible` ptxas kept a real branch per score here (BSSY / BRA / BSYNC around
+        each exp2 in the SASS; the d=128 kernel's is if-converted); these accumulators leave it the registers the
+        unconditional form needs (at d=128 it made ptxas serialise the wgmmas)."""
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            qi = tScS[i][1]
+            limit = seqlen_k
+            if cutlass.const_expr(keep is not None):
+                limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
+            visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
+            p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
+            acc_s[i] = cutlass.select_(visible, p, Float32(0.0))
+
+    @cute.jit
     def _mma_wide(self, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
                   sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sP: cute.Tensor, sdS: cute.Tensor,
                   fQ: cute.Tensor, fdO: cute.Tensor, sRows: cute.Tensor, bar_kv: cute.Pointer, bar_dq: cute.Pointer,
                   pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor,
                   mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32, wt: Int32, n_block: Int32,
                   head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32, m_start: Int32,
-                  n_m: Int32, steps: Int32):
+                  n_m: Int32, steps: Int32, mWords: cute.Tensor = None):
         """MMA warpgroup wg (thread wt of it): per step, its query half of S^T / dP^T / P^T / dS^T, one barrier,
-        then its column half of dV, dK and the dQ block."""
+        then its column half of dV, dK and the dQ block. Key masks as flash_bwd_ws: each thread's two key rows' bound
+        (_key_keep) replaces seqlen_k in the visibility test."""
         wgs = self.wgs
         key0 = n_block * TILE_N
         f = self._wide_fragments(mma_s, mma_kv, mma_dq, sK, sV, sQ, sdO, sP, sdS, wg, wt)
@@ -281,6 +313,10 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
         r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
         thr_store = store.get_slice(wt)
+        keep = None
+        if cutlass.const_expr(self.key_mask):  # the first head's key bounds, out of the step loop
+            keep = cute.make_rmem_tensor((2,), Int32)
+            self._key_keep(mWords[None, head_kv * group, batch], tScS, key0, seqlen_k, keep)
         for step in cutlass.range(steps, unroll=1):
             rows = step % 2
             tile = step % PT_TILES
@@ -296,7 +332,11 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             _gemm(mma_s, acc_dp, tSrV, tSrdO[None, None, None, stage])
             warpgroup.commit_group()
             warpgroup.wait_group(1)  # S^T
-            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset)
+            self._p_select(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep)
+            if cutlass.const_expr(self.key_mask):
+                if (step + 1) % n_m == 0 and step + 1 < steps:  # GQA: step + 1 starts the group's next query head
+                    self._key_keep(mWords[None, head_kv * group + (step + 1) // n_m, batch], tScS, key0, seqlen_k,
+                                   keep)
             r_p.store(acc_s.load().to(self.dtype))
             cute.copy(store, thr_store.retile(r_p), tPsP[None, None, None, tile])
             warpgroup.wait_group(0)  # dP^T

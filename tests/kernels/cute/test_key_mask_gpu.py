@@ -1,6 +1,6 @@
 """The CuTe kernels' bool key masks on the H200 (issue 4 on the Hopper path): the warp-specialised forward in the
 op's variants (flash_fwd_ws.FASTEST) and the warp-specialised backward (d=128 with 64 and 80 query rows per step,
-d=64 with 128) with a key mask packed 32 keys per word (ops.cute_flash.key_words), against the float64 reference
+d=64 with 128, flash_bwd_wide at d=192 / 256) with a key mask packed 32 keys per word (ops.cute_flash.key_words), against the float64 reference
 with the project's 2x rule (the same-dtype reference as the baseline). Masks: key padding with a fully masked
 sequence, a padding length per head (the key bound that skips blocks differs within a GQA group), a random
 mask per head, one broadcast over the batch; seqlen_k not a multiple of 32 or 128; GQA; both
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.cute,
               pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90) GPU")]
 
 BACKWARDS = {"ws64": dict(wgs=2, warp_specialized=True), "ws80": dict(wgs=2, warp_specialized=True, tile_m=80),
-             "ws128": dict(wgs=2, warp_specialized=True, tile_m=128)}
+             "ws128": dict(wgs=2, warp_specialized=True, tile_m=128), "wide": dict(wgs=2, warp_specialized=True)}
 
 
 def _mask(kind: str, b: int, hq: int, sk: int) -> torch.Tensor:
@@ -70,8 +70,8 @@ def _run(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, kind, backward):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["padding", "head_padding", "per_head", "broadcast"])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("d,backward", [(128, "ws64"), (128, "ws80"), (64, "ws128"), (96, None), (192, None),
-                                        (256, None)])
+@pytest.mark.parametrize("d,backward", [(128, "ws64"), (128, "ws80"), (64, "ws128"), (96, None), (192, "wide"),
+                                        (256, "wide")])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(3, 4, 4, 256, 256), (2, 8, 2, 300, 333), (2, 2, 1, 1000, 1100)])
 def test_key_mask_within_bar(dtype, kind, causal, bottom_right, d, backward, b, hq, hkv, sq, sk):
     _run(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, kind, backward)
