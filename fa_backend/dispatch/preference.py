@@ -210,9 +210,9 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                evidence="H200, torch 2.11, bf16, d=192, seqlen 2k-8k: cuDNN 1.02-1.30x our CuTe forward (calls with "
                         "gradients run ours: a training step 1.05-1.24x cuDNN's)"),
     # GQA (docs/benchmarks.md, "GQA on sm90: cuDNN or ours", H200, bf16, seqlen 2k / 8k, 2026-12-01): at d=192 / 256
-    # cuDNN ran 0.98-1.30x our CuTe forward and 1.97-2.42x our backward, then Triton's; at d=64 / 128, causal, 1.00-1.24x
-    # the CuTe forward and 1.05-1.10x the CuTe backward. Non-causal GQA at d=64 / 128 stays ours: forward 0.95-1.14x,
-    # backward 0.94-0.99x, a training step 0.95-1.01x.
+    # cuDNN ran 0.98-1.30x our CuTe forward and 1.97-2.42x our backward (then Triton's); at d=64 / 128, causal,
+    # 1.00-1.24x the CuTe forward and 1.05-1.10x the CuTe backward. Non-causal GQA at d=64 / 128 stays ours: forward
+    # 0.95-1.14x, backward 0.94-0.99x, a training step 0.95-1.01x.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({256}), gqa_only=True,
                min_seqlen_q=DENSE_MIN_SEQLEN_Q,

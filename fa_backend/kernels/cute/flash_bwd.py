@@ -497,24 +497,31 @@ class FlashBackwardSm90(ForwardVariant):
 
     @cute.jit
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
-                key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None):
+                key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None,
+                branch_free: cutlass.Constexpr = False):
         """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
         `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, the key bound that
         replaces seqlen_k in the visibility test (seqlen_k, or 0 for a hidden key), so that the code is the unmasked
         one with a register for a uniform value. (A key term in the exp2, a select to -inf before it, or a test per
         score made ptxas keep the exp2's branch as a real one per score, BSSY / BRA / BSYNC with the LSE address
         recomputed each time, or serialise the wgmmas for registers, C7512: the key-mask backward ran 21-35 %
-        slower than without a mask on the H200.)"""
+        slower than without a mask on the H200.) `branch_free`: the exp2 of every score, then a select (flash_bwd_wide:
+        there ptxas kept the exp2 under `if visible` as a real branch per score, while the d=128 kernel's is
+        if-converted and the unconditional form made ptxas serialise its wgmmas for registers)."""
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             qi = tScS[i][1]
             limit = seqlen_k
             if cutlass.const_expr(keep is not None):
                 limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
             visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
-            p = Float32(0.0)
-            if visible:
+            if cutlass.const_expr(branch_free):
                 p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
-            acc_s[i] = p
+                acc_s[i] = cutlass.select_(visible, p, Float32(0.0))
+            else:
+                p = Float32(0.0)
+                if visible:
+                    p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
+                acc_s[i] = p
 
     @cute.jit
     def _key_keep(self, words: cute.Tensor, tScS: cute.Tensor, key0: Int32, seqlen_k: Int32, keep: cute.Tensor):

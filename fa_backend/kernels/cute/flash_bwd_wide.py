@@ -10,8 +10,8 @@ and split the work by columns (FA3's split at large head dims; the budget is in 
 - after one barrier of the two warpgroups, each runs dV += P^T dO, dK += dS^T Q and the dQ block = dS K for its
   half of the head dim's columns (d / 2: 96 or 128), all three with both operands in shared memory (P^T and dS^T
   are each warpgroup's A operand but computed by halves): 48 / 64 registers per accumulator;
-- P^T branch-free (_p_select), bool key masks as flash_bwd_ws takes them (a per-row key bound in the visibility
-  test), GQA by walking the group's query heads, the deterministic variant's turn flags as flash_bwd_ws's;
+- P^T branch-free (_p_only's branch_free), bool key masks as flash_bwd_ws takes them (a per-row key bound in the
+  visibility test), GQA by walking the group's query heads, the deterministic variant's turn flags as flash_bwd_ws's;
 - the P^T / dS^T tiles alternate between steps, so that one barrier per step orders their writes and reads;
 - the dQ block goes to the producer warpgroup's dQ writer warp through the step's own Q / dO stage: once a
   warpgroup's dV and dK GEMMs are done, its column halves of that stage's Q and dO tiles (2 * 64 * d / 2 bf16 values)
@@ -266,23 +266,6 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         return tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS
 
     @cute.jit
-    def _p_select(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32,
-                  scale_log2: Float32, key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32,
-                  keep: cute.Tensor = None):
-        """In place: acc_s := P^T as flash_bwd._p_only computes it, but branch-free: the exp2 of every score, then a
-        select. With the exp2 under `if visible` ptxas kept a real branch per score here (BSSY / BRA / BSYNC around
-        each exp2 in the SASS; the d=128 kernel's is if-converted); these accumulators leave it the registers the
-        unconditional form needs (at d=128 it made ptxas serialise the wgmmas)."""
-        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-            qi = tScS[i][1]
-            limit = seqlen_k
-            if cutlass.const_expr(keep is not None):
-                limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
-            visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
-            p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
-            acc_s[i] = cutlass.select_(visible, p, Float32(0.0))
-
-    @cute.jit
     def _mma_wide(self, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
                   sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sP: cute.Tensor, sdS: cute.Tensor,
                   fQ: cute.Tensor, fdO: cute.Tensor, sRows: cute.Tensor, bar_kv: cute.Pointer, bar_dq: cute.Pointer,
@@ -332,7 +315,9 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             _gemm(mma_s, acc_dp, tSrV, tSrdO[None, None, None, stage])
             warpgroup.commit_group()
             warpgroup.wait_group(1)  # S^T
-            self._p_select(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep)
+            # branch-free: with the exp2 under `if visible` ptxas kept a real branch per score here (418 SASS lines
+            # for the 16 exp2s at d=256, 90 without; +7-10 % on the H200)
+            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep, branch_free=True)
             if cutlass.const_expr(self.key_mask):
                 if (step + 1) % n_m == 0 and step + 1 < steps:  # GQA: step + 1 starts the group's next query head
                     self._key_keep(mWords[None, head_kv * group + (step + 1) // n_m, batch], tScS, key0, seqlen_k,

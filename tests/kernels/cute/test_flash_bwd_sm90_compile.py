@@ -351,8 +351,8 @@ def test_wide_head_dims_registers_fit(tmp_path, d):
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
-    # P^T branch-free (_p_select): no branch between the first and last MUFU.EX2 (with the exp2 under `if visible`
-    # ptxas kept one per score here: 418 SASS lines for the 16 exp2s at d=256 against 90)
+    # P^T branch-free (_p_only(..., branch_free=True)): no branch between the first and last MUFU.EX2 (with the
+    # exp2 under `if visible` ptxas kept one per score here: 418 SASS lines for the 16 exp2s at d=256 against 90)
     sass = _sass(tmp_path / "kernel.cubin")
     if sass is not None:
         first, last = sass.index("MUFU.EX2"), sass.rindex("MUFU.EX2")
