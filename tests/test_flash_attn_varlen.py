@@ -141,7 +141,8 @@ def test_opcheck(kind):
     out, lse = triton_varlen_fwd(q, k, v, *args)
     dout = torch.randn_like(out)
     torch.library.opcheck(triton_varlen_bwd, (dout, q, k, v, out, lse, None, *args))
-    torch.library.opcheck(triton_varlen_bwd, (dout, q, k, v, out, lse, torch.randn_like(lse), *args))
+    if kind == "plain":  # the LSE's gradient enters as delta - dlse whatever the features (CPU suite time)
+        torch.library.opcheck(triton_varlen_bwd, (dout, q, k, v, out, lse, torch.randn_like(lse), *args))
     grads = [torch.empty_like(t) for t in (q, k, v)]
     torch.library.opcheck(triton_varlen_bwd_out, (dout, q, k, v, out, lse, None, *grads, *args))
 
