@@ -197,12 +197,24 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                         evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and "
                                  f"{TINY_KV_BYTES >> 20} MiB of K and V): PyTorch's C++ path costs less host time "
                                  "per call than our CuTe runner"),
-    # d=256 (docs/benchmarks.md, "CuTe backward at d=192 / 256", 2026-12-01): the CuTe forward at 0.76-0.98x cuDNN's,
-    # the CuTe backward (flash_bwd_wide) at 0.91-1.08x: a training step 0.88-1.06x cuDNN's.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128, 256}),
-               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward (d=256: "
-                        "1.02-1.33x, a training step 0.94-1.14x); our backward is slower too (d=64 / 128)"),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
+               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward; our backward is "
+                        "slower too"),
+    # d=256, MHA and GQA (docs/benchmarks.md, "CuTe backward at d=192 / 256", the run after the branch-free P^T,
+    # 2026-12-01, seqlen 2k / 8k): the CuTe forward at 0.78-1.03x cuDNN's, the backward at 0.99-1.17x. A training
+    # step without a causal mask ran 1.00-1.14x cuDNN's (ours), with one 0.94-1.06x: cuDNN keeps calls without
+    # gradients and causal ones.
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({256}), gqa=True,
+               no_grad_only=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
+               evidence="H200, torch 2.11, bf16, d=256, seqlen 2k / 8k: cuDNN 0.97-1.28x our CuTe forward (calls "
+                        "with gradients and no causal mask run ours: a training step 1.00-1.14x cuDNN's)"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({256}), gqa=True,
+               causal_only=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
+               evidence="H200, torch 2.11, bf16, causal d=256, seqlen 2k / 8k: cuDNN 1.10-1.28x our CuTe forward, a "
+                        "training step 0.94-1.06x ours"),
     # d=192: the CuTe backward at 1.10-1.31x cuDNN's, a training step 1.05-1.24x (same section): cuDNN keeps the
     # calls without gradients only, whose forward it runs 1.02-1.30x faster.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
@@ -213,11 +225,6 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     # cuDNN ran 0.98-1.30x our CuTe forward and 1.97-2.42x our backward (then Triton's); at d=64 / 128, causal,
     # 1.00-1.24x the CuTe forward and 1.05-1.10x the CuTe backward. Non-causal GQA at d=64 / 128 stays ours: forward
     # 0.95-1.14x, backward 0.94-0.99x, a training step 0.95-1.01x.
-    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({256}), gqa_only=True,
-               min_seqlen_q=DENSE_MIN_SEQLEN_Q,
-               evidence="H200, torch 2.11, bf16, GQA, d=256, seqlen 2k / 8k: cuDNN 0.98-1.30x our CuTe forward; "
-                        "without GQA a training step 0.94-1.14x ours"),
     # GQA at d=192 since flash_bwd_wide (docs/benchmarks.md, "CuTe backward at d=192 / 256", 10:2, 2k / 8k): the
     # CuTe backward 1.22-1.34x cuDNN's, a training step 1.11-1.25x; calls without gradients stay on cuDNN.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
