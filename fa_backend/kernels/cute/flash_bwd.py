@@ -3,7 +3,8 @@
 Its numerics test (tests/kernels/cute/test_flash_bwd_gpu.py) passes on the H200 for every variant below and for
 the warp-specialised kernel (flash_bwd_ws.py) with 64, 80 (d=128) and 128 (d=64) query rows per step. The compile
 test (test_flash_bwd_sm90_compile.py) runs in CI. The op fa_backend::cute_flash_fwd runs it as its backward
-(ops/cute_flash.py): one warpgroup at d=96, the warp-specialised kernel at d=128 (64 rows) and d=64 (128 rows).
+(ops/cute_flash.py): one warpgroup at d=96, the warp-specialised kernel at d=128 (64 rows) and d=64 (128 rows),
+flash_bwd_wide's at d=192 / 256 (both MMA warpgroups on one 64-key tile, split by columns).
 
 Key-block stationary as FlashAttention-2/3's backward, no warp specialisation. With wgs=2 (d=128, FA3's tile):
 two warpgroups per CTA over 128 keys share the Q / dO stages, each with its own 64 keys for S^T, dP^T, dV, dK and
@@ -646,7 +647,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
     `warp_specialized`: flash_bwd_ws.FlashBackwardSm90WS (wgs=2), which also takes `tile_m` = 80 query rows per
-    step at d=128 (the dQ GEMM then transposed) and 128 at d=64 (the warpgroups split dQ by rows); `key_mask`
+    step at d=128 (the dQ GEMM then transposed) and 128 at d=64 (the warpgroups split dQ by rows); at d=192 / 256
+    flash_bwd_wide.FlashBackwardSm90Wide (wgs=2, 64 rows, the only variant there); `key_mask`
     (warp_specialized only): the variant that also takes a bool key mask packed 32 keys per int32 word (b, hq,
     words) after the stream (as flash_fwd_ws's); `deterministic` (warp_specialized only, not with key_mask): the
     variant whose dQ adds to each query block happen in key-block order, taking its zeroed int32 turn flags (b, hq,
@@ -727,11 +729,12 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
-    (2: 128 keys per CTA, head_dim 128 only). dq_buffer: FlashBackwardSm90's one-barrier variant;
-    warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m = 80 (d=128) and
-    128 (d=64). key_words: the forward's packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only).
-    deterministic (warp_specialized, no key_words): the same bits on every run (dQ's fp32 adds in a fixed order). The
-    three gradients are contiguous whatever the inputs' strides."""
+    (2: 128 keys per CTA at head_dim 128; at 192 / 256 the two share 64 keys). dq_buffer: FlashBackwardSm90's
+    one-barrier variant; warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m
+    = 80 (d=128) and 128 (d=64), and flash_bwd_wide's at d=192 / 256 (the op's there). key_words: the forward's
+    packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only). deterministic (warp_specialized, no
+    key_words): the same bits on every run (dQ's fp32 adds in a fixed order). The three gradients are contiguous
+    whatever the inputs' strides."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs, _check_key_words
