@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
-from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
+from ._bulk import bulk_reduce_add_f32  # noqa: E402
 from .flash_bwd import THREADS, TILE_M, TILE_N, WIDE_HEAD_DIMS, _gemm, _transposed  # noqa: E402
 from .flash_bwd_ws import MMA_BARRIER, MMA_REGS, PRODUCER_REGS, FlashBackwardSm90WS, _own_copy  # noqa: E402
 
@@ -215,11 +215,9 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             cute.arch.mbarrier_wait(bar_dq + state.index, state.phase)
             if cute.arch.lane_idx() == 0:
                 chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
+                turn = None
                 if cutlass.const_expr(self.deterministic):
-                    turn = mTurns.iterator + cute.crd2idx((m_block, head, batch), mTurns.layout)
-                    while load_acquire_i32(turn) != n_block:
-                        pass
-                    fence_proxy_async_global()
+                    turn = self._take_turn(mTurns, m_block, head, batch, n_block)
                 for g in cutlass.range_constexpr(self.wgs):
                     src = state.index * stage_floats + g * piece
                     bulk_reduce_add_f32(fQ.iterator + src, chunk + 2 * g * piece, 4 * piece)
@@ -228,9 +226,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 pipe.consumer_release(state)  # lane 0 is the pipeline's signalling thread
                 if cutlass.const_expr(self.deterministic):
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    fence_proxy_async_global()
-                    add_release_i32(turn, 1)
+                    self._pass_turn(turn)
             state.advance()
 
     @cute.jit

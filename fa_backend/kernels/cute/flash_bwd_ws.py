@@ -198,19 +198,33 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             cute.arch.mbarrier_wait(bar_dq, step % 2)
             if cute.arch.lane_idx() == 0:
                 chunk = gdQ.iterator + cute.crd2idx((m_block, 0), gdQ.layout)
+                turn = None
                 if cutlass.const_expr(self.deterministic):
-                    turn = mTurns.iterator + cute.crd2idx((m_block, head, batch), mTurns.layout)
-                    while load_acquire_i32(turn) != n_block:
-                        pass
-                    fence_proxy_async_global()  # the earlier CTAs' adds are seen before this one is issued
+                    turn = self._take_turn(mTurns, m_block, head, batch, n_block)
                 bulk_reduce_add_f32(sdQ.iterator, chunk, 4 * self.tile_m * d)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.mbarrier_arrive(bar_dq + 1)
                 if cutlass.const_expr(self.deterministic):
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the add is complete in global memory
-                    fence_proxy_async_global()
-                    add_release_i32(turn, 1)
+                    self._pass_turn(turn)
+
+    @cute.jit
+    def _take_turn(self, mTurns: cute.Tensor, m_block: Int32, head: Int32, batch: Int32, n_block: Int32):
+        """Deterministic variant, the writer's lane: wait until the query block's turn flag equals this CTA's key
+        block (_write_dq); returns the flag's address."""
+        turn = mTurns.iterator + cute.crd2idx((m_block, head, batch), mTurns.layout)
+        while load_acquire_i32(turn) != n_block:
+            pass
+        fence_proxy_async_global()  # the earlier CTAs' adds are seen before this one is issued
+        return turn
+
+    @cute.jit
+    def _pass_turn(self, turn: cute.Pointer):
+        """Deterministic variant, after the writer's bulk adds were issued and committed: once they are complete in
+        global memory, the turn goes to the next key block."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        fence_proxy_async_global()
+        add_release_i32(turn, 1)
 
     @cute.jit
     def _mma(self, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
