@@ -127,15 +127,8 @@ class FlashBackwardSm90(ForwardVariant):
                  scale: Float32, stream: Any, mWords: cute.Tensor = None):
         d = self.head_dim
         wgs = self.wgs
-        # (s, d, h, b) views: the TMA / MMA mode order; (s, h, b) for the per-row LSE and delta
-        sdhb = [2, 3, 1, 0]
-        q, k, v, do, dk, dv, dqacc = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=sdhb))
-                                      for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc))
-        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
-        words = None
-        if cutlass.const_expr(self.key_mask or self.deterministic):  # (b, hq, n) -> (n, h, b)
-            words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
+        q, k, v, do, dk, dv, dqacc, lse, delta, words = self._views(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc,
+                                                                   mWords)
 
         tm = self.tile_m
         # S^T, dP^T (keys x queries, both operands K-major in shared memory)
@@ -175,6 +168,22 @@ class FlashBackwardSm90(ForwardVariant):
             # warp-specialised: ptxas needs one CTA per SM stated to know the entry register count that setmaxnreg
             # changes (else C7508 at d=64, "setmaxnreg ignored")
             min_blocks_per_mp=1 if self.cta_warpgroups > self.wgs else 0)
+
+    def _views(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+               mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
+               mWords: cute.Tensor = None) -> tuple:
+        """The kernels' views of the (b, h, s, ...) arguments: (s, d, h, b) for q, k, v, do, dk, dv and the dQ
+        accumulator (the TMA / MMA mode order), (s, h, b) for the per-row LSE and delta, (n, h, b) for the key-mask
+        words or the turn flags (None where the variant takes neither)."""
+        sdhb = [2, 3, 1, 0]
+        q, k, v, do, dk, dv, dqacc = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=sdhb))
+                                      for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc))
+        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
+        words = None
+        if self.key_mask or self.deterministic:
+            words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
+        return q, k, v, do, dk, dv, dqacc, lse, delta, words
 
     def _tma_atoms(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor,
                    sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout) -> tuple:

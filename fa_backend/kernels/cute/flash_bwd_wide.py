@@ -86,14 +86,8 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                  scale: Float32, stream: Any, mWords: cute.Tensor = None):
         d = self.head_dim
         tm = self.tile_m
-        sdhb = [2, 3, 1, 0]  # (s, d, h, b) views; (s, h, b) for the rows
-        q, k, v, do, dk, dv, dqacc = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=sdhb))
-                                      for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc))
-        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        delta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
-        words = None  # the key-mask words (b, hq, words), or the deterministic variant's turn flags (b, hq, blocks)
-        if cutlass.const_expr(self.key_mask or self.deterministic):  # -> (n, h, b)
-            words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
+        q, k, v, do, dk, dv, dqacc, lse, delta, words = self._views(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc,
+                                                                   mWords)
 
         # S^T, dP^T of a warpgroup's 32 queries (keys x queries, both operands K-major)
         mma_s = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
