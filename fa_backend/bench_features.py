@@ -7,8 +7,8 @@ Cases (d=128 by default, seqlen 2k-16k, b*s = 16k tokens, h*d = 2048):
 - random_keys: a bool (b, 1, 1, sk) mask hiding a random ~10% of the keys (every tile partial);
 - dropout: dropout_p = 0.1, no mask.
 Ours: "triton" (fa_backend.attention, the Triton kernels) and, where nvidia-cutlass-dsl is installed, "cute"
-(the CuTe kernels through their op, which take bool key masks: key_padding and random_keys; the other cases are
-reported with the op's refusal). Peers are PyTorch's efficient and cuDNN SDPA backends, each with exactly the same
+(the CuTe kernels through their op, which take bool key masks: key_padding and random_keys, and dropout: its
+forward in the CuTe kernel, its backward the Triton kernels'; causal_mask is reported with the op's refusal). Peers are PyTorch's efficient and cuDNN SDPA backends, each with exactly the same
 arguments (a peer that refuses a case is reported with its error). FLOPs count the full (non-causal) matrix for
 masks, since neither side knows the mask is causal.
 """
@@ -67,10 +67,9 @@ def runner(backend: str, kwargs: dict):
     if backend == "cute":
         from .ops.cute_flash import cute_flash_attention
 
-        if kwargs.get("dropout_p", 0.0) > 0:
-            raise RuntimeError("the CuTe kernels take no dropout")
-        mask = kwargs.get("attn_mask")
-        return (lambda q, k, v: cute_flash_attention(q, k, v, None, False, False, mask)[0]), contextlib.nullcontext()
+        mask, p = kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0)
+        return ((lambda q, k, v: cute_flash_attention(q, k, v, None, False, False, mask, dropout_p=p)[0]),
+                contextlib.nullcontext())
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return ((lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs)),

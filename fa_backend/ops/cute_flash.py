@@ -16,6 +16,12 @@ their gradients are the same bits on every run.
 
 A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both kernels, packed by key_words.
 
+Dropout (dropout_p > 0 with an rng_state, as fa_backend::triton_flash_fwd takes them) runs in the forward kernel
+(kernels/cute/_dropout.py), which draws the Triton kernels' mask bit for bit; its backward is the Triton backward
+with the same rng_state, which regenerates that mask (the CuTe backward has no dropout yet). Only dropout_p whose
+16-bit rounding the kernels accept (kernels/triton/_features.dropout_draw: every p in [1/16, 15/16], among others)
+runs here; the cute backend declines the rest with reason `dropout`.
+
 The op never fails on what it accepts: inputs TMA cannot read (strides, offsets) are copied to contiguous
 tensors first, and a variant that fails to compile runs the Triton forward instead (logged once by the
 compile cache; the dispatcher then reports `compile_failed` for that variant).
@@ -33,16 +39,38 @@ from ._library import NAMESPACE
 
 
 def check_cute_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
-                      attn_mask: torch.Tensor | None = None) -> None:
+                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                      rng_state: torch.Tensor | None = None) -> None:
     """ValueError for malformed input; BackendUnsupportedError listing every reason the cute backend
     has against these inputs otherwise, except two the op handles itself: a layout TMA cannot read (it
     copies) and a variant that failed to compile (it runs the Triton forward)."""
     validate(q, k, v)
-    call = AttentionCall.from_tensors(q, k, v, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    if dropout_p > 0:
+        _check_rng_state(rng_state)
+    call = AttentionCall.from_tensors(q, k, v, attn_mask, dropout_p, is_causal=is_causal, scale=scale,
+                                      enable_gqa=True)
     handled = (ReasonCode.LAYOUT, ReasonCode.COMPILE_FAILED) if call.shapes_consistent else (ReasonCode.COMPILE_FAILED,)
     reasons = [r for r in CuteBackend.why_not(call) if r.code not in handled]
     if reasons:
         raise BackendUnsupportedError(call.describe(), {CuteBackend.NAME: reasons})
+
+
+def _check_rng_state(rng_state: torch.Tensor | None) -> None:
+    if (rng_state is None or rng_state.numel() != 2 or rng_state.dtype != torch.int64
+            or rng_state.device.type != "cpu"):
+        raise ValueError("dropout_p > 0 needs rng_state, an int64 CPU tensor (seed, offset); "
+                         "see fa_backend.ops.new_rng_state()")
+
+
+def _dropout_args(q: torch.Tensor, dropout_p: float, rng_state: torch.Tensor) -> tuple[torch.Tensor, int, float]:
+    """The forward kernel's dropout arguments: (seed, offset) on q's device, the 16-bit keep threshold and
+    1 / (1 - dropout_p) (the Triton forward's scale)."""
+    from ..kernels.triton._features import DROP_HALVES, dropout_draw
+
+    draw, threshold = dropout_draw(dropout_p)
+    if draw != DROP_HALVES:  # check_cute_inputs refuses these first (the backend's `dropout` reason)
+        raise ValueError(f"dropout_p={dropout_p} needs 32-bit draws, which the CuTe forward does not make")
+    return rng_state.to(q.device, non_blocking=True), threshold, 1.0 / (1.0 - dropout_p)
 
 
 def _readable(t: torch.Tensor) -> torch.Tensor:
@@ -50,13 +78,14 @@ def _readable(t: torch.Tensor) -> torch.Tensor:
     return t if is_tma_aligned(t) and t.data_ptr() % 16 == 0 else t.contiguous()
 
 
-def _triton_forward(q, k, v, scale, is_causal, bottom_right, attn_mask=None):
+def _triton_forward(q, k, v, scale, is_causal, bottom_right, attn_mask=None, dropout_p=0.0, rng_state=None):
     """The Triton forward under the op's contract (contiguous out, fp32 lse), counted as a triton run."""
     from ..kernels.triton import flash_fwd
 
     counters.record_run("triton")
+    rng = tuple(rng_state.tolist()) if dropout_p > 0 else None
     out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, is_causal, bottom_right,
-                         attn_mask=attn_mask)
+                         attn_mask=attn_mask, dropout_p=dropout_p, rng=rng)
     return out.contiguous(), lse.contiguous()
 
 
@@ -87,43 +116,48 @@ def _words_and_bound(attn_mask: torch.Tensor, b: int, hq: int, sk: int) -> torch
 
 @torch.library.custom_op(f"{NAMESPACE}::cute_flash_fwd", mutates_args=())
 def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                   is_causal: bool = False, bottom_right: bool = False,
-                   attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   is_causal: bool = False, bottom_right: bool = False, attn_mask: torch.Tensor | None = None,
+                   dropout_p: float = 0.0,
+                   rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper; returns out (b, hq, sq, d) contiguous in q's dtype and the fp32
-    natural-log lse (b, hq, sq). GQA when hq is a multiple of hkv; causal top-left or bottom-right; attn_mask: a
-    bool key mask (True = attend) broadcastable to (b, hq, sq, sk) without a query dim (size 1 or stride 0),
-    e.g. key padding (b, 1, 1, sk); a row that sees no key gets out 0 and lse -inf."""
-    check_cute_inputs(q, k, v, scale, is_causal, attn_mask)
+    natural-log lse (b, hq, sq) (before dropout). GQA when hq is a multiple of hkv; causal top-left or bottom-right;
+    attn_mask: a bool key mask (True = attend) broadcastable to (b, hq, sq, sk) without a query dim (size 1 or
+    stride 0), e.g. key padding (b, 1, 1, sk); a row that sees no key gets out 0 and lse -inf. dropout_p > 0 needs
+    rng_state (int64 CPU (seed, offset), ops.new_rng_state): the mask fa_backend::triton_flash_fwd draws for it."""
+    check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_fwd_ws import flash_fwd_fastest
 
     bottom_right = bottom_right and is_causal
+    fallback = (q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state)
     if scale == 0.0:  # -inf * 0 on masked keys: the kernels need a nonzero scale
-        return _triton_forward(q, k, v, scale, is_causal, bottom_right, attn_mask)
+        return _triton_forward(*fallback)
     q, k, v = (_readable(t) for t in (q, k, v))
     if scale is not None and scale < 0:  # the kernels take the row max before scaling: (-q) k^T (-scale), exact
         q, scale = -q, -scale
     words = None if attn_mask is None else key_words(attn_mask, q.shape[0], q.shape[1], k.shape[2])
+    dropout = _dropout_args(q, dropout_p, rng_state) if dropout_p > 0 else None
     try:
-        out, lse = flash_fwd_fastest(q, k, v, scale, is_causal, bottom_right, key_words=words)
+        out, lse = flash_fwd_fastest(q, k, v, scale, is_causal, bottom_right, key_words=words, dropout=dropout)
     except CompileFailedError:  # logged once by the compile cache; the Triton forward keeps the contract
-        return _triton_forward(q, k, v, scale, is_causal, bottom_right, attn_mask)
+        return _triton_forward(*fallback)
     counters.record_run("cute")
     return out, lse
 
 
 @cute_flash_fwd.register_fake
-def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None):
+def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None, dropout_p=0.0, rng_state=None):
     validate(q, k, v)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, is_causal, bottom_right, attn_mask = inputs
+    q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
     ctx.scale, ctx.is_causal, ctx.bottom_right = scale, is_causal, bottom_right and is_causal
+    ctx.dropout_p = dropout_p
 
 
 # Read at each backward: True runs the CuTe backward where it applies (see the module docstring).
@@ -146,16 +180,16 @@ BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, wa
 KEY_MASK_BACKWARD = frozenset({128, 64, 192, 256})
 
 
-def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None):
+def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None, dropout_p=0.0):
     """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, a variant that failed to
     compile, a key mask at a head dim whose backward variant has none (96), deterministic mode at d=96 or
-    with a key mask: the caller runs the Triton backward). Under torch.use_deterministic_algorithms the
+    with a key mask, dropout: the caller runs the Triton backward). Under torch.use_deterministic_algorithms the
     warp-specialised kernels add dQ in a fixed order (d=64 / 128 / 192 / 256)."""
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, flash_bwd
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS:
+    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS or dropout_p > 0:
         return None
     variant = BACKWARD_VARIANTS.get(q.shape[-1], {})  # one warpgroup where absent
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -181,18 +215,21 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
 @torch.library.custom_op(f"{NAMESPACE}::cute_flash_bwd", mutates_args=())
 def cute_flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: torch.Tensor | None, scale: float | None = None, is_causal: bool = False,
-                   bottom_right: bool = False,
-                   attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   bottom_right: bool = False, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of cute_flash_fwd by the CuTe backward, contiguous whatever the inputs' strides
     (what the fake implementation promises); dlse is the gradient of its lse output, if any. The Triton backward
-    where the CuTe one does not apply (see the module docstring)."""
-    grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask)
+    where the CuTe one does not apply (see the module docstring). dropout_p and rng_state: the forward's."""
+    if dropout_p > 0:
+        _check_rng_state(rng_state)
+    grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask, dropout_p)
     if grads is None:
         from ..kernels.triton import flash_bwd
 
         dq, dk, dv = _contiguous_like(q, k, v)
+        rng = tuple(rng_state.tolist()) if dropout_p > 0 else None
         grads = flash_bwd(dout, q, k, v, out, lse, q.shape[-1] ** -0.5 if scale is None else scale, is_causal,
-                          bottom_right, dlse, attn_mask=attn_mask, dq=dq, dk=dk, dv=dv)
+                          bottom_right, dlse, attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, dq=dq, dk=dk, dv=dv)
     return grads
 
 
@@ -201,28 +238,37 @@ def _contiguous_like(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 @cute_flash_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=False, attn_mask=None):
+def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=False, attn_mask=None, dropout_p=0.0,
+      rng_state=None):
     return _contiguous_like(q, k, v)
 
 
 def _backward(ctx, dout, dlse):
     from .triton_flash import triton_flash_bwd
 
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
     backward = cute_flash_bwd if CUTE_BACKWARD else triton_flash_bwd
-    grads = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right, attn_mask)
-    return (*grads, None, None, None, None)
+    grads = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right, attn_mask,
+                     ctx.dropout_p, rng_state)
+    return (*grads, None, None, None, None, None, None)
 
 
 cute_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                         is_causal: bool = False, bottom_right: bool = False,
-                         attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         is_causal: bool = False, bottom_right: bool = False, attn_mask: torch.Tensor | None = None,
+                         dropout_p: float = 0.0,
+                         rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the CuTe forward, differentiable in q, k and v (the CuTe backward, see the module docstring);
-    attn_mask: a bool key mask (cute_flash_fwd)."""
-    return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask)
+    attn_mask: a bool key mask (cute_flash_fwd). With dropout_p > 0 and no rng_state, a fresh one is drawn
+    (ops.new_rng_state: torch's CPU generator, so torch.manual_seed reproduces it)."""
+    if dropout_p > 0 and rng_state is None:
+        from .triton_flash import new_rng_state
+
+        rng_state = new_rng_state()
+    return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask, float(dropout_p),
+                          rng_state if dropout_p > 0 else None)
 
 
 __all__ = ["check_cute_inputs", "cute_flash_attention", "cute_flash_bwd", "cute_flash_fwd"]

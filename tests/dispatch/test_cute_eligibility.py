@@ -84,7 +84,8 @@ def test_grad_needs_the_triton_backward(enabled, monkeypatch):
     ({"head_dim_v": 64}, ReasonCode.HEAD_DIM),
     ({"mask_kind": "bool", "mask_shape": (1024, 2048), "mask_dtype": torch.bool}, ReasonCode.MASK),
     ({"mask_kind": "additive", "mask_shape": (1024, 2048), "mask_dtype": torch.bfloat16}, ReasonCode.MASK),
-    ({"dropout_p": 0.1}, ReasonCode.DROPOUT),
+    ({"dropout_p": 0.01}, ReasonCode.DROPOUT),  # 32-bit draws: the Triton kernels only
+    ({"dropout_p": 1.0}, ReasonCode.DROPOUT),
     ({"enable_gqa": False}, ReasonCode.GQA),
     ({"heads_q": 6, "heads_kv": 4}, ReasonCode.GQA),
     ({"ranks": (3, 3, 3)}, ReasonCode.LAYOUT),
@@ -108,6 +109,13 @@ def test_declared_support_is_accepted(enabled, d, dtype, causal, alignment):
                   capability=(9, 0)) == []
 
 
+@pytest.mark.parametrize("p", [0.1, 0.0625, 0.5, 0.9375, 2**-16 * 300])
+def test_dropout_with_16_bit_draws_is_accepted(enabled, p):
+    # the forward draws 16-bit halves (kernels/cute/_dropout.py): every p in [1/16, 15/16] and multiples of 2**-16
+    assert _codes(dropout_p=p) == []
+    assert _codes(dropout_p=p, requires_grad=True, heads_kv=4) == []  # the Triton backward, GQA
+
+
 def test_gqa_and_plain_mha_are_accepted(enabled):
     assert _codes(heads_kv=8, enable_gqa=False) == []
     assert _codes(heads_q=16, heads_kv=1) == []
@@ -120,7 +128,7 @@ def test_causal_alignments_are_data(enabled, monkeypatch):
 
 
 def test_every_failing_rule_is_reported(enabled):
-    codes = _codes(dtype=torch.float32, head_dim=100, capability=(8, 0), dropout_p=0.1, tma_aligned=False)
+    codes = _codes(dtype=torch.float32, head_dim=100, capability=(8, 0), dropout_p=0.01, tma_aligned=False)
     assert codes == [ReasonCode.CAPABILITY, ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.HEAD_DIM,
                      ReasonCode.DROPOUT, ReasonCode.LAYOUT]
 
@@ -134,7 +142,8 @@ def test_messages_name_limit_and_value(enabled):
     assert message(head_dim_v=64) == "head_dim_v=64 != head_dim=128 (supported: equal head dims)"
     assert message(capability=(10, 0)) == "compute capability (10, 0) (supported: 9.x, Hopper)"
     assert message(dtype=torch.float32) == "dtype=torch.float32 (supported: torch.bfloat16, torch.float16)"
-    assert message(dropout_p=0.25) == "dropout_p=0.25 (supported: 0.0)"
+    assert message(dropout_p=0.01).startswith("dropout_p=0.01 needs 32-bit random draws (supported: dropout_p whose")
+    assert message(dropout_p=1.0) == "dropout_p=1.0 (supported: 0 <= dropout_p < 1)"
     assert message(device_type="mps", capability=None) == "device=mps (supported: cuda)"
 
 

@@ -43,6 +43,20 @@ def test_large_head_dims_prefer_cudnn_with_and_without_gqa(d):
                 assert "causal d=256" in slower_than_peer("cute", training).message
 
 
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_dropout_with_gradients_prefers_cudnn_over_cute(d):
+    """Dropout: the CuTe forward drops in the kernel but the backward that follows is the Triton one, which cuDNN's
+    dropout backward beats: calls with gradients go to cuDNN (key masks and GQA too). Calls without gradients are
+    not in this rule (the plain-call rules decide them as for dropout-free calls: d=128's does not cover dropout)."""
+    call = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d, is_causal=False, dropout_p=0.1)
+    for changes in ({}, dict(heads_kv=2, enable_gqa=True),
+                    dict(mask_kind="bool", mask_shape=(2, 1, 1, 2048), mask_dtype=torch.bool)):
+        training = dataclasses.replace(call, requires_grad=True, **changes)
+        assert "Triton dropout backward" in slower_than_peer("cute", training).message
+    if d in (64, 128):
+        assert slower_than_peer("cute", call) is None
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_gqa_at_small_head_dims_prefers_cudnn_only_when_causal(d):
     """d = 64 / 128 GQA: cuDNN beat the CuTe kernels on causal calls; non-causal GQA stays on the CuTe kernels
@@ -98,11 +112,16 @@ def test_cudnn_switched_off_means_no_preference():
     {"dropout_p": 0.1},
     {"dropout_p": 0.1, "mask_kind": "bool", "mask_shape": (2, 1, 1, 2048), "is_causal": False},
 ], ids=["dropout", "dropout_and_mask"])
-def test_dropout_at_d128_prefers_cudnn(changes):
-    decision = select(dataclasses.replace(PLAIN, **changes))
-    assert decision.backend == "torch"
-    assert [r.code for r in decision.rejected["triton"]] == [ReasonCode.SLOWER]
-    assert "dropout" in decision.rejected["triton"][0].message
+@pytest.mark.parametrize("grad", [True, False])
+def test_dropout_at_d128_prefers_cudnn(changes, grad):
+    # with gradients cuDNN runs (the Triton dropout backward, which the cute backend's call would run too, is
+    # slower); without, the CuTe forward does where the DSL is installed (it drops in the kernel)
+    from fa_backend.dispatch.backends import cute
+
+    call = dataclasses.replace(PLAIN, requires_grad=grad, **changes)
+    assert "dropout" in slower_than_peer("triton", call).message
+    on_cute = not (grad or cute.DSL_MISSING or "mask_kind" in changes)  # this mask (no mask_dtype): not a key mask
+    assert select(call).backend == ("cute" if on_cute else "torch")
 
 
 @pytest.mark.parametrize("changes", [
@@ -125,7 +144,7 @@ def test_eager_router_checks_pytorchs_actual_pick(monkeypatch, pytorch_picks, ou
 
     monkeypatch.setattr(sdpa, "pytorch_choice", lambda *a, **k: pytorch_picks)
     q = torch.empty(2, 8, 2048, 128)
-    call = dataclasses.replace(PLAIN, dropout_p=0.1, is_causal=False)
+    call = dataclasses.replace(PLAIN, dropout_p=0.1, is_causal=False, requires_grad=True)
     assert sdpa._preferred_kernel_refuses(select(call), call, q, q, q, None, 0.1, False, None, False) is ours_after_all
 
 

@@ -3,7 +3,8 @@
 It runs the warp-specialised sm90 forward and the CuTe backward (op fa_backend::cute_flash_fwd and its autograd
 formula, ops/cute_flash.py; under deterministic algorithms its ordered-dQ variant at d=64 / 128, the Triton
 backward kernels at d=96 and with a key mask). Masks: bool key masks only
-(no query dim, e.g. key padding (b, 1, 1, sk)), read packed 32 keys per word. Where nvidia-cutlass-dsl is missing
+(no query dim, e.g. key padding (b, 1, 1, sk)), read packed 32 keys per word. Dropout: in the forward kernel, with
+16-bit draws only (the Triton kernels' mask; backward: the Triton kernels). Where nvidia-cutlass-dsl is missing
 every call gets a not_installed reason with the install hint.
 """
 
@@ -43,8 +44,23 @@ def _compile_failure(call: AttentionCall) -> str | None:
     from ...kernels.cute.flash_fwd_ws import fastest_variant_key
 
     bottom_right = call.is_causal and call.causal_alignment == "bottom_right"
-    key = fastest_variant_key(call.dtype, call.head_dim, call.is_causal, bottom_right, call.mask_kind != "none")
+    key = fastest_variant_key(call.dtype, call.head_dim, call.is_causal, bottom_right, call.mask_kind != "none",
+                              call.dropout_p > 0)
     return _compile_cache.CACHE.failure(key)
+
+
+def _dropout_reasons(dropout_p: float) -> list[Reason]:
+    """Why the CuTe forward cannot drop with this probability: outside [0, 1), or a p the kernels draw with 32-bit
+    words (kernels/triton/_features.dropout_draw), which only the Triton kernels make."""
+    if not 0.0 <= dropout_p < 1.0:
+        return [Reason(ReasonCode.DROPOUT, f"dropout_p={dropout_p} (supported: 0 <= dropout_p < 1)")]
+    from ...kernels.triton._features import DROP_HALVES, dropout_draw
+
+    if dropout_draw(dropout_p)[0] != DROP_HALVES:
+        return [Reason(ReasonCode.DROPOUT, f"dropout_p={dropout_p} needs 32-bit random draws (supported: dropout_p "
+                                           "whose rounding to a multiple of 2**-16 changes neither it nor 1 - "
+                                           "dropout_p by more than 2**-13 of itself, e.g. every p in [1/16, 15/16])")]
+    return []
 
 
 def _names(values) -> str:
@@ -62,7 +78,7 @@ class CuteBackend(Backend):
     SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = False
     SUPPORTED_MASKS = frozenset({"none", "bool"})  # bool: key masks only (AttentionCall.mask_key_only); causal is a flag
     CAUSAL_ALIGNMENTS = frozenset(CAUSAL_ALIGNMENTS)
-    SUPPORTS_DROPOUT = False
+    SUPPORTS_DROPOUT = True  # the forward kernel's 16-bit draws only (_dropout_reasons)
     SUPPORTS_GQA = True
     SUPPORTS_BACKWARD = True  # the CuTe backward (deterministic mode: its ordered variant or Triton's, ops/cute_flash.py)
 
@@ -105,8 +121,8 @@ class CuteBackend(Backend):
         if call.is_causal and call.causal_alignment not in cls.CAUSAL_ALIGNMENTS:
             reasons.append(Reason(ReasonCode.MASK, f"causal alignment {call.causal_alignment!r} (supported: "
                                                    f"{_names(cls.CAUSAL_ALIGNMENTS)})"))
-        if call.dropout_p != 0.0 and not cls.SUPPORTS_DROPOUT:
-            reasons.append(Reason(ReasonCode.DROPOUT, f"dropout_p={call.dropout_p} (supported: 0.0)"))
+        if call.dropout_p != 0.0:
+            reasons += _dropout_reasons(call.dropout_p)
         if call.requires_grad and TRITON_MISSING:
             reasons.append(Reason(ReasonCode.GRAD, f"inputs require grad and the backward runs the Triton kernels: "
                                                    f"{TRITON_MISSING}"))
@@ -138,4 +154,4 @@ class CuteBackend(Backend):
 
             _OPS.append(cute_flash_attention)
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
-        return _OPS[0](q, k, v, scale, bool(is_causal), bottom_right, attn_mask)[0]
+        return _OPS[0](q, k, v, scale, bool(is_causal), bottom_right, attn_mask, float(dropout_p))[0]

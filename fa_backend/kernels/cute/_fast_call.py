@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_ptr
@@ -93,6 +94,30 @@ class PointerForwardKeyMask:
         self.kernel(*views, scale_log2, stream, mW)
 
 
+class PointerForwardDropout:
+    """PointerForward for a dropout variant (flash_fwd_ws, dropout=True): also the words pointer and strides of
+    PointerForwardKeyMask (read only by a key-mask variant; any address otherwise), the (seed, rng_offset) int64
+    pair on the device, the 16-bit keep threshold and 1 / (1 - dropout_p). The threshold and scale are constant per
+    dropout_p and the pair's address is spliced in per call, so a fresh RNG state per call marshals nothing anew."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, pq: cute.Pointer, pk: cute.Pointer, pv: cute.Pointer, po: cute.Pointer, plse: cute.Pointer,
+                 pw: cute.Pointer, prng: cute.Pointer, b: Int32, hq: Int32, hkv: Int32, sq: Int32, sk: Int32, d: Int32,
+                 nw: Int32, qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
+                 vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
+                 ws0: Int64, ws1: Int64, threshold: Int32, scale_log2: Float32, drop_scale: Float32, stream: Any):
+        views = _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
+                               vs2, os0, os1, os2, ls0, ls1)
+        mW = None
+        if cutlass.const_expr(self.kernel.key_mask):
+            mW = cute.make_tensor(pw, cute.make_layout((b, hq, nw), stride=(ws0, ws1, 1)))
+        mRng = cute.make_tensor(prng, cute.make_layout(2))
+        self.kernel(*views, scale_log2, stream, mW, mRng, threshold, drop_scale)
+
+
 class PointerBackward:
     """jit wrapper of flash_bwd's kernel, as PointerForward: q, k, v, dO, LSE, delta, dK, dV and the dQ accumulator
     (its four sizes given: rows or chunks) from raw pointers and runtime sizes and strides."""
@@ -143,9 +168,11 @@ def _pointer(t: torch.Tensor | int, dtype: type, align: int) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def forward_pointer_types(dtype: type, key_mask: bool = False) -> list[tuple[type, int]]:
+def forward_pointer_types(dtype: type, key_mask: bool = False, dropout: bool = False) -> list[tuple[type, int]]:
     """(element type, alignment) of PointerForward's pointers: q, k, v, o, then the fp32 LSE (and, key_mask:
-    PointerForwardKeyMask's int32 words)."""
+    PointerForwardKeyMask's int32 words; dropout: PointerForwardDropout's words and int64 (seed, rng_offset))."""
+    if dropout:
+        return [(dtype, 16)] * 4 + [(Float32, 4), (Int32, 4), (Int64, 8)]
     return [(dtype, 16)] * 4 + [(Float32, 4)] + ([(Int32, 4)] if key_mask else [])
 
 
@@ -155,9 +182,12 @@ def backward_pointer_types(dtype: type, key_mask: bool = False) -> list[tuple[ty
         [(Int32, 4)] if key_mask else [])
 
 
-def example_args(dtype: type, key_mask: bool = False) -> tuple:
-    """Arguments for cute.compile(PointerForward(kernel), ...) (PointerForwardKeyMask with key_mask) up to the
-    stream: their types make the signature."""
+def example_args(dtype: type, key_mask: bool = False, dropout: bool = False) -> tuple:
+    """Arguments for cute.compile(PointerForward(kernel), ...) (PointerForwardKeyMask with key_mask,
+    PointerForwardDropout with dropout) up to the stream: their types make the signature."""
+    if dropout:
+        return (*(_pointer(16, t, a) for t, a in forward_pointer_types(dtype, dropout=True)), *[Int32(1)] * 7,
+                *[Int64(1)] * 16, Int32(1), Float32(1.0), Float32(1.0))
     return (*(_pointer(16, t, a) for t, a in forward_pointer_types(dtype, key_mask)),
             *[Int32(1)] * (7 if key_mask else 6), *[Int64(1)] * (16 if key_mask else 14), Float32(1.0))
 
@@ -170,9 +200,14 @@ def backward_example_args(dtype: type, key_mask: bool = False) -> tuple:
 
 
 def scalars(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-            words: torch.Tensor | None = None) -> tuple:
-    """The integer arguments of PointerForward (PointerForwardKeyMask when `words` is given) for these tensors."""
+            words: torch.Tensor | None = None, threshold: int | None = None) -> tuple:
+    """The integer arguments of PointerForward (PointerForwardKeyMask when `words` is given; PointerForwardDropout,
+    with or without words, when `threshold` is) for these tensors."""
     b, hq, sq, d = q.shape
+    if threshold is not None:
+        nw, ws = (words.shape[2], words.stride()[:2]) if words is not None else (0, (0, 0))
+        return (b, hq, k.shape[1], sq, k.shape[2], d, nw, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *o.stride()[:3], *lse.stride()[:2], *ws, threshold)
     if words is None:
         return (b, hq, k.shape[1], sq, k.shape[2], d, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *o.stride()[:3], *lse.stride()[:2])

@@ -147,9 +147,11 @@ def rescale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
 
 @cute.jit
 def store_rows(acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tOcO: cute.Tensor, gO: cute.Tensor,
-               mLSE: cute.Tensor, row0: Int32, seqlen_q: Int32, head: Int32, batch: Int32, lane: Int32):
+               mLSE: cute.Tensor, row0: Int32, seqlen_q: Int32, head: Int32, batch: Int32, lane: Int32,
+               out_scale: Float32 = None):
     """Epilogue of one 64-row tile: O / l into gO and the natural-log LSE into mLSE (s, h, b), rows past seqlen_q
-    skipped; a row that saw no key (l = 0) gets O = 0 and LSE = -inf. row0: the tile's first query row."""
+    skipped; a row that saw no key (l = 0) gets O = 0 and LSE = -inf. row0: the tile's first query row; out_scale
+    (dropout: 1 / (1 - dropout_p)) multiplies O."""
     for half in cutlass.range_constexpr(2):
         total = row_sum[half]
         total += cute.arch.shuffle_sync_bfly(total, offset=1)
@@ -158,6 +160,8 @@ def store_rows(acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, t
         lse = -Float32.inf
         if total > 0.0:
             inv = 1.0 / total
+            if cutlass.const_expr(out_scale is not None):
+                inv = inv * out_scale
             lse = (row_max[half] + cute.math.log2(total, fastmath=True)) * math.log(2.0)
         for i in cutlass.range_constexpr(half * 2, cute.size(acc_o), 4):
             acc_o[i] = acc_o[i] * inv

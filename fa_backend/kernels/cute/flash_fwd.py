@@ -207,12 +207,15 @@ def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
 def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int,
                      causal: bool, bottom_right: bool, arch: str, dump_dir: str | None,
                      pointer_args: bool = False, key_mask: bool = False,
-                     head_dims: tuple[int, ...] = HEAD_DIMS) -> Any:
+                     head_dims: tuple[int, ...] = HEAD_DIMS, dropout: bool = False) -> Any:
     """compile_flash_fwd for any forward kernel class taking (dtype, head_dim, causal, bottom_right) and the
     arguments (q, k, v, o, lse, scale_log2, stream); `kernel_name` and `tile` go into the cache key;
     `pointer_args`: the _fast_call.PointerForward convention, cached as kernel_name + "_ptrargs"; `key_mask`: the
     kernel also takes the packed key-mask words (b, hq, words) int32 after the stream (PointerForwardKeyMask);
-    `head_dims`: the kernel class's head dims."""
+    `head_dims`: the kernel class's head dims; `dropout`: the kernel takes dropout's arguments
+    (PointerForwardDropout: the pointer convention only)."""
+    if dropout and not pointer_args:
+        raise ValueError("dropout variants are compiled for the pointer calling convention (pointer_args=True)")
     if head_dim not in head_dims:
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, head_dims))})")
     if dtype not in _DTYPES:
@@ -228,8 +231,9 @@ def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...]
         if pointer_args:
             from . import _fast_call
 
-            wrapper = _fast_call.PointerForwardKeyMask if key_mask else _fast_call.PointerForward
-            return cute.compile(wrapper(kernel), *_fast_call.example_args(cdtype, key_mask),
+            wrapper = (_fast_call.PointerForwardDropout if dropout else
+                       _fast_call.PointerForwardKeyMask if key_mask else _fast_call.PointerForward)
+            return cute.compile(wrapper(kernel), *_fast_call.example_args(cdtype, key_mask, dropout),
                                 make_fake_stream(), options=compile_options(arch, dump_dir))
         words = (_dynamic(torch.empty(1, 1, 4, dtype=torch.int32), align=4),) if key_mask else ()
         return cute.compile(kernel, q, k, v, o, lse, Float32(1.0), make_fake_stream(), *words,
@@ -284,10 +288,12 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Tensor, k: torch.Tensor,
          v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool,
          key_words: torch.Tensor | None = None,
-         head_dims: tuple[int, ...] = HEAD_DIMS) -> tuple[torch.Tensor, torch.Tensor]:
+         head_dims: tuple[int, ...] = HEAD_DIMS,
+         dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right); key_words (a
     key-mask variant's packed words, (b, hq, words) int32) go to the kernel after the stream; head_dims: the
-    variant's kernel's."""
+    variant's kernel's; dropout (a dropout variant's arguments, which always take the pointer convention): the
+    (seed, rng_offset) int64 pair on q's device, the 16-bit keep threshold and 1 / (1 - dropout_p)."""
     from cuda.bindings import driver
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -296,13 +302,20 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
         _check_key_words(key_words, q, k)
     from . import _fast_call
 
-    fast = _fast_call.ENABLED
+    fast = _fast_call.ENABLED or dropout is not None
     compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right, pointer_args=True) if fast else \
         compile_fn(q.dtype, q.shape[-1], causal, bottom_right)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     masked = key_words is not None
+    if dropout is not None:
+        rng, threshold, drop_scale = dropout
+        _check_rng(rng, q)
+        call = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype], dropout=True))
+        call((q, k, v, out, lse, key_words if masked else rng, rng),
+             _fast_call.scalars(q, k, v, out, lse, key_words, threshold), (scale * _LOG2E, drop_scale), stream)
+        return out, lse
     if fast:
         call = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype], masked))
         call((q, k, v, out, lse) + ((key_words,) if masked else ()),
@@ -315,6 +328,13 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream,
              *words)
     return out, lse
+
+
+def _check_rng(rng: torch.Tensor, q: torch.Tensor) -> None:
+    """ValueError unless `rng` is a dropout variant's (seed, rng_offset): int64 (2,) contiguous on q's device."""
+    if rng.dtype != torch.int64 or tuple(rng.shape) != (2,) or rng.device != q.device or not rng.is_contiguous():
+        raise ValueError(f"the dropout RNG state must be int64 (2,) on {q.device} (seed, offset), got {rng.dtype} "
+                         f"{tuple(rng.shape)} on {rng.device}")
 
 
 def _check_key_words(words: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:

@@ -48,6 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
+from ._dropout import drop_scores, dropout_state  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
     ForwardVariant, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
     rescale_rows, sdpa_views, softmax_scores, store_rows)
@@ -101,8 +102,9 @@ class FlashForwardSm90WS(ForwardVariant):
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
                  pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
-                 key_mask: bool = False):
+                 key_mask: bool = False, dropout: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right)
+        self.dropout = dropout
         _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
         self.persistent = persistent
         self.key_mask = key_mask
@@ -116,7 +118,8 @@ class FlashForwardSm90WS(ForwardVariant):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 scale_log2: Float32, stream: Any, mWords: cute.Tensor = None):
+                 scale_log2: Float32, stream: Any, mWords: cute.Tensor = None, mRng: cute.Tensor = None,
+                 drop_threshold=None, drop_scale=None):  # Int32, Float32 with dropout (unannotated: None otherwise)
         d = self.head_dim
         q, k, v, o, lse = sdpa_views(mQ, mK, mV, mO, mLSE)
         words = None
@@ -138,7 +141,7 @@ class FlashForwardSm90WS(ForwardVariant):
             grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
                     1, 1)
         self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
-                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout, words).launch(
+                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout, words, mRng, drop_threshold, drop_scale).launch(
             grid=grid, block=(self.threads, 1, 1), smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
@@ -165,7 +168,8 @@ class FlashForwardSm90WS(ForwardVariant):
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, mWords: cute.Tensor):
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, mWords: cute.Tensor, mRng: cute.Tensor,
+               drop_threshold, drop_scale):  # Int32, Float32 for dropout variants, None otherwise (unannotated)
         tidx, _, _ = cute.arch.thread_idx()
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         seqlen_k = mK.shape[0]
@@ -229,7 +233,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 if wg == 0:  # consumer 0 takes the first turn; the turns then alternate, across tiles too
                     cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMERS * WG_THREADS)
             args = (mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, pipe_k, pipe_v, mO, mLSE, scale_log2, wg,
-                    tidx % WG_THREADS, mWords)
+                    tidx % WG_THREADS, mWords, (mRng, drop_threshold, drop_scale))
             if cutlass.const_expr(self.persistent):
                 first, _, _ = cute.arch.block_idx()
                 step, _, _ = cute.arch.grid_dim()
@@ -262,7 +266,7 @@ class FlashForwardSm90WS(ForwardVariant):
     def _consume_tile(self, j: Int32, q_phase: Int32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
                       sK: cute.Tensor, sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, pipe_k: Any,
                       pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
-                      mWords: cute.Tensor, mQ: cute.Tensor, seqlen_k: Int32, state_k: Any,
+                      mWords: cute.Tensor, drop_args: tuple, mQ: cute.Tensor, seqlen_k: Int32, state_k: Any,
                       state_v: Any) -> tuple[Any, Any]:
         """One consumer warpgroup's work on tile j (_tile); returns the advanced pipeline states."""
         m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
@@ -272,7 +276,7 @@ class FlashForwardSm90WS(ForwardVariant):
         n_blocks, n_masked, offset = self._block_range(m_block, mQ.shape[0], seqlen_k, key_row)
         return self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, q_phase, pipe_k, pipe_v, mO, mLSE,
                              scale_log2, wg, wg_tidx, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset,
-                             state_k, state_v, mWords)
+                             state_k, state_v, mWords, drop_args)
 
     @cute.jit
     def _tile(self, j: Int32, seqlen_q: Int32, mQ: cute.Tensor) -> tuple[Int32, Int32, Int32]:
@@ -327,9 +331,11 @@ class FlashForwardSm90WS(ForwardVariant):
                  sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, q_phase: Int32, pipe_k: Any,
                  pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
                  m_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32, n_blocks: Int32, n_masked: Int32,
-                 offset: Int32, state_k: Any, state_v: Any, mWords: cute.Tensor) -> tuple[Any, Any]:
+                 offset: Int32, state_k: Any, state_v: Any, mWords: cute.Tensor,
+                 drop_args: tuple) -> tuple[Any, Any]:
         """One consumer warpgroup, one tile: its 64 query rows against every visited key block, then the epilogue.
-        Returns the advanced pipeline states."""
+        drop_args: (the (seed, rng_offset) tensor, the 16-bit keep threshold, 1 / (1 - dropout_p)) of dropout
+        variants. Returns the advanced pipeline states."""
         d = self.head_dim
         thr_qk, thr_pv = mma_qk.get_slice(wg_tidx), mma_pv.get_slice(wg_tidx)
         tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K, consumer)
@@ -351,6 +357,11 @@ class FlashForwardSm90WS(ForwardVariant):
         row_sum.fill(0.0)
         row0 = m_block * self.tile_m + wg * WG_M
 
+        drop, out_scale = None, None
+        if cutlass.const_expr(self.dropout):
+            mRng, drop_threshold, out_scale = drop_args
+            drop = dropout_state(mRng, drop_threshold, batch * mO.shape[2] + head, mO.shape[0], seqlen_k,
+                                 row0 + tScS[0][0], row0 + tScS[2][0], wg_tidx % 32)
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
         t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
         cute.arch.mbarrier_wait(bar_q, q_phase)
@@ -358,14 +369,14 @@ class FlashForwardSm90WS(ForwardVariant):
         blocks = self._blocks_overlapped if cutlass.const_expr(self.overlap) else self._blocks
         state_k, state_v = blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p,
                                   row_max, row_sum, pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks,
-                                  n_masked, wg, state_k, state_v, key_row)
+                                  n_masked, wg, state_k, state_v, key_row, drop)
         if cutlass.const_expr(self.persistent):
             # every GEMM that reads Q has been waited for: the producer may load the next tile's Q while this
             # warpgroup stores its rows
             cute.arch.mbarrier_arrive(bar_q_free)
 
         gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * self.consumers + wg, 0))
-        store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32)
+        store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
         return state_k, state_v
 
     @cute.jit
@@ -424,11 +435,12 @@ class FlashForwardSm90WS(ForwardVariant):
 
     @cute.jit
     def _key_mask_state(self, mma_qk: cute.TiledMma):
-        """(registers for one block's key-mask words, the S accumulator's static coordinates for thread 0), or
-        (None, None) without a key mask."""
+        """(registers for one block's key-mask words or None without a key mask, the S accumulator's static
+        coordinates for thread 0 or None without a key mask or dropout)."""
         words, tScS0 = None, None
         if cutlass.const_expr(self.key_mask):
             words = cute.make_rmem_tensor((self.tile_n // 32,), cutlass.Uint32)
+        if cutlass.const_expr(self.key_mask or self.dropout):
             tScS0 = mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((WG_M, self.tile_n)))
         return words, tScS0
 
@@ -437,7 +449,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 tOrV: cute.Tensor, tScS: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor,
                 t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, pipe_k: Any, pipe_v: Any, row0: Int32,
                 seqlen_k: Int32, offset: Int32, scale_log2: Float32, n_blocks: Int32, n_masked: Int32, wg: Int32,
-                state_k: Any, state_v: Any, key_row: cute.Tensor) -> tuple[Any, Any]:
+                state_k: Any, state_v: Any, key_row: cute.Tensor, drop: Any) -> tuple[Any, Any]:
         """The key-block loop of one consumer, last block first, each GEMM waited for before the next step.
         Returns the advanced pipeline states."""
         words, tScS0 = self._key_mask_state(mma_qk)
@@ -450,6 +462,8 @@ class FlashForwardSm90WS(ForwardVariant):
             if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
                 mask_scores(acc_s, tScS, row0, (n_blocks - 1 - i) * self.tile_n, seqlen_k, offset, self.causal)
             online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
+            if cutlass.const_expr(self.dropout):  # after the row sums: the normaliser keeps every probability
+                drop_scores(acc_s, tScS0, (n_blocks - 1 - i) * self.tile_n, drop)
             r_p.store(acc_s.load().to(self.dtype))
             state_v = self._values(mma_pv, acc_o, t_p, tOrV, pipe_v, state_v)
         return state_k, state_v
@@ -460,7 +474,7 @@ class FlashForwardSm90WS(ForwardVariant):
                            r_p: cute.Tensor, t_p: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                            pipe_k: Any, pipe_v: Any, row0: Int32, seqlen_k: Int32, offset: Int32, scale_log2: Float32,
                            n_blocks: Int32, n_masked: Int32, wg: Int32, state_k: Any, state_v: Any,
-                           key_row: cute.Tensor) -> tuple[Any, Any]:
+                           key_row: cute.Tensor, drop: Any) -> tuple[Any, Any]:
         """_blocks with intra-warpgroup overlap: S of block i is computed while P V of block i - 1 runs; O is
         rescaled only once that GEMM is done (alpha waits in registers). With pingpong, every GEMM issue (the
         first S, each S + P V pair, the last P V: n_blocks + 1 turns per consumer) takes a turn (consumer 0's first
@@ -482,6 +496,8 @@ class FlashForwardSm90WS(ForwardVariant):
             if n_masked > 0:
                 mask_scores(acc_s, tScS, row0, (n_blocks - 1) * self.tile_n, seqlen_k, offset, self.causal)
             softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
+            if cutlass.const_expr(self.dropout):
+                drop_scores(acc_s, tScS0, (n_blocks - 1) * self.tile_n, drop)
             r_p.store(acc_s.load().to(self.dtype))
             for i in cutlass.range(1, n_blocks, unroll=1):
                 n_block = n_blocks - 1 - i
@@ -504,6 +520,8 @@ class FlashForwardSm90WS(ForwardVariant):
                 if i < n_masked:
                     mask_scores(acc_s, tScS, row0, n_block * self.tile_n, seqlen_k, offset, self.causal)
                 softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
+                if cutlass.const_expr(self.dropout):  # the draws run while P V is in flight
+                    drop_scores(acc_s, tScS0, n_block * self.tile_n, drop)
                 warpgroup.wait_group(0)  # P V is done: r_p and O are free
                 pipe_v.consumer_release(state_v)
                 state_v.advance()
@@ -522,7 +540,7 @@ class FlashForwardSm90WS(ForwardVariant):
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
                          pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
-                         persistent: bool = False, key_mask: bool = False) -> Any:
+                         persistent: bool = False, key_mask: bool = False, dropout: bool = False) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
@@ -532,21 +550,23 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     `pointer_args`: the _fast_call.PointerForward calling convention; `persistent`: at most PERSISTENT_CTAS CTAs,
     each walking the tiles (suffix "_persistent"); `key_mask`: the variant that also takes a bool key mask packed
     32 keys per int32 word, (b, hq, words) with broadcast strides (suffix "_keymask"; the last argument before
-    the scale)."""
+    the scale); `dropout`: the variant that also drops scores (_dropout: 16-bit Philox draws, the Triton kernels'
+    mask), pointer convention only (_fast_call.PointerForwardDropout; suffix "_dropout")."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
-    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim)
+    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
-                                              consumers=consumers, persistent=persistent, key_mask=key_mask),
+                                              consumers=consumers, persistent=persistent, key_mask=key_mask,
+                                              dropout=dropout),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
-                            key_mask=key_mask, head_dims=HEAD_DIMS)
+                            key_mask=key_mask, head_dims=HEAD_DIMS, dropout=dropout)
 
 
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
-                   key_mask: bool = False, head_dim: int = 128) -> tuple[str, tuple[int, ...]]:
+                   key_mask: bool = False, head_dim: int = 128, dropout: bool = False) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
-              + ("_keymask" if key_mask else ""))
+              + ("_keymask" if key_mask else "") + ("_dropout" if dropout else ""))
     return KERNEL_NAME + suffix, (WG_M * consumers, TILE_NS.get(head_dim, TILE_N), KV_STAGES)
 
 
@@ -566,39 +586,57 @@ FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
     # (ping-pong 380 / 508)
     (192, False): dict(pingpong=True), (192, True): dict(pingpong=True),
     (256, False): dict(pingpong=True), (256, True): dict(overlap=True)}
+# dropout variants where FASTEST's does not fit: d=64's three serial consumers (128 registers a thread) spill 16-20
+# bytes with the Philox draws (sm_90a compile check); two ping-pong consumers (240 registers) do not, and overlap the
+# draws of one consumer with the other's GEMMs
+DROPOUT_FASTEST: dict[tuple[int, bool], dict[str, Any]] = {(64, False): dict(pingpong=True),
+                                                         (64, True): dict(pingpong=True)}
 
 
-def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False):
+def fastest_kwargs(head_dim: int, causal: bool, dropout: bool = False) -> dict[str, Any]:
+    """flash_fwd_ws's keywords of the variant flash_fwd_fastest runs (FASTEST; DROPOUT_FASTEST where it differs for
+    dropout variants)."""
+    if dropout and (head_dim, causal) in DROPOUT_FASTEST:
+        return DROPOUT_FASTEST[head_dim, causal]
+    return FASTEST[head_dim, causal]
+
+
+def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False,
+                        dropout: bool = False):
     """The compile-cache key of the variant flash_fwd_fastest runs for these (what the dispatcher asks about), in
-    the calling convention it compiles now (_fast_call.ENABLED: the pointer one)."""
+    the calling convention it compiles now (_fast_call.ENABLED: the pointer one; dropout variants always)."""
     from . import _fast_call
     from .flash_fwd import variant_key
 
-    kw = FASTEST[head_dim, causal]
+    kw = fastest_kwargs(head_dim, causal, dropout)
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
-                                kw.get("persistent", False), key_mask, head_dim)
-    return variant_key(name + ("_ptrargs" if _fast_call.ENABLED else ""), tile, dtype, head_dim, causal, bottom_right)
+                                kw.get("persistent", False), key_mask, head_dim, dropout)
+    pointers = _fast_call.ENABLED or dropout
+    return variant_key(name + ("_ptrargs" if pointers else ""), tile, dtype, head_dim, causal, bottom_right)
 
 
 def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                      causal: bool = False, bottom_right: bool = False,
-                      key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_fwd_ws with the fastest variant for q's head_dim and `causal` (FASTEST)."""
-    kw = FASTEST.get((q.shape[-1], bool(causal)), {}) if q.dim() == 4 else {}
-    return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, **kw)
+                      causal: bool = False, bottom_right: bool = False, key_words: torch.Tensor | None = None,
+                      dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_fwd_ws with the fastest variant for q's head_dim and `causal` (fastest_kwargs)."""
+    known = q.dim() == 4 and (q.shape[-1], bool(causal)) in FASTEST
+    kw = fastest_kwargs(q.shape[-1], bool(causal), dropout is not None) if known else {}
+    return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, dropout=dropout, **kw)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
-                 consumers: int = CONSUMERS, persistent: bool = False,
-                 key_words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 consumers: int = CONSUMERS, persistent: bool = False, key_words: torch.Tensor | None = None,
+                 dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
     (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
     flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant;
     `pingpong`: overlap plus the consumers' turns; `consumers`: 2 or 3 consumer warpgroups; `persistent`: at
     most PERSISTENT_CTAS CTAs walking the tiles; `key_words`: a bool key mask packed 32 keys per int32 word (bit
     j % 32 of word j // 32 of row (batch, head), 1 = attend), (b, hq, ceil(seqlen_k / 32)) with any strides
-    (0 where broadcast: _mask_bounds.row_bits' words expanded): the key-mask variant."""
+    (0 where broadcast: _mask_bounds.row_bits' words expanded): the key-mask variant; `dropout`: (the (seed,
+    rng_offset) int64 pair on q's device, the 16-bit keep threshold round(dropout_p * 2**16), 1 / (1 - dropout_p)):
+    the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout)."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
-                                  persistent=persistent, key_mask=key_words is not None),
-                q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS)
+                                  persistent=persistent, key_mask=key_words is not None, dropout=dropout is not None),
+                q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout)

@@ -271,3 +271,36 @@ def test_key_mask_variants_compile_without_spills(tmp_path, d, causal):
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
+
+
+@needs_ptxas
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, False), (96, True), (192, False), (256, True)])
+def test_dropout_variants_compile_without_spills(tmp_path, d, causal):
+    """The op's dropout variant (fastest_kwargs: FASTEST, ping-pong at d=64): one Philox-4x32-10 draw per row and
+    32-key block at each of the two places a block's probabilities are made (the first block and the loop; once in
+    the serial loop): at least 10 wide multiplies per draw (of its 20, the first round's c2 = 0 product folds away
+    and the second round's is shared by the draws of a row, whose counters share their high word), no local
+    memory, no spills; the PTX of a variant without dropout has no draw at all."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    kw = flash_fwd_ws.fastest_kwargs(d, causal, dropout=True)
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path), dropout=True,
+                                            pointer_args=True, **kw).__ptx__
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    draws_per_block = 2 * _tile_n(d) // 32  # two rows per thread
+    sites = 2 if kw.get("overlap") or kw.get("pingpong") else 1
+    assert ptx.count("mul.wide.u32") >= sites * draws_per_block * 10, ptx.count("mul.wide.u32")
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.findall(r"C75\d\d", report), report
+    if (d, causal) == (128, False):
+        plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path / "plain"),
+                                                  pointer_args=True, **kw).__ptx__
+        assert "mul.wide.u32" not in plain
+
+
+def test_dropout_variants_take_the_pointer_convention_only(tmp_path):
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    with pytest.raises(ValueError, match="pointer"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, dropout=True, pointer_args=False)

@@ -1,0 +1,164 @@
+"""Dropout in the CuTe forward on the H200 (issue 4 on the Hopper path): the warp-specialised forward's dropout
+variants (flash_fwd_ws.fastest_kwargs) against the float64 reference that applies the Triton kernels' keep mask for
+the same RNG state (kernels/triton.dropout_keep_mask), with the project's 2x rule; a mask that differed in one
+score in a thousand would fail it (the dropped probabilities are O(1 / seqlen) of each row, out of bf16's reach
+only when matched). Then the op (fa_backend::cute_flash_fwd with dropout_p: forward here, backward the Triton
+kernels with the same mask), reproducibility under torch.manual_seed, and SDPA routing. Needs the CuTe DSL and a
+Hopper GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa_backend
+from fa_backend.kernels.cute import DSL_AVAILABLE, DSL_MISSING
+from tests.reference import assert_grads_within_bar, assert_within_bar, attention_ref
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.cute,
+              pytest.mark.skipif(not DSL_AVAILABLE, reason=f"needs the CuTe DSL: {DSL_MISSING}"),
+              pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90) GPU")]
+
+
+def _qkv(b, hq, hkv, sq, sk, d, dtype, grad=False):
+    return [torch.randn(b, h, s, d, device="cuda", dtype=dtype).requires_grad_(grad)
+            for h, s in ((hq, sq), (hkv, sk), (hkv, sk))]
+
+
+def _keep(q, k, p, rng):
+    from fa_backend.kernels.triton import dropout_keep_mask
+
+    return dropout_keep_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], p, tuple(rng.tolist()), "cuda")
+
+
+def _kernel_dropout(p, rng):
+    from fa_backend.ops.cute_flash import _dropout_args
+
+    return _dropout_args(torch.empty(0, device="cuda"), p, rng)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 300, 333), (2, 2, 1, 1000, 1100)])
+def test_dropout_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
+    from fa_backend.ops import new_rng_state
+
+    p = 0.17
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, dtype)
+    rng = new_rng_state()
+    out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=_kernel_dropout(p, rng))
+    keep = _keep(q, k, p, rng)
+    feats = dict(is_causal=causal, bottom_right=bottom_right, dropout_keep=keep, dropout_p=p)
+    ref = attention_ref(q.double(), k.double(), v.double(), **feats)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert_within_bar("out", out, attention_ref(q, k, v, **feats), ref)
+    # the LSE is the one without dropout (the normaliser keeps every probability), as the Triton forward's
+    _, lse_plain = flash_fwd_fastest(q, k, v, None, causal, bottom_right)
+    seen = lse_plain > float("-inf")
+    torch.testing.assert_close(lse[seen], lse_plain[seen], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_dropout_with_a_key_mask(d):
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
+    from fa_backend.ops import new_rng_state
+    from fa_backend.ops.cute_flash import key_words
+
+    p, (b, hq, hkv, sq, sk) = 0.3, (2, 8, 2, 700, 900)
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, torch.bfloat16)
+    mask = torch.rand(b, hq, 1, sk, device="cuda") > 0.2
+    rng = new_rng_state()
+    out, _ = flash_fwd_fastest(q, k, v, None, False, False, key_words=key_words(mask, b, hq, sk),
+                               dropout=_kernel_dropout(p, rng))
+    feats = dict(attn_mask=mask, dropout_keep=_keep(q, k, p, rng), dropout_p=p)
+    assert_within_bar("out", out, attention_ref(q, k, v, **feats), attention_ref(q.double(), k.double(), v.double(),
+                                                                                    **feats))
+
+
+def test_the_mask_is_the_triton_forwards():
+    """Same RNG state, same scores dropped: the CuTe and Triton forwards agree to their own rounding, and a
+    different seed moves the CuTe result far beyond it."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
+    from fa_backend.kernels.triton import flash_fwd
+    from fa_backend.ops import new_rng_state
+
+    q, k, v = _qkv(2, 4, 4, 1024, 1024, 128, torch.bfloat16)
+    rng = new_rng_state()
+    ours, _ = flash_fwd_fastest(q, k, v, None, True, False, dropout=_kernel_dropout(0.1, rng))
+    triton, _ = flash_fwd(q, k, v, 128 ** -0.5, True, False, dropout_p=0.1, rng=tuple(rng.tolist()))
+    close = (ours.float() - triton.float()).abs().max().item()
+    other, _ = flash_fwd_fastest(q, k, v, None, True, False, dropout=_kernel_dropout(0.1, new_rng_state()))
+    assert close < 2e-2 < (other.float() - ours.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("d,causal", [(128, False), (64, True), (256, False)])
+def test_op_forward_and_gradients_within_bar(d, causal):
+    """fa_backend::cute_flash_fwd with dropout: the CuTe forward, then the Triton backward regenerating the same
+    mask; gradients against the float64 reference with that mask."""
+    from fa_backend.ops import cute_flash_attention, new_rng_state
+
+    p, (b, hq, hkv, sq, sk) = 0.2, (2, 8, 2, 512, 640)
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, grad=True)
+    rng = new_rng_state()
+    fa_backend.reset_stats()
+    out = cute_flash_attention(q, k, v, None, causal, True, dropout_p=p, rng_state=rng)[0]
+    assert fa_backend.stats()["runs"] == {"cute": 1}
+    feats = dict(is_causal=causal, bottom_right=True, dropout_keep=_keep(q, k, p, rng), dropout_p=p)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref, pt = attention_ref(*ref_leaves, **feats), attention_ref(*pt_leaves, **feats)
+    assert_within_bar("out", out, pt, ref)
+    assert_grads_within_bar(out, (q, k, v), pt, pt_leaves, ref, ref_leaves)
+
+
+def test_op_is_reproducible_under_manual_seed():
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(2, 4, 4, 512, 512, 128, torch.bfloat16)
+    torch.manual_seed(3)
+    first = cute_flash_attention(q, k, v, dropout_p=0.1)[0]
+    second = cute_flash_attention(q, k, v, dropout_p=0.1)[0]
+    torch.manual_seed(3)
+    again = cute_flash_attention(q, k, v, dropout_p=0.1)[0]
+    assert torch.equal(first, again) and not torch.equal(first, second)
+
+
+def test_dropout_p_needing_32_bit_draws_is_refused():
+    from fa_backend.dispatch.reasons import BackendUnsupportedError
+    from fa_backend.ops import cute_flash_attention
+
+    q, k, v = _qkv(1, 2, 2, 256, 256, 128, torch.bfloat16)
+    with pytest.raises(BackendUnsupportedError, match="32-bit"):
+        cute_flash_attention(q, k, v, dropout_p=0.01)
+
+
+@pytest.fixture
+def clean():
+    fa_backend.disable()
+    fa_backend.reset_stats()
+    yield
+    fa_backend.disable()
+
+
+def test_routed_dropout_call_without_gradients_runs_cute_and_with_them_cudnn(clean):
+    """SDPA with dropout_p=0.1 at d=128: without gradients the CuTe forward runs it; with gradients cuDNN does (its
+    dropout backward beats the Triton one that would follow ours: dispatch/preference.py)."""
+    q, k, v = _qkv(4, 16, 16, 2048, 2048, 128, torch.bfloat16)
+    with fa_backend.enabled():
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        assert fa_backend.stats()["runs"] == {"cute": 1}
+        fa_backend.reset_stats()
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        F.scaled_dot_product_attention(qg, kg, vg, dropout_p=0.1).sum().backward()
+    assert fa_backend.stats()["runs"] == {"torch": 1}
+
+
+def test_opcheck_with_dropout():
+    from fa_backend.ops import cute_flash_fwd, new_rng_state
+
+    q, k, v = _qkv(1, 4, 2, 300, 300, 128, torch.bfloat16, grad=True)
+    torch.library.opcheck(cute_flash_fwd, (q, k, v, None, True, False, None, 0.25, new_rng_state()))
