@@ -17,8 +17,9 @@ their gradients are the same bits on every run.
 A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both kernels, packed by key_words.
 
 Dropout (dropout_p > 0 with an rng_state, as fa_backend::triton_flash_fwd takes them) runs in the forward kernel
-(kernels/cute/_dropout.py), which draws the Triton kernels' mask bit for bit; its backward is the Triton backward
-with the same rng_state, which regenerates that mask (the CuTe backward has no dropout yet). Only dropout_p whose
+(kernels/cute/_dropout.py), which draws the Triton kernels' mask bit for bit; the backward regenerates that mask: at
+d=128 (DROPOUT_BACKWARD) the warp-specialised CuTe backward, whose producer warpgroup draws the bits, elsewhere and
+under deterministic algorithms or with a key mask the Triton backward with the same rng_state. Only dropout_p whose
 16-bit rounding the kernels accept (kernels/triton/_features.dropout_draw: every p in [1/16, 15/16], among others)
 runs here; the cute backend declines the rest with reason `dropout`.
 
@@ -172,6 +173,11 @@ BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, wa
                      192: dict(wgs=2, warp_specialized=True), 256: dict(wgs=2, warp_specialized=True)}
 
 
+# head dims whose CuTe backward drops (flash_bwd_ws's dropout variant, sixteenth session): d=128. At d=64 (128 query
+# rows per step) the variant spills 16-20 bytes in the MMA warpgroups (sm_90a compile check); d=96, 192 and 256 have
+# other backward kernels. The rest runs the Triton backward with the same mask.
+DROPOUT_BACKWARD = frozenset({128})
+
 # head dims whose backward variant runs a key mask: the warp-specialised kernel's 64-row steps (d=128) and its 128-row
 # d=64 variant (with the per-row key bound it spills 12 bytes, 92 when causal, on the sm90 compile check; on the H200
 # its masked backward is within 8-9 % of its unmasked one, thirteenth session), and flash_bwd_wide at d=192 / 256
@@ -180,19 +186,25 @@ BACKWARD_VARIANTS = {128: dict(wgs=2, warp_specialized=True), 64: dict(wgs=2, wa
 KEY_MASK_BACKWARD = frozenset({128, 64, 192, 256})
 
 
-def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None, dropout_p=0.0):
+def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None, dropout_p=0.0,
+                   rng_state=None):
     """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, a variant that failed to
     compile, a key mask at a head dim whose backward variant has none (96), deterministic mode at d=96 or
-    with a key mask, dropout: the caller runs the Triton backward). Under torch.use_deterministic_algorithms the
+    with a key mask, dropout at a head dim outside DROPOUT_BACKWARD or with a key mask or deterministic: the caller
+    runs the Triton backward). Under torch.use_deterministic_algorithms the
     warp-specialised kernels add dQ in a fixed order (d=64 / 128 / 192 / 256)."""
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, flash_bwd
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS or dropout_p > 0:
+    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS:
         return None
     variant = BACKWARD_VARIANTS.get(q.shape[-1], {})  # one warpgroup where absent
     deterministic = torch.are_deterministic_algorithms_enabled()
+    if dropout_p > 0:
+        if q.shape[-1] not in DROPOUT_BACKWARD or deterministic or attn_mask is not None:
+            return None
+        variant = dict(variant, dropout=_dropout_args(q, dropout_p, rng_state))
     if deterministic:
         if not variant.get("warp_specialized") or attn_mask is not None:
             return None  # the deterministic variant is the warp-specialised kernel's, without a key mask
@@ -222,7 +234,8 @@ def cute_flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     where the CuTe one does not apply (see the module docstring). dropout_p and rng_state: the forward's."""
     if dropout_p > 0:
         _check_rng_state(rng_state)
-    grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask, dropout_p)
+    grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask, dropout_p,
+                           rng_state)
     if grads is None:
         from ..kernels.triton import flash_bwd
 

@@ -18,12 +18,25 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, Uint64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 # Philox-4x32 constants (Salmon et al. 2011; triton.language.random's)
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85
 ROUNDS = 10
 HALF_MASK = 0xFFFF
+
+
+@dsl_user_op
+def mul_wide_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint64:
+    """The 64-bit product of two 32-bit words: one mul.wide.u32 (IMAD.WIDE.U32), whatever the surrounding code (from
+    zero-extended 64-bit operands LLVM made one only in unrolled code; in a loop it widened the whole round to 64-bit
+    multiplies, adds and xors)."""
+    product = llvm.inline_asm(T.i64(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+                              "mul.wide.u32 $0, $1, $2;", "=l,r,r", has_side_effects=False, is_align_stack=False,
+                              asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Uint64(product)
 
 
 @cute.jit
@@ -33,8 +46,8 @@ def philox4x32(c0: Uint32, c1: Uint32, k0: Uint32, k1: Uint32) -> tuple[Uint32, 
     c2, c3 = Uint32(0), Uint32(0)
     for _ in cutlass.range_constexpr(ROUNDS):
         # 32 x 32 -> 64-bit products: one mul.wide each gives both the high word (mixed in) and the low one
-        pb = Uint64(c2) * Uint64(ROUND_B)
-        pa = Uint64(c0) * Uint64(ROUND_A)
+        pb = mul_wide_u32(c2, Uint32(ROUND_B))
+        pa = mul_wide_u32(c0, Uint32(ROUND_A))
         c0 = Uint32(pb >> Uint64(32)) ^ c1 ^ k0
         c2 = Uint32(pa >> Uint64(32)) ^ c3 ^ k1
         c1 = Uint32(pb)
@@ -87,4 +100,95 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
                     keep = (word >= state.threshold_high) if cutlass.const_expr(col % 2 == 1) else (
                         (word & Uint32(HALF_MASK)) >= state.threshold)
                     acc_s[i] = Float32(cutlass.select_(keep, acc_s[i], Float32(0.0)))
+
+
+
+# The backward (flash_bwd_ws): its S^T accumulators hold a thread's two keys r, r + 8 (rows) against queries
+# 2 (lane % 4) + {0, 1} + 8k (columns), so a draw (one query, one 32-key block, one p) decides keys of four MMA
+# threads, two bits each (lanes l and l + 4, whose keys differ in h; warps 2m and 2m + 1, in w). Drawing them in the
+# MMA warpgroups would cost four times the forward's Philox work per score; instead two warps of the producer
+# warpgroup draw each step's bits into shared memory (BITS_STAGES deep, full / empty mbarriers), one thread per such
+# group of four MMA threads, and an MMA thread reads its bits with one load per step: bit 2q + j of its word w
+# (q = 2k + c, the query's column index among its 2 * tile_m / 8 columns, j = 0 for key r, 1 for r + 8; word w
+# holds bits 32w ... 32w + 31).
+BITS_STAGES = 2
+BITS_WARPS = (2, 3)  # the producer warpgroup's warps that draw (0 loads Q / dO, 1 writes dQ)
+MMA_THREADS = 256
+
+
+def bits_words(tile_m: int) -> int:
+    """32-bit words of keep bits per MMA thread and step: 2 keys x tile_m / 4 queries."""
+    return tile_m // 64
+
+
+@cute.jit
+def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor, threshold: Int32, gt: Int32,
+                       key_block0: Int32, bh0: Int32, heads_step: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                       step: Int32, row0: Int32, tile_m: cutlass.Constexpr):
+    """Drawing thread gt (0 ... 63) of one step: the keep bits of its four MMA threads (see above) into stage
+    step % BITS_STAGES of sBits ((stage, MMA thread, word) uint32), then an arrival on that stage's full barrier
+    (bars: BITS_STAGES full barriers, then BITS_STAGES empty ones); waits for the stage to be empty first. key_block0:
+    the CTA's first 32-key block; bh0 + heads_step: the step's head index batch * heads_q + head; row0: the step's
+    first query row."""
+    stage = step % BITS_STAGES
+    if step >= BITS_STAGES:
+        cute.arch.mbarrier_wait(bars + BITS_STAGES + stage, (step // BITS_STAGES - 1) % 2)
+    wg, m, lp = gt // 32, (gt % 32) // 16, gt % 16
+    lane0 = (lp // 4) * 8 + lp % 4  # the group's h = 0 lane; p = lane0 // 8
+    seed = Int64(mRng[0])
+    k0, k1 = Uint32(seed), Uint32(seed >> Int64(32))
+    thr = Uint32(threshold)
+    thr_high = thr << Uint32(16)
+    per_row = Int64((seqlen_k + 31) // 32 * 4)
+    base = ((Int64(bh0 + heads_step) * Int64(seqlen_q) + Int64(row0 + 2 * (lane0 % 4))) * per_row + Int64(mRng[1])
+            + Int64(4 * (key_block0 + 2 * wg + m) + lp // 4))
+    for w in cutlass.range_constexpr(bits_words(tile_m)):
+        out = cute.make_rmem_tensor((2, 2), Uint32)  # word w of (x: warp 2m + x, h: lane lane0 + 4h)
+        out.fill(0)
+        # a runtime loop over the word's 16 queries: the drawing warps have the producer warpgroup's 24 registers
+        # (setmaxnreg; the MMA warpgroups' 240 take the rest of the CTA's pool: 32 here and 232 there hung nothing
+        # but made ptxas serialise the MMA warpgroups' wgmmas, C7512; 32 and 240 exceed the pool, and the MMA
+        # warpgroups' setmaxnreg.inc waited forever on the H200)
+        for qq in cutlass.range(16, unroll=1):
+            q = 16 * w + qq
+            counter = base + Int64(8 * (q // 2) + q % 2) * per_row  # query 8k + c of the group's columns
+            words = philox4x32(Uint32(counter), Uint32(counter >> Int64(32)), k0, k1)
+            for x in cutlass.range_constexpr(2):
+                for h in cutlass.range_constexpr(2):
+                    for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h of it
+                        word = words[2 * x + j]
+                        keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
+                        bit = Uint32(1) << Uint32(2 * qq + j)
+                        out[x, h] = out[x, h] | Uint32(cutlass.select_(keep, bit, Uint32(0)))
+        for x in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                sBits[stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, w] = out[x, h]
+    cute.arch.mbarrier_arrive(bars + stage)
+
+
+@cute.jit
+def read_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, step: Int32, thread: Int32, bits: cute.Tensor):
+    """MMA thread `thread` (0 ... 255): its keep bits of one step into `bits` (words), then the stage is released."""
+    stage = step % BITS_STAGES
+    cute.arch.mbarrier_wait(bars + stage, (step // BITS_STAGES) % 2)
+    for w in cutlass.range_constexpr(cute.size(bits)):
+        bits[w] = sBits[stage, thread, w]
+    cute.arch.mbarrier_arrive(bars + BITS_STAGES + stage)
+
+
+@cute.jit
+def backward_keep(bits: cute.Tensor, row: int, col: int):
+    """Whether the MMA thread keeps its S^T value at thread 0's coordinates (row: key 0 or 8, col: query 8k + c)."""
+    pos = 2 * (2 * (col // 8) + col % 2) + row // 8 % 2
+    return (bits[pos // 32] >> Uint32(pos % 32)) & Uint32(1) != Uint32(0)
+
+
+@cute.jit
+def negate_dropped(p: Float32, bits: cute.Tensor, row: int, col: int) -> Float32:
+    """p with its sign bit flipped where the MMA thread drops its S^T value at thread 0's coordinates (row, col): two
+    integer operations on p's bits (a select between +-1 per value made ptxas hold 32 such constants at once and
+    serialise the wgmmas for registers, C7512)."""
+    pos = 2 * (2 * (col // 8) + col % 2) + row // 8 % 2
+    dropped = ~bits[pos // 32] << Uint32(31 - pos % 32)  # bit 31: 1 where dropped
+    return (p.bitcast(Uint32) ^ (dropped & Uint32(0x80000000))).bitcast(Float32)
 

@@ -163,6 +163,29 @@ class PointerBackwardKeyMask:
         self.kernel(*views, scale_log2, scale, stream, mW)
 
 
+class PointerBackwardDropout:
+    """PointerBackward for a dropout variant: also a words pointer (unread: the variant takes no key mask), the
+    (seed, offset) int64 pair on the device, the 16-bit keep threshold and 1 / (1 - dropout_p)."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, pq: cute.Pointer, pk: cute.Pointer, pv: cute.Pointer, pdo: cute.Pointer, plse: cute.Pointer,
+                 pdelta: cute.Pointer, pdk: cute.Pointer, pdv: cute.Pointer, pdq: cute.Pointer, pw: cute.Pointer,
+                 prng: cute.Pointer, b: Int32, hq: Int32, hkv: Int32, sq: Int32, sk: Int32, d: Int32, dq1: Int32,
+                 dq2: Int32, dq3: Int32, qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
+                 vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
+                 es0: Int64, es1: Int64, dks0: Int64, dks1: Int64, dks2: Int64, dvs0: Int64, dvs1: Int64, dvs2: Int64,
+                 dqs0: Int64, dqs1: Int64, dqs2: Int64, threshold: Int32, scale_log2: Float32, scale: Float32,
+                 drop_scale: Float32, stream: Any):
+        views = _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3,
+                                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0,
+                                dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
+        mRng = cute.make_tensor(prng, cute.make_layout(2))
+        self.kernel(*views, scale_log2, scale, stream, None, mRng, threshold, drop_scale)
+
+
 def _pointer(t: torch.Tensor | int, dtype: type, align: int) -> Any:
     address = t if isinstance(t, int) else t.data_ptr()
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
@@ -176,8 +199,11 @@ def forward_pointer_types(dtype: type, key_mask: bool = False, dropout: bool = F
     return [(dtype, 16)] * 4 + [(Float32, 4)] + ([(Int32, 4)] if key_mask else [])
 
 
-def backward_pointer_types(dtype: type, key_mask: bool = False) -> list[tuple[type, int]]:
-    """(element type, alignment) of PointerBackward's pointers (PointerBackwardKeyMask's with key_mask)."""
+def backward_pointer_types(dtype: type, key_mask: bool = False, dropout: bool = False) -> list[tuple[type, int]]:
+    """(element type, alignment) of PointerBackward's pointers (PointerBackwardKeyMask's with key_mask,
+    PointerBackwardDropout's with dropout)."""
+    if dropout:
+        return backward_pointer_types(dtype, True) + [(Int64, 8)]
     return [(dtype, 16)] * 4 + [(Float32, 4)] * 2 + [(dtype, 16)] * 2 + [(Float32, 16)] + (
         [(Int32, 4)] if key_mask else [])
 
@@ -192,9 +218,12 @@ def example_args(dtype: type, key_mask: bool = False, dropout: bool = False) -> 
             *[Int32(1)] * (7 if key_mask else 6), *[Int64(1)] * (16 if key_mask else 14), Float32(1.0))
 
 
-def backward_example_args(dtype: type, key_mask: bool = False) -> tuple:
-    """Arguments for cute.compile(PointerBackward(kernel), ...) (PointerBackwardKeyMask with key_mask) up to the
-    stream."""
+def backward_example_args(dtype: type, key_mask: bool = False, dropout: bool = False) -> tuple:
+    """Arguments for cute.compile(PointerBackward(kernel), ...) (PointerBackwardKeyMask with key_mask,
+    PointerBackwardDropout with dropout) up to the stream."""
+    if dropout:
+        return (*(_pointer(16, t, a) for t, a in backward_pointer_types(dtype, dropout=True)), *[Int32(1)] * 9,
+                *[Int64(1)] * 25, Int32(1), Float32(1.0), Float32(1.0), Float32(1.0))
     return (*(_pointer(16, t, a) for t, a in backward_pointer_types(dtype, key_mask)),
             *[Int32(1)] * (10 if key_mask else 9), *[Int64(1)] * (27 if key_mask else 25), Float32(1.0), Float32(1.0))
 
@@ -215,9 +244,12 @@ def scalars(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
             *o.stride()[:3], *lse.stride()[:2], *words.stride()[:2])
 
 
-def backward_scalars(q, k, v, do, lse, delta, dk, dv, dqacc, words=None) -> tuple:
-    """The integer arguments of PointerBackward (PointerBackwardKeyMask when `words` is given) for these tensors."""
+def backward_scalars(q, k, v, do, lse, delta, dk, dv, dqacc, words=None, threshold: int | None = None) -> tuple:
+    """The integer arguments of PointerBackward (PointerBackwardKeyMask when `words` is given,
+    PointerBackwardDropout when `threshold` is) for these tensors."""
     b, hq, sq, d = q.shape
+    if threshold is not None:
+        return (*backward_scalars(q, k, v, do, lse, delta, dk, dv, dqacc), threshold)
     nw = (words.shape[2],) if words is not None else ()
     ws = tuple(words.stride()[:2]) if words is not None else ()
     return (b, hq, k.shape[1], sq, k.shape[2], d, *dqacc.shape[1:], *nw, *q.stride()[:3], *k.stride()[:3],

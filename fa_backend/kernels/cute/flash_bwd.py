@@ -118,13 +118,15 @@ class FlashBackwardSm90(ForwardVariant):
         self.dq_rows = False
         self.smem_padding = 2 * 1024  # barriers and alignment
         self.key_mask = False  # the warp-specialised kernel's key-mask variant (FlashBackwardSm90WS)
+        self.dropout = False  # its dropout variant
         self.deterministic = False  # its deterministic variant (dQ adds in key-block order, turn flags in mWords)
         self.key_tiles = wgs  # TILE_N-key tiles per CTA (one per warpgroup; flash_bwd_wide's share one)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
-                 scale: Float32, stream: Any, mWords: cute.Tensor = None):
+                 scale: Float32, stream: Any, mWords: cute.Tensor = None, mRng: cute.Tensor = None,
+                 drop_threshold=None, drop_scale=None):  # the last three: dropout variants' (Int32, Float32)
         d = self.head_dim
         wgs = self.wgs
         q, k, v, do, dk, dv, dqacc, lse, delta, words = self._views(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc,
@@ -162,6 +164,8 @@ class FlashBackwardSm90(ForwardVariant):
                        sK_layout, sQ_layout, sdS_layout)
         if cutlass.const_expr(self.key_mask or self.deterministic):
             kernel_args = kernel_args + (words,)
+        if cutlass.const_expr(self.dropout):
+            kernel_args = kernel_args + (words, mRng, drop_threshold, drop_scale)
         self.kernel(*kernel_args).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]),
             block=(THREADS * self.cta_warpgroups, 1, 1), smem=smem_bytes, stream=stream,
@@ -508,7 +512,7 @@ class FlashBackwardSm90(ForwardVariant):
     @cute.jit
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
                 key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None,
-                branch_free: cutlass.Constexpr = False):
+                branch_free: cutlass.Constexpr = False, drop_bits: cute.Tensor = None, tScS0: cute.Tensor = None):
         """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
         `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, the key bound that
         replaces seqlen_k in the visibility test (seqlen_k, or 0 for a hidden key), so that the code is the unmasked
@@ -517,7 +521,11 @@ class FlashBackwardSm90(ForwardVariant):
         recomputed each time, or serialise the wgmmas for registers, C7512: the key-mask backward ran 21-35 %
         slower than without a mask on the H200.) `branch_free`: the exp2 of every score, then a select (flash_bwd_wide:
         there ptxas kept the exp2 under `if visible` as a real branch per score, while the d=128 kernel's is
-        if-converted and the unconditional form made ptxas serialise its wgmmas for registers)."""
+        if-converted and the unconditional form made ptxas serialise its wgmmas for registers). `drop_bits`
+        (dropout variants, _dropout.read_backward_bits; tScS0: thread 0's coordinates): a dropped score's probability
+        is stored negated (FlashAttention-2's sign trick: max(., 0) is then the dropped P^T, |.| the whole one), here
+        where the exp2's result is a temporary (a negating select on acc_s after this loop made ptxas serialise the
+        wgmmas for registers, C7512)."""
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             qi = tScS[i][1]
             limit = seqlen_k
@@ -531,6 +539,10 @@ class FlashBackwardSm90(ForwardVariant):
                 p = Float32(0.0)
                 if visible:
                     p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
+                if cutlass.const_expr(drop_bits is not None):
+                    from ._dropout import negate_dropped
+
+                    p = negate_dropped(p, drop_bits, *tScS0[i])
                 acc_s[i] = p
 
     @cute.jit
@@ -574,15 +586,19 @@ class FlashBackwardSm90(ForwardVariant):
     @cute.jit
     def _store_dkdv(self, mdK: cute.Tensor, mdV: cute.Tensor, acc_dk: cute.Tensor, acc_dv: cute.Tensor,
                     tKcK: cute.Tensor, scale: Float32, key0: Int32, seqlen_k: Int32, key_tile: Int32, head_kv: Int32,
-                    batch: Int32):
-        """The epilogue: dK = scale * sum dS^T Q and dV of this warpgroup's key tile, rows past seqlen_k skipped."""
+                    batch: Int32, dv_scale: Float32 = None):
+        """The epilogue: dK = scale * sum dS^T Q and dV of this warpgroup's key tile, rows past seqlen_k skipped;
+        dv_scale (dropout: 1 / (1 - p)) multiplies dV."""
         d = self.head_dim
         gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (key_tile, 0))
         gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (key_tile, 0))
         for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
             if key0 + tKcK[i][0] < seqlen_k:
                 gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
-                gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
+                if cutlass.const_expr(dv_scale is not None):
+                    gdV[tKcK[i]] = (acc_dv[i] * dv_scale).to(gdV.element_type)
+                else:
+                    gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
 
     @cute.jit
     def _load_qdo(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
@@ -651,7 +667,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
                       warp_specialized: bool = False, tile_m: int = TILE_M, key_mask: bool = False,
-                      deterministic: bool = False) -> Any:
+                      deterministic: bool = False, dropout: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
@@ -661,7 +677,9 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     (warp_specialized only): the variant that also takes a bool key mask packed 32 keys per int32 word (b, hq,
     words) after the stream (as flash_fwd_ws's); `deterministic` (warp_specialized only, not with key_mask): the
     variant whose dQ adds to each query block happen in key-block order, taking its zeroed int32 turn flags (b, hq,
-    query blocks) where the key-mask variant takes its words.
+    query blocks) where the key-mask variant takes its words; `dropout` (warp_specialized at d=64 / 128 with 64 or
+    128 query rows, no key mask, not deterministic; the pointer convention only, _fast_call.PointerBackwardDropout):
+    the variant that drops with the forward's mask (kernels/cute/_dropout.py).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -685,6 +703,9 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError("key_mask=True needs warp_specialized=True")
     if deterministic and (not warp_specialized or key_mask):
         raise ValueError("deterministic=True needs warp_specialized=True and no key mask")
+    if dropout and (wide or not warp_specialized or key_mask or deterministic or tile_m % 64 or not pointer_args):
+        raise ValueError("dropout=True needs warp_specialized=True at head_dim 64 or 128 with 64 or 128 query rows, no "
+                         "key mask, deterministic=False and pointer_args=True")
     if tile_m != TILE_M and not (warp_specialized and (tile_m, head_dim) in ((80, 128), (128, 64))):
         raise ValueError(f"tile_m={tile_m} with head_dim={head_dim} (supported: {TILE_M}; with warp_specialized=True "
                          f"also 80 at head_dim 128 and 128 at head_dim 64)")
@@ -702,13 +723,17 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
             from .flash_bwd_ws import FlashBackwardSm90WS
 
             kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m, key_mask,
-                                         deterministic)
+                                         deterministic, dropout)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
             from . import _fast_call
 
             side = key_mask or deterministic  # an int32 (b, hq, n) tensor after the stream
+            if dropout:
+                return cute.compile(_fast_call.PointerBackwardDropout(kernel),
+                                    *_fast_call.backward_example_args(_DTYPES[dtype], dropout=True),
+                                    make_fake_stream(), options=compile_options(arch, dump_dir))
             wrapper = _fast_call.PointerBackwardKeyMask if side else _fast_call.PointerBackward
             return cute.compile(wrapper(kernel), *_fast_call.backward_example_args(_DTYPES[dtype], side),
                                 make_fake_stream(), options=compile_options(arch, dump_dir))
@@ -721,7 +746,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
             + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "")
-            + ("_deterministic" if deterministic else "") + ("_ptrargs" if pointer_args else ""))
+            + ("_deterministic" if deterministic else "") + ("_dropout" if dropout else "")
+            + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * (1 if wide else wgs), tile_m),
                      arch)
     return CACHE.get_or_compile(key, build)
@@ -732,8 +758,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               bottom_right: bool = False, dq_atomic: bool = False, dlse: torch.Tensor | None = None,
               wgs: int = 1, dq_buffer: bool = False,
               warp_specialized: bool = False, tile_m: int = TILE_M,
-              key_words: torch.Tensor | None = None,
-              deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              key_words: torch.Tensor | None = None, deterministic: bool = False,
+              dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
@@ -742,7 +768,9 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     one-barrier variant; warp_specialized: flash_bwd_ws's kernel (wgs=2; the op's at d=128), which also takes tile_m
     = 80 (d=128) and 128 (d=64), and flash_bwd_wide's at d=192 / 256 (the op's there). key_words: the forward's
     packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only). deterministic (warp_specialized, no
-    key_words): the same bits on every run (dQ's fp32 adds in a fixed order). The three gradients are contiguous
+    key_words): the same bits on every run (dQ's fp32 adds in a fixed order). dropout (warp_specialized at d=64 /
+    128, no key_words, not deterministic): the forward's (the (seed, offset) pair on q's device, the 16-bit keep
+    threshold, 1 / (1 - dropout_p)), flash_fwd_ws.flash_fwd_ws's argument. The three gradients are contiguous
     whatever the inputs' strides."""
     from cuda.bindings import driver
 
@@ -758,10 +786,11 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         dout = dout.contiguous()  # TMA's alignment rules, as for q
     from . import _fast_call
 
-    fast = _fast_call.ENABLED
+    fast = _fast_call.ENABLED or dropout is not None
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
                                  pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
-                                 tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic)
+                                 tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic,
+                                 dropout=dropout is not None)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -775,7 +804,16 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if deterministic:  # the turn flags, passed where a key-mask variant takes its words
         key_words = torch.zeros((b, hq, m_blocks), dtype=torch.int32, device=q.device)
     side = key_words is not None  # the key-mask words or the turn flags
-    if fast:
+    if dropout is not None:
+        from .flash_fwd import _check_rng
+
+        rng, threshold, drop_scale = dropout
+        _check_rng(rng, q)
+        call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], dropout=True))
+        tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
+        call(tensors + (rng, rng), _fast_call.backward_scalars(*tensors, threshold=threshold),
+             (scale * _LOG2E, scale, drop_scale), stream)
+    elif fast:
         call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], side))
         tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
         call(tensors + ((key_words,) if side else ()), _fast_call.backward_scalars(*tensors, words=key_words),

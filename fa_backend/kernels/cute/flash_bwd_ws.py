@@ -34,12 +34,14 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values  # noq
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
+from ._dropout import (  # noqa: E402
+    BITS_STAGES, BITS_WARPS, MMA_THREADS, backward_keep, bits_words, draw_backward_bits, read_backward_bits)
 from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm, dq_split  # noqa: E402
 
 TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (the dQ GEMM transposed), 128 at d=64
 
 PRODUCER_REGS = 24
-MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512 <= 65536, the register file
+MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512: the pool of 384 threads launched with 168 registers each
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
 
 
@@ -55,10 +57,15 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
     64 or 80 query rows per step, head_dim 64 with 128."""
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, tile_m: int = TILE_M,
-                 key_mask: bool = False, deterministic: bool = False):
+                 key_mask: bool = False, deterministic: bool = False, dropout: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
         if key_mask and deterministic:
             raise ValueError("deterministic=True does not take a key mask (a CTA that skips its steps takes no turn)")
+        if dropout and (key_mask or deterministic or tile_m % 64):
+            raise ValueError("dropout=True takes no key mask, no deterministic order and 64 or 128 query rows per step")
+        # dropout: two producer warps draw each step's keep bits (_dropout.draw_backward_bits), the MMA warpgroups
+        # drop P^T for dV and dP^T for dS with them; dV is scaled by 1 / (1 - p) in the epilogue
+        self.dropout = dropout
         self.key_mask = key_mask  # a bool key mask, packed 32 keys per word, read per step (_key_keep)
         # dQ adds in key-block order: the side tensor (mWords) is then one int32 turn flag per (query block, head,
         # batch), zeroed by the caller (_write_dq)
@@ -72,6 +79,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # it): they need 231680 of the 232448 bytes an sm90 CTA may have (2048 bytes of padding failed to launch)
         if tile_m != TILE_M:
             self.smem_padding = 1024
+        if dropout:  # the bits' stages and their full / empty barriers
+            self.smem_padding += BITS_STAGES * MMA_THREADS * bits_words(tile_m) * 4 + 1024
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -79,7 +88,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
                scale: Float32, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               mWords: cute.Tensor = None):
+               mWords: cute.Tensor = None, mRng: cute.Tensor = None, drop_threshold=None, drop_scale=None):
         d = self.head_dim
         wgs = self.wgs
         tidx, _, _ = cute.arch.thread_idx()
@@ -101,6 +110,13 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         sdQ = smem.allocate_tensor(Float32, cute.make_layout(self.tile_m * d), byte_alignment=128)  # _dq_slot order
         # each query row's (LSE in log2 units, delta) side by side, for this step and the next
         sRows = smem.allocate_tensor(Float32, cute.make_layout((2, self.tile_m, 2)), byte_alignment=16)
+        drop = None  # dropout: (bits' barriers, bits, the (seed, offset) pair, threshold, 1 / (1 - p))
+        if cutlass.const_expr(self.dropout):
+            bars_bits = smem.allocate_array(cutlass.Int64, 2 * BITS_STAGES)  # full, then empty, per stage
+            n_words = bits_words(self.tile_m)
+            sBits = smem.allocate_tensor(cutlass.Uint32, cute.make_layout(
+                (BITS_STAGES, MMA_THREADS, n_words), stride=(MMA_THREADS * n_words, n_words, 1)), byte_alignment=16)
+            drop = (bars_bits, sBits, mRng, drop_threshold, drop_scale)
 
         # one elected producer lane arrives per stage (with the expected bytes); a stage is free again once each of
         # the MMA warps has released it (the pipeline lets lane 0 of each warp arrive)
@@ -113,6 +129,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             cute.arch.mbarrier_init(bar_kv, 1)
             cute.arch.mbarrier_init(bar_dq, wgs * THREADS)  # every MMA thread arrives once its dQ values are stored
             cute.arch.mbarrier_init(bar_dq + 1, 1)  # the dQ writer's lane, once the bulk add has read the block
+            if cutlass.const_expr(self.dropout):
+                for st in cutlass.range_constexpr(BITS_STAGES):
+                    cute.arch.mbarrier_init(drop[0] + st, 32 * len(BITS_WARPS))  # every drawing thread
+                    cute.arch.mbarrier_init(drop[0] + BITS_STAGES + st, MMA_THREADS)  # every MMA thread
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
 
@@ -135,11 +155,25 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                               head_kv, batch, group, m_start, n_m, steps)
             if warp == 1:
                 self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps, n_block, mWords)
+            if cutlass.const_expr(self.dropout):
+                if warp >= BITS_WARPS[0]:
+                    self._draw_bits(drop, tidx - 32 * BITS_WARPS[0], n_block, head_kv, batch, group, mQ.shape[2],
+                                    seqlen_q, seqlen_k, m_start, n_m, steps)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self._mma(_own_copy(mma_ss), _own_copy(mma_rs), _own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
                       bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
-                      n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords)
+                      n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords, drop)
+
+    @cute.jit
+    def _draw_bits(self, drop: tuple, gt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
+                   heads_q: Int32, seqlen_q: Int32, seqlen_k: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+        """The dropout variant's drawing warps (thread gt of 64): each step's keep bits for the MMA warpgroups."""
+        bars, sBits, mRng, threshold, _ = drop
+        for step in cutlass.range(steps, unroll=1):
+            draw_backward_bits(sBits, bars, mRng, threshold, gt, n_block * (TILE_N * self.wgs // 32),
+                               batch * heads_q + head_kv * group, step // n_m, seqlen_q, seqlen_k, step,
+                               self._m_block(m_start, n_m, step) * self.tile_m, self.tile_m)
 
     @cute.jit
     def _m_block(self, m_start: Int32, n_m: Int32, step: Int32) -> Int32:
@@ -232,7 +266,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
              bar_kv: cute.Pointer, bar_dq: cute.Pointer, pipe: cutlass.Constexpr, mLSE: cute.Tensor,
              mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32,
              wt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
-             m_start: Int32, n_m: Int32, steps: Int32, mWords: cute.Tensor = None):
+             m_start: Int32, n_m: Int32, steps: Int32, mWords: cute.Tensor = None, drop: tuple = None):
         """MMA warpgroup wg (thread wt of it): FlashBackwardSm90's step with two warpgroups, its loads, row copies and
         dQ adds left to the producer warpgroup."""
         wgs = self.wgs
@@ -253,8 +287,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
         self._mma_loop(mma_ss, mma_rs, mma_dq, f, acc_s, acc_dp, acc_dk, acc_dv, acc_dq, sdQ, sRows, bar_dq, pipe,
                        mLSE, mDelta, scale_log2, wt, key0, row_loader, head_kv, batch, group, seqlen_k, offset,
-                       m_start, n_m, steps, wg, mWords)
-        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block * wgs + wg, head_kv, batch)
+                       m_start, n_m, steps, wg, mWords, drop)
+        dv_scale = drop[4] if cutlass.const_expr(self.dropout) else None  # 1 / (1 - p)
+        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block * wgs + wg, head_kv, batch,
+                         dv_scale)
 
     @cute.jit
     def _next_rows(self, mLSE: cute.Tensor, mDelta: cute.Tensor, row_loader, step: Int32, steps: Int32,
@@ -271,6 +307,12 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         return next_lse, next_delta
 
     @cute.jit
+    def _kept(self, acc_s: cute.Tensor):
+        """max(acc_s, 0) as a tensor value: the kept probabilities of a sign-marked P^T (dropped ones are < 0)."""
+        values = acc_s.load()
+        return cute.where(values > 0.0, values, cute.full_like(values, 0.0))
+
+    @cute.jit
     def _issue_dv(self, mma_rs: cute.TiledMma, acc_dv: cute.Tensor, t_p: cute.Tensor, tVrdOt: cute.Tensor,
                   stage: Int32):
         """dV += P^T dO (P^T from registers) as one committed wgmma group."""
@@ -285,7 +327,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                   acc_dq: cute.Tensor, sdQ: cute.Tensor, sRows: cute.Tensor, bar_dq: cute.Pointer,
                   pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, scale_log2: Float32, wt: Int32,
                   key0: Int32, row_loader, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
-                  m_start: Int32, n_m: Int32, steps: Int32, wg: Int32, mWords: cute.Tensor = None):
+                  m_start: Int32, n_m: Int32, steps: Int32, wg: Int32, mWords: cute.Tensor = None,
+                  drop: tuple = None):
         """The MMA warpgroup's steps with each GEMM waited for only where its result is read (FA3's order); wgmma
         groups retire in commit order, so `wait_group(1)` leaves exactly the last group in flight:
         S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
@@ -305,6 +348,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
         t_p = cute.make_tensor(r_p.iterator, a_layout)
         t_ds = cute.make_tensor(r_ds.iterator, a_layout)
+        bits, tScS0 = None, None
+        if cutlass.const_expr(self.dropout):  # the step's keep bits; the static coordinates that index them
+            bits = cute.make_rmem_tensor((bits_words(self.tile_m),), cutlass.Uint32)
+            tScS0 = mma_ss.get_slice(0).partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
         keep = None
         if cutlass.const_expr(self.key_mask):  # the first head's key-mask terms, out of the step loop
             keep = cute.make_rmem_tensor((2,), Int32)
@@ -327,6 +374,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 if step > 0:
                     pipe.consumer_release(released)  # step - 1's GEMMs are all done with its Q / dO stage
                     released.advance()
+            if cutlass.const_expr(self.dropout):
+                read_backward_bits(drop[1], drop[0], step, wg * THREADS + wt, bits)
             self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep)
             if cutlass.const_expr(self.key_mask):
                 # GQA: step + 1 starts the group's next query head (a uniform branch, once the key bounds are used;
@@ -340,6 +389,17 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 r_p.store(acc_s.load().to(self.dtype))
                 r_ds.store(acc_dp.load().to(self.dtype))
                 self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
+            elif cutlass.const_expr(self.dropout):
+                # dV takes the dropped P^T (scaled in the epilogue), dS the gradient of the undropped one,
+                # P^T (Z dP^T / (1 - p) - delta)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    r_p[i] = self.dtype(cutlass.select_(backward_keep(bits, *tScS0[i]), acc_s[i], Float32(0.0)))
+                self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
+                warpgroup.wait_group(1)  # dP^T
+                for i in cutlass.range_constexpr(cute.size(acc_dp)):
+                    dp = cutlass.select_(backward_keep(bits, *tScS0[i]), acc_dp[i] * drop[4], Float32(0.0))
+                    acc_dp[i] = acc_s[i] * (dp - sRows[1, tScS[i][1], rows])
+                r_ds.store(acc_dp.load().to(self.dtype))
             else:
                 r_p.store(acc_s.load().to(self.dtype))
                 self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)

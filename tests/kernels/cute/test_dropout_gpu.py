@@ -2,8 +2,9 @@
 variants (flash_fwd_ws.fastest_kwargs) against the float64 reference that applies the Triton kernels' keep mask for
 the same RNG state (kernels/triton.dropout_keep_mask), with the project's 2x rule; a mask that differed in one
 score in a thousand would fail it (the dropped probabilities are O(1 / seqlen) of each row, out of bf16's reach
-only when matched). Then the op (fa_backend::cute_flash_fwd with dropout_p: forward here, backward the Triton
-kernels with the same mask), reproducibility under torch.manual_seed, and SDPA routing. Needs the CuTe DSL and a
+only when matched); the warp-specialised backward's dropout variant (d=128) the same way. Then the op
+(fa_backend::cute_flash_fwd with dropout_p: the CuTe backward at d=128, the Triton kernels' elsewhere, both with the
+same mask), reproducibility under torch.manual_seed, and SDPA routing. Needs the CuTe DSL and a
 Hopper GPU."""
 
 from __future__ import annotations
@@ -79,6 +80,34 @@ def test_dropout_with_a_key_mask(d):
                                                                                     **feats))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 300, 333), (2, 2, 1, 1000, 1100)])
+def test_dropout_backward_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
+    """The warp-specialised backward's dropout variant (d=128): the producer warpgroup's drawing warps give the MMA
+    warpgroups the forward's mask; gradients against the float64 reference with that mask."""
+    from fa_backend.kernels.cute.flash_bwd import flash_bwd
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
+    from fa_backend.ops import new_rng_state
+
+    p = 0.17
+    q, k, v = _qkv(b, hq, hkv, sq, sk, 128, dtype)
+    rng = new_rng_state()
+    dropout = _kernel_dropout(p, rng)
+    out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=dropout)
+    dout = torch.randn_like(out)
+    grads = flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, wgs=2, warp_specialized=True,
+                      dropout=dropout)
+    feats = dict(is_causal=causal, bottom_right=bottom_right, dropout_keep=_keep(q, k, p, rng), dropout_p=p)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    truth = torch.autograd.grad(attention_ref(*ref_leaves, **feats), ref_leaves, dout.double())
+    base = torch.autograd.grad(attention_ref(*pt_leaves, **feats), pt_leaves, dout)
+    for name, ours, same, true in zip(("dq", "dk", "dv"), grads, base, truth):
+        assert not ours.isnan().any(), name
+        assert_within_bar(name, ours, same, true)
+
+
 def test_the_mask_is_the_triton_forwards():
     """Same RNG state, same scores dropped: the CuTe and Triton forwards agree to their own rounding, and a
     different seed moves the CuTe result far beyond it."""
@@ -95,12 +124,17 @@ def test_the_mask_is_the_triton_forwards():
     assert close < 2e-2 < (other.float() - ours.float()).abs().max().item()
 
 
-@pytest.mark.parametrize("d,causal", [(128, False), (64, True), (256, False)])
-def test_op_forward_and_gradients_within_bar(d, causal):
-    """fa_backend::cute_flash_fwd with dropout: the CuTe forward, then the Triton backward regenerating the same
-    mask; gradients against the float64 reference with that mask."""
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, False)])
+def test_op_forward_and_gradients_within_bar(d, causal, monkeypatch):
+    """fa_backend::cute_flash_fwd with dropout: the CuTe forward, then the backward regenerating the same mask (the
+    CuTe one at d=128, ops.cute_flash.DROPOUT_BACKWARD; the Triton one elsewhere); gradients against the float64
+    reference with that mask."""
+    from fa_backend.kernels.cute import flash_bwd
     from fa_backend.ops import cute_flash_attention, new_rng_state
 
+    cute_runs = []
+    real = flash_bwd.flash_bwd
+    monkeypatch.setattr(flash_bwd, "flash_bwd", lambda *a, **kw: cute_runs.append(kw) or real(*a, **kw))
     p, (b, hq, hkv, sq, sk) = 0.2, (2, 8, 2, 512, 640)
     q, k, v = _qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, grad=True)
     rng = new_rng_state()
@@ -113,6 +147,7 @@ def test_op_forward_and_gradients_within_bar(d, causal):
     ref, pt = attention_ref(*ref_leaves, **feats), attention_ref(*pt_leaves, **feats)
     assert_within_bar("out", out, pt, ref)
     assert_grads_within_bar(out, (q, k, v), pt, pt_leaves, ref, ref_leaves)
+    assert [kw.get("dropout") is not None for kw in cute_runs] == ([True] if d == 128 else [])
 
 
 def test_op_is_reproducible_under_manual_seed():

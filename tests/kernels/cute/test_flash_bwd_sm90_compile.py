@@ -366,3 +366,41 @@ def test_wide_head_dims_refuse_other_variants():
                    dict(wgs=2, warp_specialized=True, dq_buffer=True)):
         with pytest.raises(ValueError, match="head_dim=256 needs warp_specialized=True"):
             flash_bwd.compile_flash_bwd(torch.bfloat16, 256, False, **kwargs)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, causal, bottom_right):
+    """The op's dropout backward (d=128, 64-row steps; ops.cute_flash.DROPOUT_BACKWARD): the registers split as
+    without dropout (24 for the producer warpgroup, whose drawing warps run one Philox draw per loop iteration, 20
+    wide multiplies; 240 for the MMA warpgroups: the CTA's pool of 384 x 168 holds no more), no spills, no C75xx
+    serialisation, the exp2s still if-converted; the variant without dropout draws nothing."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, pointer_args=True, dropout=True).__ptx__
+    assert ptx.count("mul.wide.u32") == 20
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", "24"), ("inc", "240")]
+    report = ptxas_report(ptx, tmp_path)
+    assert not re.findall(r"C75\d\d", report), report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    sass = _sass(tmp_path / "kernel.cubin")
+    if sass is not None:
+        first, last = sass.index("MUFU.EX2"), sass.rindex("MUFU.EX2")
+        assert " BRA " not in sass[first:last]
+    if not causal:
+        plain = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path / "p"),
+                                            wgs=2, warp_specialized=True, pointer_args=True).__ptx__
+        assert "mul.wide.u32" not in plain
+
+
+def test_dropout_backward_refuses_what_it_does_not_take():
+    from fa_backend.kernels.cute import flash_bwd
+
+    for kw in (dict(key_mask=True), dict(deterministic=True), dict(tile_m=80), dict(pointer_args=False)):
+        args = dict(wgs=2, warp_specialized=True, pointer_args=True, dropout=True) | kw
+        with pytest.raises(ValueError, match="dropout=True needs"):
+            flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, **args)
+    with pytest.raises(ValueError, match="dropout=True needs"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 256, False, wgs=2, warp_specialized=True, pointer_args=True,
+                                    dropout=True)
