@@ -237,14 +237,15 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                causal_only=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
                evidence="H200, torch 2.11, bf16, causal GQA, d=64 / 128, seqlen 2k / 8k: cuDNN 1.00-1.24x our CuTe "
                         "forward, 1.05-1.10x our CuTe backward"),
-    # Dropout: the CuTe forward drops in the kernel (sixteenth session), the backward is the Triton kernels', which
-    # cuDNN's dropout backward ran 1.96-2.08x faster (docs/benchmarks.md, "Masks and dropout", d=128, seqlen 2k-16k):
-    # calls with gradients go to cuDNN, whatever the forward gains.
+    # Dropout (sixteenth session): the CuTe forward drops in the kernel, at 1.09-1.40x cuDNN's dropout forward; the
+    # backward, the CuTe one at d=128 (0.62-0.69x cuDNN's dropout backward) and the Triton kernels' elsewhere
+    # (0.48-0.51x at d=128), is slower: calls with gradients go to cuDNN (docs/benchmarks.md, "Masks and dropout",
+    # d=128, p=0.1, seqlen 2k-16k: a training step about 0.8x cuDNN's at 2k).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128, 192, 256}),
                masks=True, dropout=True, dropout_only=True, grad_only=True, gqa=True,
-               evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN's backward 1.96-2.08x the Triton dropout "
-                        "backward that the cute backend runs"),
+               evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN's dropout backward 1.45-1.61x the CuTe one "
+                        "(1.96-2.08x the Triton one that the other head dims run)"),
     # d=96 (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): the CuTe forward at 0.97-1.14x cuDNN's (calls
     # without gradients stay ours), the CuTe backward through the op at 0.80-0.87x (cuDNN 1.16-1.25x).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),

@@ -112,6 +112,8 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
 # (q = 2k + c, the query's column index among its 2 * tile_m / 8 columns, j = 0 for key r, 1 for r + 8; word w
 # holds bits 32w ... 32w + 31).
 BITS_STAGES = 2
+UNROLL = 1  # draws per iteration of the drawing loop: 2 and 4 ran no faster on the H200 (the draws are bound by the
+# multiply pipe the MMA warpgroups share, not by one chain's latency), 2 spilled 12 bytes
 BITS_WARPS = (2, 3)  # the producer warpgroup's warps that draw (0 loads Q / dO, 1 writes dQ)
 MMA_THREADS = 256
 
@@ -143,26 +145,26 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
     base = ((Int64(bh0 + heads_step) * Int64(seqlen_q) + Int64(row0 + 2 * (lane0 % 4))) * per_row + Int64(mRng[1])
             + Int64(4 * (key_block0 + 2 * wg + m) + lp // 4))
     for w in cutlass.range_constexpr(bits_words(tile_m)):
-        out = cute.make_rmem_tensor((2, 2), Uint32)  # word w of (x: warp 2m + x, h: lane lane0 + 4h)
-        out.fill(0)
-        # a runtime loop over the word's 16 queries: the drawing warps have the producer warpgroup's 24 registers
-        # (setmaxnreg; the MMA warpgroups' 240 take the rest of the CTA's pool: 32 here and 232 there hung nothing
-        # but made ptxas serialise the MMA warpgroups' wgmmas, C7512; 32 and 240 exceed the pool, and the MMA
-        # warpgroups' setmaxnreg.inc waited forever on the H200)
-        for qq in cutlass.range(16, unroll=1):
+        words_w = [sBits.iterator + cute.crd2idx((stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, w), sBits.layout)
+                   for x in range(2) for h in range(2)]  # (x: warp 2m + x, h: lane lane0 + 4h)
+        for i in cutlass.range_constexpr(4):
+            cute.arch.atomic_and(words_w[i], Uint32(0))  # this step's word starts empty (ordered before the ORs)
+        # each draw's bits go to shared memory at once (atomic ORs): no word of bits stays in registers, which the
+        # drawing warps have 24 of (the producer warpgroup's setmaxnreg; 32 for them and 232 for the MMA warpgroups
+        # made ptxas serialise the MMA wgmmas, C7512; 32 and 240 exceed the CTA's pool, and the MMA warpgroups'
+        # setmaxnreg.inc waited forever on the H200). With the bits in registers the kernel ran 4-6 % slower.
+        for qq in cutlass.range(16, unroll=UNROLL):
             q = 16 * w + qq
             counter = base + Int64(8 * (q // 2) + q % 2) * per_row  # query 8k + c of the group's columns
             words = philox4x32(Uint32(counter), Uint32(counter >> Int64(32)), k0, k1)
             for x in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):
+                    part = Uint32(0)
                     for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h of it
                         word = words[2 * x + j]
                         keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
-                        bit = Uint32(1) << Uint32(2 * qq + j)
-                        out[x, h] = out[x, h] | Uint32(cutlass.select_(keep, bit, Uint32(0)))
-        for x in cutlass.range_constexpr(2):
-            for h in cutlass.range_constexpr(2):
-                sBits[stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, w] = out[x, h]
+                        part = part | Uint32(cutlass.select_(keep, Uint32(1) << Uint32(2 * qq + j), Uint32(0)))
+                    cute.arch.atomic_or(words_w[2 * x + h], part)
     cute.arch.mbarrier_arrive(bars + stage)
 
 
