@@ -170,7 +170,9 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# fresh examples every run (the seed changes); 6 per CPU run keep the interpreter's share of the CI budget (12: 45 s)
+@settings(max_examples=6 if DEVICE == "cpu" else 12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3),
     sq=st.integers(1, 48), sk=st.integers(1, 48),

@@ -156,14 +156,16 @@ def test_features_backward_deterministic_real_size():
 def test_sdpa_with_mask_or_dropout_is_routed_to_triton(case, d):
     # Routed to our kernel, except where the measured preference (dispatch/preference.py: sm90, d=128, dropout,
     # PyTorch picking cuDNN for these tensors) runs PyTorch's faster cuDNN kernel, with reason `slower`. On sm90
-    # with the CuTe DSL installed a key mask goes to our CuTe kernels (the first choice where eligible).
+    # with the CuTe DSL installed both go to our CuTe kernels (the first choice where eligible; these calls need no
+    # gradient, so the dropout rule for calls with gradients does not pass them over).
     from fa_backend.dispatch.backends import pytorch_choice
     from fa_backend.kernels.cute import DSL_AVAILABLE
 
     q, k, v = (torch.randn(2, 8, 2048, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     kw = ({"attn_mask": torch.rand(2, 1, 1, 2048, device="cuda") < 0.8} if case == "key_padding"
           else {"dropout_p": 0.1})
-    preferred = (torch.cuda.get_device_capability() == (9, 0) and d == 128 and case == "dropout"
+    on_cute = DSL_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+    preferred = (torch.cuda.get_device_capability() == (9, 0) and not on_cute and d == 128 and case == "dropout"
                  and pytorch_choice(q, k, v, **kw) == "cudnn_attention")
     fa_backend.reset_stats()
     with fa_backend.enabled():
@@ -172,9 +174,7 @@ def test_sdpa_with_mask_or_dropout_is_routed_to_triton(case, d):
     if preferred:
         assert stats["runs"] == {"torch": 1} and stats["fallbacks"].get("triton:slower") == 1, stats
     else:
-        ours = "cute" if (DSL_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
-                          and case == "key_padding") else "triton"
-        assert stats["runs"] == {ours: 1}, stats
+        assert stats["runs"] == {"cute" if on_cute else "triton": 1}, stats
     assert torch.isfinite(out).all()
 
 
