@@ -274,7 +274,9 @@ def test_key_mask_variants_compile_without_spills(tmp_path, d, causal):
 
 
 @needs_ptxas
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, False), (96, True), (192, False), (256, True)])
+# three variants (a compile costs seconds in CI): ping-pong at d=128 (also the plain check), DROPOUT_FASTEST's ping-pong
+# at d=64, overlap on 64-key blocks at d=256 (the H200 tests run every head dim)
+@pytest.mark.parametrize("d,causal", [(128, False), (64, True), (256, True)])
 def test_dropout_variants_compile_without_spills(tmp_path, d, causal):
     """The op's dropout variant (fastest_kwargs: FASTEST, ping-pong at d=64): one Philox-4x32-10 draw per row and
     32-key block at each of the two places a block's probabilities are made (the first block and the loop; once in
