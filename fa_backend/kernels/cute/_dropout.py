@@ -1,4 +1,5 @@
-"""Dropout in the CuTe forward: Philox-4x32-10 draws and the keep mask of one wgmma score tile.
+"""Dropout in the CuTe kernels: Philox-4x32-10 draws, the keep mask of one forward score tile, the backward's drawn
+bits.
 
 The mask is the Triton kernels' (kernels/triton/_common._dropout_keep, DROP_HALVES), bit for bit, so a CuTe
 forward and a Triton backward (or the test-only `dropout_keep_mask`) drop the same scores: key j = 32a + 8w + 2p + h
@@ -102,7 +103,6 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
                     acc_s[i] = Float32(cutlass.select_(keep, acc_s[i], Float32(0.0)))
 
 
-
 # The backward (flash_bwd_ws): its S^T accumulators hold a thread's two keys r, r + 8 (rows) against queries
 # 2 (lane % 4) + {0, 1} + 8k (columns), so a draw (one query, one 32-key block, one p) decides keys of four MMA
 # threads, two bits each (lanes l and l + 4, whose keys differ in h; warps 2m and 2m + 1, in w). Drawing them in the
@@ -183,14 +183,3 @@ def backward_keep(bits: cute.Tensor, row: int, col: int):
     """Whether the MMA thread keeps its S^T value at thread 0's coordinates (row: key 0 or 8, col: query 8k + c)."""
     pos = 2 * (2 * (col // 8) + col % 2) + row // 8 % 2
     return (bits[pos // 32] >> Uint32(pos % 32)) & Uint32(1) != Uint32(0)
-
-
-@cute.jit
-def negate_dropped(p: Float32, bits: cute.Tensor, row: int, col: int) -> Float32:
-    """p with its sign bit flipped where the MMA thread drops its S^T value at thread 0's coordinates (row, col): two
-    integer operations on p's bits (a select between +-1 per value made ptxas hold 32 such constants at once and
-    serialise the wgmmas for registers, C7512)."""
-    pos = 2 * (2 * (col // 8) + col % 2) + row // 8 % 2
-    dropped = ~bits[pos // 32] << Uint32(31 - pos % 32)  # bit 31: 1 where dropped
-    return (p.bitcast(Uint32) ^ (dropped & Uint32(0x80000000))).bitcast(Float32)
-

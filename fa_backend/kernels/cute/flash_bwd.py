@@ -512,7 +512,7 @@ class FlashBackwardSm90(ForwardVariant):
     @cute.jit
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
                 key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None,
-                branch_free: cutlass.Constexpr = False, drop_bits: cute.Tensor = None, tScS0: cute.Tensor = None):
+                branch_free: cutlass.Constexpr = False):
         """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
         `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, the key bound that
         replaces seqlen_k in the visibility test (seqlen_k, or 0 for a hidden key), so that the code is the unmasked
@@ -521,11 +521,7 @@ class FlashBackwardSm90(ForwardVariant):
         recomputed each time, or serialise the wgmmas for registers, C7512: the key-mask backward ran 21-35 %
         slower than without a mask on the H200.) `branch_free`: the exp2 of every score, then a select (flash_bwd_wide:
         there ptxas kept the exp2 under `if visible` as a real branch per score, while the d=128 kernel's is
-        if-converted and the unconditional form made ptxas serialise its wgmmas for registers). `drop_bits`
-        (dropout variants, _dropout.read_backward_bits; tScS0: thread 0's coordinates): a dropped score's probability
-        is stored negated (FlashAttention-2's sign trick: max(., 0) is then the dropped P^T, |.| the whole one), here
-        where the exp2's result is a temporary (a negating select on acc_s after this loop made ptxas serialise the
-        wgmmas for registers, C7512)."""
+        if-converted and the unconditional form made ptxas serialise its wgmmas for registers)."""
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             qi = tScS[i][1]
             limit = seqlen_k
@@ -539,10 +535,6 @@ class FlashBackwardSm90(ForwardVariant):
                 p = Float32(0.0)
                 if visible:
                     p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
-                if cutlass.const_expr(drop_bits is not None):
-                    from ._dropout import negate_dropped
-
-                    p = negate_dropped(p, drop_bits, *tScS0[i])
                 acc_s[i] = p
 
     @cute.jit

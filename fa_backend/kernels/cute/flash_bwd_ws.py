@@ -309,12 +309,6 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         return next_lse, next_delta
 
     @cute.jit
-    def _kept(self, acc_s: cute.Tensor):
-        """max(acc_s, 0) as a tensor value: the kept probabilities of a sign-marked P^T (dropped ones are < 0)."""
-        values = acc_s.load()
-        return cute.where(values > 0.0, values, cute.full_like(values, 0.0))
-
-    @cute.jit
     def _issue_dv(self, mma_rs: cute.TiledMma, acc_dv: cute.Tensor, t_p: cute.Tensor, tVrdOt: cute.Tensor,
                   stage: Int32):
         """dV += P^T dO (P^T from registers) as one committed wgmma group."""
