@@ -271,15 +271,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         f = self._wide_fragments(mma_s, mma_kv, mma_dq, sK, sV, sQ, sdO, sP, sdS, wg, wt)
         tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS = f
         acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
-        row_loader = (wg == wgs - 1) & (wt < self.tile_m)
-        if steps > 0:
-            if row_loader:
-                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group,
-                                                self._m_block(m_start, n_m, 0) * self.tile_m + wt, batch)
-                sRows[0, wt, 0] = self._lse_log2(row_lse)
-                sRows[1, wt, 0] = row_delta
-        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
-        cute.arch.mbarrier_wait(bar_kv, 0)
+        row_loader = self._first_rows(mLSE, mDelta, sRows, bar_kv, wg, wt, head_kv, batch, group, m_start, n_m, steps)
         mma_kv.set(warpgroup.Field.ACCUMULATE, True)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.qdo_stages)

@@ -276,16 +276,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         f = self._fragments(mma_ss, mma_rs, mma_dq, sK, sV, sQ, sdO, sdS, wg, wt)
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
-        # the LSE / delta rows: the last warpgroup's first tile_m threads load them a step ahead
-        row_loader = (wg == wgs - 1) & (wt < self.tile_m)
-        if steps > 0:
-            if row_loader:
-                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group,
-                                                  self._m_block(m_start, n_m, 0) * self.tile_m + wt, batch)
-                sRows[0, wt, 0] = self._lse_log2(row_lse)
-                sRows[1, wt, 0] = row_delta
-        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
-        cute.arch.mbarrier_wait(bar_kv, 0)
+        row_loader = self._first_rows(mLSE, mDelta, sRows, bar_kv, wg, wt, head_kv, batch, group, m_start, n_m, steps)
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
         self._mma_loop(mma_ss, mma_rs, mma_dq, f, acc_s, acc_dp, acc_dk, acc_dv, acc_dq, sdQ, sRows, bar_dq, pipe,
                        mLSE, mDelta, scale_log2, wt, key0, row_loader, head_kv, batch, group, seqlen_k, offset,
@@ -293,6 +284,23 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         dv_scale = drop[4] if cutlass.const_expr(self.dropout) else None  # 1 / (1 - p)
         self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block * wgs + wg, head_kv, batch,
                          dv_scale)
+
+    @cute.jit
+    def _first_rows(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sRows: cute.Tensor, bar_kv: cute.Pointer, wg: Int32,
+                    wt: Int32, head_kv: Int32, batch: Int32, group: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+        """The MMA warpgroups' prologue: the first step's LSE / delta rows into sRows (the last warpgroup's first
+        tile_m threads, the row loaders, load them, and each later step's a step ahead), the MMA warpgroups' barrier,
+        then the wait for K and V. Returns whether this thread is a row loader."""
+        row_loader = (wg == self.wgs - 1) & (wt < self.tile_m)
+        if steps > 0:
+            if row_loader:
+                row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group,
+                                                self._m_block(m_start, n_m, 0) * self.tile_m + wt, batch)
+                sRows[0, wt, 0] = self._lse_log2(row_lse)
+                sRows[1, wt, 0] = row_delta
+        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=self.wgs * THREADS)
+        cute.arch.mbarrier_wait(bar_kv, 0)
+        return row_loader
 
     @cute.jit
     def _next_rows(self, mLSE: cute.Tensor, mDelta: cute.Tensor, row_loader, step: Int32, steps: Int32,
