@@ -12,7 +12,6 @@ Usage: python scripts/bench_cute.py [--json FILE] [--backward | --host] [--runne
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 import fa_backend
 from fa_backend.kernels.cute.flash_fwd import flash_fwd
 from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+from _records import write_records  # scripts/_records.py
 
 
 def _fa4():
@@ -72,10 +72,7 @@ def main() -> None:
         return
     if args.backward:
         records = backward(args.seqlens, tuple(args.dims), args.runners)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
-                          indent=1)
+        write_records(args.json, records)
         return
     dt = torch.bfloat16
     runners = {
@@ -141,9 +138,7 @@ def main() -> None:
                 del q, k, v
     print("first-call seconds (compile + run), per variant:",
           {k: v for r in records for k, v in r.items() if k.endswith("first_call_s") and v > 0.5})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f, indent=1)
+    write_records(args.json, records)
 
 
 def host_time(calls: int = 2000) -> None:

@@ -12,12 +12,12 @@ backward; triton.testing.do_bench medians. Each call draws a fresh RNG state, as
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
+from _records import write_records  # scripts/_records.py
 
 RUNNERS = ("cute", "cute_no_dropout", "cudnn", "efficient", "triton")
 
@@ -82,10 +82,7 @@ def main() -> None:
                 best = max((row[n].get("fwd_tflops", 0) for n in ("cudnn", "efficient") if n in row), default=0)
                 ratio = row.get("cute", {}).get("fwd_tflops", 0) / best if best else float("nan")
                 print(f"d={d} causal={int(causal)} s={s:5d}: {cells}  cute/best-peer fwd {ratio:.2f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
-                      indent=1)
+    write_records(args.json, records)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Usage: python scripts/bench_modules.py [--json FILE] [--rounds R] [--host-only]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 import fa_backend
+from _records import write_records  # scripts/_records.py
 
 DT = torch.bfloat16
 TOKENS = 16384
@@ -190,10 +190,7 @@ def main() -> None:
         xg = x.clone().requires_grad_()
         report("encoder_layer_train_tiny_host", 64, heads, 16, 1,
                _host_modes(lambda: layer(xg).sum().backward(), n=10), "us")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f,
-                      indent=1)
+    write_records(args.json, records)
 
 
 if __name__ == "__main__":

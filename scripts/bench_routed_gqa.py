@@ -8,13 +8,13 @@ which backend the router ran. Other shapes (MHA too: hq == hkv) with --shape.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 import triton
 
 import fa_backend
+from _records import write_records  # scripts/_records.py
 
 SHAPES = [  # (batch, hq, hkv, seqlen, d, causal): Llama-3-8B-like and Gemma-2-9B-like heads
     (4, 32, 8, 4096, 128, True), (4, 32, 8, 4096, 128, False),
@@ -62,9 +62,7 @@ def main() -> None:
         rows.append(row)
         print(f"b={b} hq={hq} hkv={hkv} s={s} d={d} causal={int(causal)}: on {on:.3f} ms, off {off:.3f} ms, "
               f"off/on {off / on:.2f}, routed to {row['explain']}; our kernels forced {ours:.3f} ms", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "records": rows}, f, indent=1)
+    write_records(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -25,16 +25,6 @@ def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.bfloat16, grad=False):
             for h, s in ((hq, sq), (hkv, sk), (hkv, sk))]
 
 
-@pytest.fixture
-def clean():
-    fa_backend.disable()
-    fa_backend.reset_stats()
-    torch._dynamo.reset()
-    yield
-    fa_backend.disable()
-    torch._dynamo.reset()
-
-
 def test_opcheck():
     from fa_backend.ops import cute_flash_fwd
 
@@ -159,7 +149,7 @@ def test_cute_backward_negative_scale(cute_backward):
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (128, False), (64, True), (192, False), (256, True)])
-def test_deterministic_mode_runs_the_deterministic_cute_backward(cute_backward, d, causal):
+def test_deterministic_mode_runs_the_deterministic_cute_backward(cute_backward, d, causal, deterministic_algorithms):
     """Under torch.use_deterministic_algorithms the op's backward is the CuTe kernel's deterministic variant at
     d=64 / 128 / 192 / 256: the same bits on every run, and the bits flash_bwd(..., deterministic=True) gives."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
@@ -167,13 +157,8 @@ def test_deterministic_mode_runs_the_deterministic_cute_backward(cute_backward, 
 
     q, k, v = _qkv(2, 8, 2, 1024, 1024, d, grad=True)
     dout = torch.randn(2, 8, 1024, d, device="cuda", dtype=torch.bfloat16)
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        outs = [cute_flash_attention(q, k, v, None, causal) for _ in range(3)]
-        runs = [torch.autograd.grad(out, (q, k, v), dout) for out, _ in outs]
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    outs = [cute_flash_attention(q, k, v, None, causal) for _ in range(3)]
+    runs = [torch.autograd.grad(out, (q, k, v), dout) for out, _ in outs]
     assert len(cute_backward) == 3
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
@@ -185,17 +170,12 @@ def test_deterministic_mode_runs_the_deterministic_cute_backward(cute_backward, 
         assert torch.equal(a, b)
 
 
-def test_deterministic_mode_at_d96_takes_the_triton_backward(cute_backward):
+def test_deterministic_mode_at_d96_takes_the_triton_backward(cute_backward, deterministic_algorithms):
     """d=96's CuTe backward (one warpgroup) has no deterministic variant: the Triton backward runs."""
     from fa_backend.ops import cute_flash_attention
 
     q, k, v = _qkv(1, 8, 2, 256, 256, 96, grad=True)
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        runs = [torch.autograd.grad(cute_flash_attention(q, k, v, None, True)[0].sum(), (q, k, v)) for _ in range(2)]
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    runs = [torch.autograd.grad(cute_flash_attention(q, k, v, None, True)[0].sum(), (q, k, v)) for _ in range(2)]
     assert cute_backward == []
     for a, b in zip(*runs):
         assert torch.equal(a, b)
