@@ -66,10 +66,12 @@ class FasterPeer:
     grad_only: bool = False  # only calls that need gradients (the evidence is about forward + backward)
     no_grad_only: bool = False  # only calls that need no gradients (the evidence is about the forward)
     choices: frozenset[str] = frozenset({"cudnn_attention"})  # PyTorch's own picks the evidence is about
+    head_dim_v: int | None = None  # only calls with this V head dim (None: calls whose V head dim is head_dim)
 
     def applies(self, call: AttentionCall) -> bool:
         return (call.device_type == "cuda" and (self.capabilities is None or call.capability in self.capabilities)
-                and call.dtype in self.dtypes and call.head_dim == call.head_dim_v
+                and call.dtype in self.dtypes
+                and call.head_dim_v == (call.head_dim if self.head_dim_v is None else self.head_dim_v)
                 and (self.head_dims is None or call.head_dim in self.head_dims)
                 and (call.mask_kind == "none" or self.masks) and (call.dropout_p == 0.0 or self.dropout)
                 and (call.dropout_p > 0.0 or not self.dropout_only)
@@ -135,6 +137,12 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128, 192, 256}),
                evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward (d=64 / 128; "
                         "d=96: 1.24-1.37x, 1.55-1.63x; d=192 / 256: 1.42-1.97x, 1.99-2.55x)"),
+    # MLA's head dims (q / k 192, v 128; docs/benchmarks.md "Unequal head dims", bf16, seqlen 2k-16k, seventeenth
+    # session): cuDNN 1.58-1.81x our Triton forward, 1.86-3.03x its backward. (On sm90 the CuTe kernels come first.)
+    FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), head_dim_v=128,
+               evidence="H200, torch 2.11, bf16, q / k head dim 192 and v 128, seqlen 2k-16k: cuDNN 1.58-1.81x our "
+                        "Triton forward, 1.86-3.03x its backward"),
     # docs/benchmarks.md, "Masks and dropout" (H200, torch 2.11, bf16, d=128, seqlen 2k-16k): with dropout 0.1
     # cuDNN ran 1.42-1.46x our Triton forward and 2.42-2.55x our backward (ninth session: 0.99-1.01x forward,
     # 1.96-2.08x backward). Calls with only a mask are not in the rule: ours skips what the mask hides
@@ -246,6 +254,20 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                masks=True, dropout=True, dropout_only=True, grad_only=True, gqa=True,
                evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN's dropout backward 1.45-1.61x the CuTe one "
                         "(1.96-2.08x the Triton one that the other head dims run)"),
+    # MLA's head dims, q / k 192 and v 128 (scripts/bench_head_dim_v.py --backward, docs/benchmarks.md "Unequal head
+    # dims", bf16, 16 heads, seqlen 2k-16k, seventeenth session): without a causal mask the CuTe kernels run a training
+    # step 1.17-1.28x cuDNN's (forward 1.07-1.13x, backward 1.18-1.34x); with one, cuDNN's backward is 1.17-1.27x ours
+    # (a training step 1.09-1.24x ours) and its forward 1.15x ours at 2k (ours 1.06-1.19x at 8k / 16k).
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), head_dim_v=128,
+               causal_only=True, grad_only=True,
+               evidence="H200, torch 2.11, bf16, causal, q / k head dim 192 and v 128, seqlen 2k-16k: cuDNN's training "
+                        "step 1.09-1.24x ours (its backward 1.17-1.27x ours)"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), head_dim_v=128,
+               causal_only=True, no_grad_only=True, max_seqlen_q=2048,
+               evidence="H200, torch 2.11, bf16, causal, q / k head dim 192 and v 128, seqlen 2k: cuDNN's forward "
+                        "1.15x ours (ours 1.06-1.19x cuDNN's at 8k / 16k)"),
     # d=96 (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): the CuTe forward at 0.97-1.14x cuDNN's (calls
     # without gradients stay ours), the CuTe backward through the op at 0.80-0.87x (cuDNN 1.16-1.25x).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),

@@ -2,8 +2,9 @@
 
 The forward is the warp-specialised kernel (kernels/cute/flash_fwd_ws.py) in its fastest variant per head
 dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 ping-pong consumers without a causal mask,
-intra-warpgroup overlap with one; three consumers at d=64). The forward returns out contiguous (b, hq, sq, d) and
-the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too.
+intra-warpgroup overlap with one; three consumers at d=64). The forward returns out contiguous (b, hq, sq, dv) and
+the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too. V's head dim dv equals q's and k's d,
+or (d, dv) = (192, 128) (MLA; flash_fwd_ws.HEAD_DIM_V_PAIRS), whose backward is flash_bwd_wide's (dropout: Triton's).
 
 The autograd formula runs the CuTe backward (kernels/cute/flash_bwd.py; the warp-specialised kernel at d=128 and
 64, flash_bwd_wide's at d=192 and 256): on the H200 1.21-1.56x the Triton backward through this op at 2k-8k tokens,
@@ -120,7 +121,7 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    is_causal: bool = False, bottom_right: bool = False, attn_mask: torch.Tensor | None = None,
                    dropout_p: float = 0.0,
                    rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on Hopper; returns out (b, hq, sq, d) contiguous in q's dtype and the fp32
+    """Attention forward on Hopper; returns out (b, hq, sq, dv) contiguous in q's dtype and the fp32
     natural-log lse (b, hq, sq) (before dropout). GQA when hq is a multiple of hkv; causal top-left or bottom-right;
     attn_mask: a bool key mask (True = attend) broadcastable to (b, hq, sq, sk) without a query dim (size 1 or
     stride 0), e.g. key padding (b, 1, 1, sk); a row that sees no key gets out 0 and lse -inf. dropout_p > 0 needs
@@ -149,8 +150,7 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 @cute_flash_fwd.register_fake
 def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None, dropout_p=0.0, rng_state=None):
     validate(q, k, v)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            q.new_empty(q.shape[:-1], dtype=torch.float32))
+    return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -188,16 +188,19 @@ KEY_MASK_BACKWARD = frozenset({128, 64, 192, 256})
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None, dropout_p=0.0,
                    rng_state=None):
-    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, a variant that failed to
-    compile, a key mask at a head dim whose backward variant has none (96), deterministic mode at d=96 or
+    """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, unequal head dims other than
+    flash_bwd_wide's HEAD_DIM_V_PAIRS, a variant that failed to compile, a key mask at a head dim whose backward variant has none (96), deterministic mode at d=96 or
     with a key mask, dropout at a head dim outside DROPOUT_BACKWARD or with a key mask or deterministic: the caller
     runs the Triton backward). Under torch.use_deterministic_algorithms the
     warp-specialised kernels add dQ in a fixed order (d=64 / 128 / 192 / 256)."""
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, flash_bwd
+    from ..kernels.cute.flash_bwd_wide import HEAD_DIM_V_PAIRS
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS:
+    dims = (q.shape[-1], v.shape[-1])
+    if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS or (dims[1] != dims[0]
+                                                                         and dims not in HEAD_DIM_V_PAIRS):
         return None
     variant = BACKWARD_VARIANTS.get(q.shape[-1], {})  # one warpgroup where absent
     deterministic = torch.are_deterministic_algorithms_enabled()

@@ -139,12 +139,33 @@ def test_messages_name_limit_and_value(enabled):
         return r.message
 
     assert message(head_dim=80, head_dim_v=80) == "head_dim=80 (supported: 64, 96, 128, 192, 256)"
-    assert message(head_dim_v=64) == "head_dim_v=64 != head_dim=128 (supported: equal head dims)"
+    assert message(head_dim_v=64) == ("head_dim_v=64 != head_dim=128 (supported: equal head dims, or head_dim / "
+                                      "head_dim_v 192 / 128)")
     assert message(capability=(10, 0)) == "compute capability (10, 0) (supported: 9.x, Hopper)"
     assert message(dtype=torch.float32) == "dtype=torch.float32 (supported: torch.bfloat16, torch.float16)"
     assert message(dropout_p=0.01).startswith("dropout_p=0.01 needs 32-bit random draws (supported: dropout_p whose")
     assert message(dropout_p=1.0) == "dropout_p=1.0 (supported: 0 <= dropout_p < 1)"
     assert message(device_type="mps", capability=None) == "device=mps (supported: cuda)"
+
+
+def test_mla_head_dims_are_eligible_and_routed_by_their_measured_rules(enabled):
+    """q / k at 192 with v at 128 (MLA): the CuTe kernels take it; without a causal mask they run it with or without
+    gradients; causal calls with gradients, and causal calls without them up to 2k queries, go to cuDNN (measured
+    rules; the Triton kernels, next in line, are passed over too)."""
+    mla = dataclasses.replace(OK, head_dim=192, head_dim_v=128, heads_kv=8, enable_gqa=False)
+    assert CuteBackend.why_not(mla) == []
+    assert select(mla).backend == "cute"
+    assert select(dataclasses.replace(mla, requires_grad=True)).backend == "cute"
+    causal = dataclasses.replace(mla, is_causal=True, seqlen_q=2048, seqlen_k=2048)
+    for call in (dataclasses.replace(causal, requires_grad=True), causal):
+        decision = select(call)
+        assert decision.backend == "torch"
+        assert [r.code for r in decision.rejected["cute"]] == [ReasonCode.SLOWER]
+        assert [r.code for r in decision.rejected["triton"]] == [ReasonCode.SLOWER]
+        assert "v 128" in decision.rejected["cute"][0].message
+    assert select(dataclasses.replace(causal, seqlen_q=8192, seqlen_k=8192)).backend == "cute"
+    assert _codes(head_dim=192, head_dim_v=64) == [ReasonCode.HEAD_DIM]
+    assert _codes(head_dim=128, head_dim_v=192) == [ReasonCode.HEAD_DIM]
 
 
 def test_not_installed_message_when_dsl_missing(monkeypatch):

@@ -2,7 +2,8 @@
 
 It runs the warp-specialised sm90 forward and the CuTe backward (op fa_backend::cute_flash_fwd and its autograd
 formula, ops/cute_flash.py; under deterministic algorithms its ordered-dQ variant at d=64 / 128, the Triton
-backward kernels at d=96 and with a key mask). Masks: bool key masks only
+backward kernels at d=96 and with a key mask). Head dims 64, 96, 128, 192, 256, and MLA's 192 for Q / K with 128 for
+V (MLA). Masks: bool key masks only
 (no query dim, e.g. key padding (b, 1, 1, sk)), read packed 32 keys per word. Dropout: in the forward kernel, with
 16-bit draws only (the Triton kernels' mask; backward: the Triton kernels). Where nvidia-cutlass-dsl is missing
 every call gets a not_installed reason with the install hint.
@@ -45,7 +46,7 @@ def _compile_failure(call: AttentionCall) -> str | None:
 
     bottom_right = call.is_causal and call.causal_alignment == "bottom_right"
     key = fastest_variant_key(call.dtype, call.head_dim, call.is_causal, bottom_right, call.mask_kind != "none",
-                              call.dropout_p > 0)
+                              call.dropout_p > 0, call.head_dim_v)
     return _compile_cache.CACHE.failure(key)
 
 
@@ -75,7 +76,8 @@ class CuteBackend(Backend):
     CAPABILITY_MAJOR = 9  # Hopper only: the kernels are built for sm_90a (wgmma, TMA)
     SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
     SUPPORTED_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})  # kernels/cute/flash_fwd_ws.py HEAD_DIMS
-    SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM = False
+    # (head_dim, head_dim_v) pairs with head_dim_v != head_dim (kernels/cute/flash_fwd_ws.py HEAD_DIM_V_PAIRS; MLA's)
+    SUPPORTED_HEAD_DIM_V_PAIRS = frozenset({(192, 128)})
     SUPPORTED_MASKS = frozenset({"none", "bool"})  # bool: key masks only (AttentionCall.mask_key_only); causal is a flag
     CAUSAL_ALIGNMENTS = frozenset(CAUSAL_ALIGNMENTS)
     SUPPORTS_DROPOUT = True  # the forward kernel's 16-bit draws only (_dropout_reasons)
@@ -102,9 +104,12 @@ class CuteBackend(Backend):
             if call.head_dim not in cls.SUPPORTED_HEAD_DIMS:
                 reasons.append(Reason(ReasonCode.HEAD_DIM, f"head_dim={call.head_dim} (supported: "
                                                            f"{', '.join(map(str, sorted(cls.SUPPORTED_HEAD_DIMS)))})"))
-            if call.head_dim_v != call.head_dim and not cls.SUPPORTS_HEAD_DIM_V_NE_HEAD_DIM:
+            if (call.head_dim_v != call.head_dim
+                    and (call.head_dim, call.head_dim_v) not in cls.SUPPORTED_HEAD_DIM_V_PAIRS):
+                pairs = ", ".join(f"{d} / {dv}" for d, dv in sorted(cls.SUPPORTED_HEAD_DIM_V_PAIRS))
                 reasons.append(Reason(ReasonCode.HEAD_DIM, f"head_dim_v={call.head_dim_v} != head_dim={call.head_dim} "
-                                                           "(supported: equal head dims)"))
+                                                           f"(supported: equal head dims, or head_dim / head_dim_v "
+                                                           f"{pairs})"))
             if call.heads_kv == 0 or call.heads_q % call.heads_kv:
                 reasons.append(Reason(ReasonCode.GQA, f"heads_q={call.heads_q} is not a multiple of heads_kv={call.heads_kv}"))
             elif call.heads_q != call.heads_kv and not (cls.SUPPORTS_GQA and call.enable_gqa):

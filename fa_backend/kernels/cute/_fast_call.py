@@ -32,23 +32,27 @@ ENABLED = True
 MAX_KEYS = 256  # marshalled argument lists kept per compiled variant
 
 
-def _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0,
-                   os1, os2, ls0, ls1) -> tuple:
-    """(q, k, v, o, lse) from pointers, sizes and strides, while tracing a PointerForward* call."""
+def _forward_views(kernel, pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
+                   vs2, os0, os1, os2, ls0, ls1) -> tuple:
+    """(q, k, v, o, lse) from pointers, sizes and strides, while tracing a PointerForward* call of `kernel`. V's and
+    O's head dim: the runtime d where the kernel's head dims agree (the traced code of those variants is unchanged),
+    else the kernel's static head_dim_v."""
+    dv = d if kernel.head_dim_v == kernel.head_dim else kernel.head_dim_v
     return (_sdpa(pq, (b, hq, sq, d), (qs0, qs1, qs2)), _sdpa(pk, (b, hkv, sk, d), (ks0, ks1, ks2)),
-            _sdpa(pv, (b, hkv, sk, d), (vs0, vs1, vs2)), _sdpa(po, (b, hq, sq, d), (os0, os1, os2)),
+            _sdpa(pv, (b, hkv, sk, dv), (vs0, vs1, vs2)), _sdpa(po, (b, hq, sq, dv), (os0, os1, os2)),
             _sdpa(plse, (b, hq, sq), (ls0, ls1)))
 
 
-def _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3, qs0, qs1, qs2,
-                    ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0, dks1, dks2, dvs0, dvs1,
-                    dvs2, dqs0, dqs1, dqs2) -> tuple:
+def _backward_views(kernel, pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3, qs0,
+                    qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0, dks1, dks2, dvs0,
+                    dvs1, dvs2, dqs0, dqs1, dqs2) -> tuple:
     """(q, k, v, dO, LSE, delta, dK, dV, dQ accumulator) from pointers, sizes and strides, while tracing a
-    PointerBackward* call."""
+    PointerBackward* call of `kernel`; V's, dO's and dV's head dim as _forward_views'."""
+    dv = d if kernel.head_dim_v == kernel.head_dim else kernel.head_dim_v
     return (_sdpa(pq, (b, hq, sq, d), (qs0, qs1, qs2)), _sdpa(pk, (b, hkv, sk, d), (ks0, ks1, ks2)),
-            _sdpa(pv, (b, hkv, sk, d), (vs0, vs1, vs2)), _sdpa(pdo, (b, hq, sq, d), (os0, os1, os2)),
+            _sdpa(pv, (b, hkv, sk, dv), (vs0, vs1, vs2)), _sdpa(pdo, (b, hq, sq, dv), (os0, os1, os2)),
             _sdpa(plse, (b, hq, sq), (ls0, ls1)), _sdpa(pdelta, (b, hq, sq), (es0, es1)),
-            _sdpa(pdk, (b, hkv, sk, d), (dks0, dks1, dks2)), _sdpa(pdv, (b, hkv, sk, d), (dvs0, dvs1, dvs2)),
+            _sdpa(pdk, (b, hkv, sk, d), (dks0, dks1, dks2)), _sdpa(pdv, (b, hkv, sk, dv), (dvs0, dvs1, dvs2)),
             _sdpa(pdq, (b, dq1, dq2, dq3), (dqs0, dqs1, dqs2)))
 
 
@@ -70,8 +74,8 @@ class PointerForward:
                  qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
                  vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
                  scale_log2: Float32, stream: Any):
-        views = _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
-                               vs2, os0, os1, os2, ls0, ls1)
+        views = _forward_views(self.kernel, pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2,
+                               vs0, vs1, vs2, os0, os1, os2, ls0, ls1)
         self.kernel(*views, scale_log2, stream)
 
 
@@ -88,8 +92,8 @@ class PointerForwardKeyMask:
                  qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
                  vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
                  ws0: Int64, ws1: Int64, scale_log2: Float32, stream: Any):
-        views = _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
-                               vs2, os0, os1, os2, ls0, ls1)
+        views = _forward_views(self.kernel, pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2,
+                               vs0, vs1, vs2, os0, os1, os2, ls0, ls1)
         mW = cute.make_tensor(pw, cute.make_layout((b, hq, nw), stride=(ws0, ws1, 1)))
         self.kernel(*views, scale_log2, stream, mW)
 
@@ -109,8 +113,8 @@ class PointerForwardDropout:
                  nw: Int32, qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
                  vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
                  ws0: Int64, ws1: Int64, threshold: Int32, scale_log2: Float32, drop_scale: Float32, stream: Any):
-        views = _forward_views(pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
-                               vs2, os0, os1, os2, ls0, ls1)
+        views = _forward_views(self.kernel, pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2,
+                               vs0, vs1, vs2, os0, os1, os2, ls0, ls1)
         mW = None
         if cutlass.const_expr(self.kernel.key_mask):
             mW = cute.make_tensor(pw, cute.make_layout((b, hq, nw), stride=(ws0, ws1, 1)))
@@ -133,9 +137,9 @@ class PointerBackward:
                  vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64, es0: Int64,
                  es1: Int64, dks0: Int64, dks1: Int64, dks2: Int64, dvs0: Int64, dvs1: Int64, dvs2: Int64,
                  dqs0: Int64, dqs1: Int64, dqs2: Int64, scale_log2: Float32, scale: Float32, stream: Any):
-        views = _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3,
-                                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0,
-                                dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
+        views = _backward_views(self.kernel, pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1,
+                                dq2, dq3, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0,
+                                es1, dks0, dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
         self.kernel(*views, scale_log2, scale, stream)
 
 
@@ -156,9 +160,9 @@ class PointerBackwardKeyMask:
                  es0: Int64, es1: Int64, dks0: Int64, dks1: Int64, dks2: Int64, dvs0: Int64, dvs1: Int64, dvs2: Int64,
                  dqs0: Int64, dqs1: Int64, dqs2: Int64, ws0: Int64, ws1: Int64, scale_log2: Float32, scale: Float32,
                  stream: Any):
-        views = _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3,
-                                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0,
-                                dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
+        views = _backward_views(self.kernel, pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1,
+                                dq2, dq3, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0,
+                                es1, dks0, dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
         mW = cute.make_tensor(pw, cute.make_layout((b, hq, nw), stride=(ws0, ws1, 1)))
         self.kernel(*views, scale_log2, scale, stream, mW)
 
@@ -179,9 +183,9 @@ class PointerBackwardDropout:
                  es0: Int64, es1: Int64, dks0: Int64, dks1: Int64, dks2: Int64, dvs0: Int64, dvs1: Int64, dvs2: Int64,
                  dqs0: Int64, dqs1: Int64, dqs2: Int64, threshold: Int32, scale_log2: Float32, scale: Float32,
                  drop_scale: Float32, stream: Any):
-        views = _backward_views(pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1, dq2, dq3,
-                                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0,
-                                dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
+        views = _backward_views(self.kernel, pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq, hkv, sq, sk, d, dq1,
+                                dq2, dq3, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0,
+                                es1, dks0, dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
         mRng = cute.make_tensor(prng, cute.make_layout(2))
         self.kernel(*views, scale_log2, scale, stream, None, mRng, threshold, drop_scale)
 

@@ -18,20 +18,24 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 
 class ForwardVariant:
-    """Compile-time configuration (dtype, head_dim, causal and its alignment) of one forward kernel variant."""
+    """Compile-time configuration (dtype, head_dim, causal and its alignment, head_dim_v: V's and O's head dim,
+    head_dim where None) of one forward kernel variant."""
 
-    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool):
+    def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, head_dim_v: int | None = None):
         self.dtype, self.head_dim = dtype, head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.causal, self.bottom_right = causal, bottom_right and causal
 
 
-def make_tiled_mmas(dtype: type, tile_m: int, tile_n: int, head_dim: int) -> tuple[cute.TiledMma, cute.TiledMma]:
+def make_tiled_mmas(dtype: type, tile_m: int, tile_n: int, head_dim: int,
+                    head_dim_v: int | None = None) -> tuple[cute.TiledMma, cute.TiledMma]:
     """One warpgroup's wgmma for S = Q K^T (tile_m x tile_n, both operands from shared memory, K-major) and
-    for O += P V (tile_m x head_dim, P from registers, V MN-major). Call while tracing."""
+    for O += P V (tile_m x head_dim_v (head_dim where None), P from registers, V MN-major). Call while tracing."""
     mma_qk = sm90.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
                                          (tile_m, tile_n))
     mma_pv = sm90.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-                                         (tile_m, head_dim), a_source=warpgroup.OperandSource.RMEM)
+                                         (tile_m, head_dim if head_dim_v is None else head_dim_v),
+                                         a_source=warpgroup.OperandSource.RMEM)
     return mma_qk, mma_pv
 
 

@@ -190,17 +190,21 @@ class FlashBackwardSm90(ForwardVariant):
         return q, k, v, do, dk, dv, dqacc, lse, delta, words
 
     def _tma_atoms(self, k: cute.Tensor, v: cute.Tensor, q: cute.Tensor, do: cute.Tensor,
-                   sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout) -> tuple:
-        """TMA load atoms and their tensors for K, V (one TILE_N-key tile of sK_layout) and Q, dO (one stage of
-        sQ_layout), from (s, d, h, b) views."""
-        d, tm = self.head_dim, self.tile_m
+                   sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
+                   sV_layout: cute.ComposedLayout = None, sdO_layout: cute.ComposedLayout = None) -> tuple:
+        """TMA load atoms and their tensors for K, V (one TILE_N-key tile of sK_layout, sV_layout for V where given)
+        and Q, dO (one stage of sQ_layout, sdO_layout for dO where given), from (s, d, h, b) views; V and dO have
+        head_dim_v columns."""
+        d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
         load = cpasync.CopyBulkTensorTileG2SOp()
         one_k = cute.slice_(sK_layout, (None, None, 0))
+        one_v = one_k if sV_layout is None else cute.slice_(sV_layout, (None, None, 0))
         one_stage = cute.slice_(sQ_layout, (None, None, 0))
+        one_do = one_stage if sdO_layout is None else cute.slice_(sdO_layout, (None, None, 0))
         return (*cpasync.make_tiled_tma_atom(load, k, one_k, (TILE_N, d)),
-                *cpasync.make_tiled_tma_atom(load, v, one_k, (TILE_N, d)),
+                *cpasync.make_tiled_tma_atom(load, v, one_v, (TILE_N, dv)),
                 *cpasync.make_tiled_tma_atom(load, q, one_stage, (tm, d)),
-                *cpasync.make_tiled_tma_atom(load, do, one_stage, (tm, d)))
+                *cpasync.make_tiled_tma_atom(load, do, one_do, (tm, dv)))
 
     @cute.kernel
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
@@ -433,12 +437,13 @@ class FlashBackwardSm90(ForwardVariant):
         return (d // wgs, tm) if self.dq_transposed else ((tm // wgs, d) if self.dq_rows else (tm, d // wgs))
 
     @cute.jit
-    def _accumulators(self, tScS: cute.Tensor, tKcK: cute.Tensor, tQcQ: cute.Tensor):
-        """fp32 accumulators (S^T, dP^T, dK, dV, the dQ block) shaped as their coordinate tensors; dK and dV zeroed."""
+    def _accumulators(self, tScS: cute.Tensor, tKcK: cute.Tensor, tQcQ: cute.Tensor, tVcV: cute.Tensor = None):
+        """fp32 accumulators (S^T, dP^T, dK, dV, the dQ block) shaped as their coordinate tensors (dV as tVcV where
+        given, else as dK); dK and dV zeroed."""
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dp = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_dk = cute.make_rmem_tensor(tKcK.shape, Float32)
-        acc_dv = cute.make_rmem_tensor(tKcK.shape, Float32)
+        acc_dv = cute.make_rmem_tensor((tKcK if tVcV is None else tVcV).shape, Float32)
         acc_dq = cute.make_rmem_tensor(tQcQ.shape, Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
@@ -448,15 +453,15 @@ class FlashBackwardSm90(ForwardVariant):
     def _load_kv(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, sK: cute.Tensor,
                  sV: cute.Tensor, bar_kv: cute.Pointer, n_block: Int32, head_kv: Int32, batch: Int32):
         """The producer warp: K and V of the CTA's key tiles, by TMA on bar_kv."""
-        d = self.head_dim
+        d, dv = self.head_dim, self.head_dim_v
         one_cta = cute.make_layout(1)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, key tiles)
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, dv), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         tiles = self.key_tiles
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, 2 * tiles * TILE_N * d * self.dtype.width // 8)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_kv, tiles * TILE_N * (d + dv) * self.dtype.width // 8)
         for j in cutlass.range_constexpr(tiles):
             cute.copy(tma_k, tKgK[None, n_block * tiles + j], tKsK[None, j], tma_bar_ptr=bar_kv)
             cute.copy(tma_v, tVgV[None, n_block * tiles + j], tVsV[None, j], tma_bar_ptr=bar_kv)
@@ -578,19 +583,28 @@ class FlashBackwardSm90(ForwardVariant):
     @cute.jit
     def _store_dkdv(self, mdK: cute.Tensor, mdV: cute.Tensor, acc_dk: cute.Tensor, acc_dv: cute.Tensor,
                     tKcK: cute.Tensor, scale: Float32, key0: Int32, seqlen_k: Int32, key_tile: Int32, head_kv: Int32,
-                    batch: Int32, dv_scale: Float32 = None):
+                    batch: Int32, dv_scale: Float32 = None, tVcV: cute.Tensor = None):
         """The epilogue: dK = scale * sum dS^T Q and dV of this warpgroup's key tile, rows past seqlen_k skipped;
-        dv_scale (dropout: 1 / (1 - p)) multiplies dV."""
+        dv_scale (dropout: 1 / (1 - p)) multiplies dV. tVcV: dV's (key, column) coordinates where they are not dK's
+        (head_dim_v != head_dim)."""
         d = self.head_dim
         gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (key_tile, 0))
-        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (key_tile, 0))
-        for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
-            if key0 + tKcK[i][0] < seqlen_k:
-                gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
-                if cutlass.const_expr(dv_scale is not None):
-                    gdV[tKcK[i]] = (acc_dv[i] * dv_scale).to(gdV.element_type)
-                else:
-                    gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
+        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, self.head_dim_v), (key_tile, 0))
+        if cutlass.const_expr(tVcV is not None):
+            for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
+                if key0 + tKcK[i][0] < seqlen_k:
+                    gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
+            for i in cutlass.range(cute.size(acc_dv), unroll_full=True):
+                if key0 + tVcV[i][0] < seqlen_k:
+                    gdV[tVcV[i]] = acc_dv[i].to(gdV.element_type)
+        else:
+            for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
+                if key0 + tKcK[i][0] < seqlen_k:
+                    gdK[tKcK[i]] = (acc_dk[i] * scale).to(gdK.element_type)
+                    if cutlass.const_expr(dv_scale is not None):
+                        gdV[tKcK[i]] = (acc_dv[i] * dv_scale).to(gdV.element_type)
+                    else:
+                        gdV[tKcK[i]] = acc_dv[i].to(gdV.element_type)
 
     @cute.jit
     def _load_qdo(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
@@ -659,7 +673,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
                       warp_specialized: bool = False, tile_m: int = TILE_M, key_mask: bool = False,
-                      deterministic: bool = False, dropout: bool = False) -> Any:
+                      deterministic: bool = False, dropout: bool = False, head_dim_v: int | None = None) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
@@ -671,7 +685,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     variant whose dQ adds to each query block happen in key-block order, taking its zeroed int32 turn flags (b, hq,
     query blocks) where the key-mask variant takes its words; `dropout` (warp_specialized at d=64 / 128 with 64 or
     128 query rows, no key mask, not deterministic; the pointer convention only, _fast_call.PointerBackwardDropout):
-    the variant that drops with the forward's mask (kernels/cute/_dropout.py).
+    the variant that drops with the forward's mask (kernels/cute/_dropout.py); `head_dim_v`: V's, dO's and dV's head
+    dim where it differs from head_dim (flash_bwd_wide's HEAD_DIM_V_PAIRS, no dropout).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -684,6 +699,13 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
                          f"or dq_buffer")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
+    dim_v = head_dim if head_dim_v is None else head_dim_v
+    if dim_v != head_dim:
+        from .flash_bwd_wide import HEAD_DIM_V_PAIRS
+
+        if (head_dim, dim_v) not in HEAD_DIM_V_PAIRS or dropout:
+            raise ValueError(f"head_dim={head_dim} with head_dim_v={dim_v}{' and dropout' * dropout} (supported: equal, "
+                             f"or (head_dim, head_dim_v) one of {sorted(HEAD_DIM_V_PAIRS)} without dropout)")
     if wgs not in WARPGROUPS or (wgs == 2 and head_dim != 128 and not (head_dim == 64 and tile_m == 128) and not wide):
         raise ValueError(f"wgs={wgs} with head_dim={head_dim} (supported: 1, or 2 with head_dim 128, or with 64 and "
                          f"tile_m=128)")
@@ -710,7 +732,10 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if wide:
             from .flash_bwd_wide import FlashBackwardSm90Wide
 
-            kernel = FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, key_mask, deterministic)
+            kernel = (FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, key_mask, deterministic)
+                      if dim_v == head_dim else
+                      FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, key_mask, deterministic,
+                                            head_dim_v=dim_v))
         elif warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
@@ -740,8 +765,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
             + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "")
             + ("_deterministic" if deterministic else "") + ("_dropout" if dropout else "")
             + ("_ptrargs" if pointer_args else ""))
-    key = CompileKey(name, dtype, head_dim, head_dim, causal, alignment, 0, (TILE_N * (1 if wide else wgs), tile_m),
-                     arch)
+    key = CompileKey(name, dtype, head_dim, dim_v, causal, alignment, 0, (TILE_N * (1 if wide else wgs), tile_m), arch)
     return CACHE.get_or_compile(key, build)
 
 
@@ -752,7 +776,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               warp_specialized: bool = False, tile_m: int = TILE_M,
               key_words: torch.Tensor | None = None, deterministic: bool = False,
               dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d), given the
+    """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv;
+    dv = d, or flash_bwd_wide's HEAD_DIM_V_PAIRS with warp_specialized and no dropout), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
     dq_atomic: the variant that adds dQ with per-value atomics. dlse: the LSE's own gradient (b, hq, sq), when
     the forward's LSE was used: d lse_i / d s_ij = P_ij, so it enters as delta_i - dlse_i. wgs: warpgroups per CTA
@@ -769,11 +794,14 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     from .flash_fwd import _check_inputs, _check_key_words
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _check_inputs(q, k, v, scale, head_dims=HEAD_DIMS + WIDE_HEAD_DIMS)
+    from .flash_bwd_wide import HEAD_DIM_V_PAIRS
+
+    _check_inputs(q, k, v, scale, head_dims=HEAD_DIMS + WIDE_HEAD_DIMS, head_dim_pairs=HEAD_DIM_V_PAIRS)
     if key_words is not None:
         _check_key_words(key_words, q, k)
-    if dout.shape != q.shape or dout.dtype != q.dtype:
-        raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype}")
+    if dout.shape != (*q.shape[:3], v.shape[3]) or dout.dtype != q.dtype:
+        raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype} with v's head "
+                         f"dim {v.shape[3]}")
     if dout.stride(3) != 1 or any(s <= 0 or s % 8 for s in dout.stride()[:3]) or dout.data_ptr() % 16:
         dout = dout.contiguous()  # TMA's alignment rules, as for q
     from . import _fast_call
@@ -782,7 +810,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, dq_atomic=dq_atomic, wgs=wgs,
                                  pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
                                  tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic,
-                                 dropout=dropout is not None)
+                                 dropout=dropout is not None,
+                                 head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3])
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape

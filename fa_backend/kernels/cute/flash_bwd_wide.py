@@ -58,6 +58,10 @@ PT_TILES = 2  # P^T / dS^T tiles alternate between steps: one barrier per step o
 # in it: two gave 0.79-0.83x of the first version's separate dQ buffer on the H200, three 1.01-1.04x), at d=256 the
 # two that fit (one: 0.63-0.70x cuDNN, two 0.90-1.05x)
 QDO_STAGES = {192: 3, 256: 2}
+# (head_dim, head_dim_v) with head_dim_v != head_dim: MLA's (192, 128). dV is 64 x dv / 2 per warpgroup, dP^T's K dim
+# dv; a warpgroup's fp32 dQ part (64 x d / 2) no longer fits its column halves of the Q and dO tiles (64 x (d + dv) / 2
+# 16-bit values): the rest (64 x (d - dv) / 4 fp32 values) goes through its own region per stage (three stages: 216 KB)
+HEAD_DIM_V_PAIRS = frozenset({(192, 128)})
 
 
 class FlashBackwardSm90Wide(FlashBackwardSm90WS):
@@ -65,26 +69,42 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
     docstring): head_dim 192 or 256, 64 query rows per step."""
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, head_dim_v: int | None = None):
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
+        dv = head_dim if head_dim_v is None else head_dim_v
+        if dv != head_dim and (head_dim, dv) not in HEAD_DIM_V_PAIRS:
+            raise ValueError(f"head_dim={head_dim} with head_dim_v={dv} (supported: equal, or (head_dim, head_dim_v) "
+                             f"one of {sorted(HEAD_DIM_V_PAIRS)})")
         super().__init__(dtype, head_dim, causal, bottom_right, TILE_M, key_mask=key_mask,
                          deterministic=deterministic)
+        self.head_dim_v = dv
         self.key_tiles = 1  # one 64-key tile per CTA, shared by both MMA warpgroups
         self.qdo_stages = QDO_STAGES[head_dim]
-        self.cols = head_dim // self.wgs  # each MMA warpgroup's columns of dK, dV and the dQ block
+        self.cols = head_dim // self.wgs  # each MMA warpgroup's columns of dK and the dQ block
+        self.cols_v = dv // self.wgs  # and of dV
         self.smem_padding = 1024  # the barriers before the first 1024-byte-aligned tile
 
+    def _pieces(self) -> tuple[int, int, int]:
+        """fp32 values of the three pieces of a warpgroup's dQ part (64 x d / 2 values, _dq_slot's order): its column
+        half of a Q tile, of a dO tile (both reread as fp32), and the rest in its region of the stage's extra dQ
+        memory (0 with equal head dims)."""
+        width = self.dtype.width // 8
+        q_piece = self.tile_m * self.cols * width // 4
+        do_piece = self.tile_m * self.cols_v * width // 4
+        return q_piece, do_piece, self.tile_m * self.cols - q_piece - do_piece
+
     def _smem_bytes(self) -> int:
-        d, tm, width = self.head_dim, self.tile_m, self.dtype.width // 8
-        return (width * (2 * TILE_N + 2 * self.qdo_stages * tm) * d + 2 * PT_TILES * width * tm * TILE_N
+        d, dv, tm, width = self.head_dim, self.head_dim_v, self.tile_m, self.dtype.width // 8
+        extra = 4 * self.wgs * self._pieces()[2] * self.qdo_stages
+        return (width * (TILE_N + self.qdo_stages * tm) * (d + dv) + extra + 2 * PT_TILES * width * tm * TILE_N
                 + 4 * 2 * tm * 2 + self.smem_padding)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
                  scale: Float32, stream: Any, mWords: cute.Tensor = None):
-        d = self.head_dim
+        d, d_v = self.head_dim, self.head_dim_v
         tm = self.tile_m
         q, k, v, do, dk, dv, dqacc, lse, delta, words = self._views(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc,
                                                                    mWords)
@@ -92,9 +112,14 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         # S^T, dP^T of a warpgroup's 32 queries (keys x queries, both operands K-major)
         mma_s = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                             (1, 1, 1), (TILE_N, tm // self.wgs))
-        # dV, dK of a warpgroup's columns (keys x d / 2): P^T / dS^T K-major, dO / Q MN-major (transposed views)
-        mma_kv = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
+        # dK, dV of a warpgroup's columns (keys x d / 2, keys x dv / 2): P^T / dS^T K-major, Q / dO MN-major
+        # (transposed views); dK's MMA serves dV with equal head dims (mma_dv None: no kernel parameter)
+        mma_dk = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
                                              Float32, (1, 1, 1), (TILE_N, self.cols))
+        mma_dv = None
+        if cutlass.const_expr(d_v != d):
+            mma_dv = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
+                                                 Float32, (1, 1, 1), (TILE_N, self.cols_v))
         # the dQ block's columns (queries x d / 2) = dS K: both MN-major
         mma_dq = sm90.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN,
                                              Float32, (1, 1, 1), (tm, self.cols))
@@ -103,14 +128,20 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                                           self.dtype)
         sK_layout = cute.tile_to_shape(atom, (TILE_N, d, 1), order=(0, 1, 2))
         sQ_layout = cute.tile_to_shape(atom, (tm, d, self.qdo_stages), order=(0, 1, 2))
+        sV_layout, sdO_layout = sK_layout, sQ_layout
+        if cutlass.const_expr(d_v != d):  # V and dO: atoms of their own warpgroup column halves
+            atom_v = sm90.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
+                                                                          self.cols_v), self.dtype)
+            sV_layout = cute.tile_to_shape(atom_v, (TILE_N, d_v, 1), order=(0, 1, 2))
+            sdO_layout = cute.tile_to_shape(atom_v, (tm, d_v, self.qdo_stages), order=(0, 1, 2))
         # P^T and dS^T: (queries, keys) tiles, queries contiguous (the dQ GEMM's MN-major A; transposed, the K-major
         # A of dV / dK)
         sP_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tm, d, TILE_N), self.dtype, PT_TILES)
         tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do = self._tma_atoms(
-            k, v, q, do, sK_layout, sQ_layout)
+            k, v, q, do, sK_layout, sQ_layout, sV_layout, sdO_layout)
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do, lse, delta,
-                    dk, dv, dqacc, scale_log2, scale, mma_s, mma_kv, mma_dq, sK_layout, sQ_layout, sP_layout,
-                    words).launch(
+                    dk, dv, dqacc, scale_log2, scale, mma_s, mma_dk, mma_dq, sK_layout, sQ_layout, sP_layout,
+                    words, mma_dv, sV_layout, sdO_layout).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N), k.shape[2], k.shape[3]),
             block=(THREADS * self.cta_warpgroups, 1, 1), smem=self._smem_bytes(), stream=stream,
             min_blocks_per_mp=1)  # ptxas needs one CTA per SM stated for setmaxnreg (flash_bwd.__call__)
@@ -119,10 +150,11 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
     def kernel(self, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor, mLSE: cute.Tensor,
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
-               scale: Float32, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma,
+               scale: Float32, mma_s: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
-               mWords: cute.Tensor = None):
-        d = self.head_dim
+               mWords: cute.Tensor, mma_dv: cute.TiledMma, sV_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout):
+        d, d_v = self.head_dim, self.head_dim_v
         wgs = self.wgs
         stages = self.qdo_stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -136,16 +168,22 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         bars_qdo = smem.allocate_array(cutlass.Int64, 2 * stages)
         bar_dq = smem.allocate_array(cutlass.Int64, stages)  # per stage: its dQ parts are stored
         sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
-        sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sV = smem.allocate_tensor(self.dtype, sV_layout.outer, byte_alignment=1024, swizzle=sV_layout.inner)
         # the Q and dO stages as raw bytes: the swizzled operand views, and the unswizzled fp32 views through which
         # the dQ parts reach the writer (module docstring)
         stage_bytes = self.tile_m * d * self.dtype.width // 8
+        do_stage_bytes = self.tile_m * d_v * self.dtype.width // 8
         raw_q = smem.allocate(stages * stage_bytes, byte_alignment=1024)
-        raw_do = smem.allocate(stages * stage_bytes, byte_alignment=1024)
+        raw_do = smem.allocate(stages * do_stage_bytes, byte_alignment=1024)
         sQ = cute.make_tensor(cute.recast_ptr(raw_q, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
-        sdO = cute.make_tensor(cute.recast_ptr(raw_do, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
+        sdO = cute.make_tensor(cute.recast_ptr(raw_do, sdO_layout.inner, dtype=self.dtype), sdO_layout.outer)
         fQ = cute.make_tensor(cute.recast_ptr(raw_q, dtype=Float32), cute.make_layout(stages * stage_bytes // 4))
-        fdO = cute.make_tensor(cute.recast_ptr(raw_do, dtype=Float32), cute.make_layout(stages * stage_bytes // 4))
+        fdO = cute.make_tensor(cute.recast_ptr(raw_do, dtype=Float32), cute.make_layout(stages * do_stage_bytes // 4))
+        fX = None  # unequal head dims: the rest of each dQ part, per stage and warpgroup
+        if cutlass.const_expr(d_v != d):
+            x_floats = stages * wgs * self._pieces()[2]
+            fX = cute.make_tensor(cute.recast_ptr(smem.allocate(4 * x_floats, byte_alignment=128), dtype=Float32),
+                                  cute.make_layout(x_floats))
         sP = smem.allocate_tensor(self.dtype, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
         sdS = smem.allocate_tensor(self.dtype, sP_layout.outer, byte_alignment=1024, swizzle=sP_layout.inner)
         sRows = smem.allocate_tensor(Float32, cute.make_layout((2, self.tile_m, 2)), byte_alignment=16)
@@ -154,7 +192,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         pipe = pipeline.PipelineTmaAsync.create(
             num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=2 * stage_bytes, barrier_storage=bars_qdo, defer_sync=True)
+            tx_count=stage_bytes + do_stage_bytes, barrier_storage=bars_qdo, defer_sync=True)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_kv, 1)
             for s in cutlass.range_constexpr(stages):
@@ -180,27 +218,31 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                               head_kv, batch, group, m_start, n_m, steps)
             if warp == 1:
                 self._write_dq_parts(fQ, fdO, mdQacc, bar_dq, pipe, head_kv, batch, group, m_start, n_m, steps,
-                                     n_block, mWords)
+                                     n_block, mWords, fX)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
-            self._mma_wide(_own_copy(mma_s), _own_copy(mma_kv), _own_copy(mma_dq), sK, sV, sQ, sdO, sP, sdS, fQ,
+            own_dv = None  # equal head dims: dK's MMA serves dV
+            if cutlass.const_expr(d_v != d):
+                own_dv = _own_copy(mma_dv)
+            self._mma_wide(_own_copy(mma_s), _own_copy(mma_dk), _own_copy(mma_dq), sK, sV, sQ, sdO, sP, sdS, fQ,
                            fdO, sRows, bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1,
                            tidx % THREADS, n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps,
-                           mWords)
-
-    def _part_floats(self) -> int:
-        """fp32 values of one piece of a warpgroup's dQ part: its column half of one Q (or dO) tile, reread."""
-        return self.tile_m * self.cols * self.dtype.width // 8 // 4
+                           mWords, own_dv, fX)
 
     @cute.jit
     def _write_dq_parts(self, fQ: cute.Tensor, fdO: cute.Tensor, mdQacc: cute.Tensor, bar_dq: cute.Pointer,
                         pipe: cutlass.Constexpr, head_kv: Int32, batch: Int32, group: Int32, m_start: Int32,
-                        n_m: Int32, steps: Int32, n_block: Int32, mTurns: cute.Tensor = None):
-        """The dQ writer warp: once both MMA warpgroups stored a step's dQ parts in its stage, each part's two pieces
-        (its column half of the Q tile, then of the dO tile) added to the chunk with bulk reduce-adds; once they have
-        been read, the stage goes back to the producer. Deterministic: the turn flags of flash_bwd_ws._write_dq."""
-        piece = self._part_floats()
-        stage_floats = self.tile_m * self.head_dim * self.dtype.width // 8 // 4
+                        n_m: Int32, steps: Int32, n_block: Int32, mTurns: cute.Tensor = None, fX: cute.Tensor = None):
+        """The dQ writer warp: once both MMA warpgroups stored a step's dQ parts in its stage, each part's pieces (its
+        column half of the Q tile, then of the dO tile, then with unequal head dims its region of fX: _pieces) added
+        to the chunk with bulk reduce-adds; once they have been read, the stage goes back to the producer.
+        Deterministic: the turn flags of flash_bwd_ws._write_dq."""
+        q_piece, do_piece, x_piece = self._pieces()
+        width = self.dtype.width // 8
+        q_stage = self.tile_m * self.head_dim * width // 4  # fp32 values of one stage of fQ, fdO, fX
+        do_stage = self.tile_m * self.head_dim_v * width // 4
+        x_stage = self.wgs * x_piece
+        part = q_piece + do_piece + x_piece
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.qdo_stages)
         for step in cutlass.range(steps, unroll=1):
             head = head_kv * group + step // n_m
@@ -213,9 +255,13 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                 if cutlass.const_expr(self.deterministic):
                     turn = self._take_turn(mTurns, m_block, head, batch, n_block)
                 for g in cutlass.range_constexpr(self.wgs):
-                    src = state.index * stage_floats + g * piece
-                    bulk_reduce_add_f32(fQ.iterator + src, chunk + 2 * g * piece, 4 * piece)
-                    bulk_reduce_add_f32(fdO.iterator + src, chunk + (2 * g + 1) * piece, 4 * piece)
+                    bulk_reduce_add_f32(fQ.iterator + (state.index * q_stage + g * q_piece), chunk + g * part,
+                                        4 * q_piece)
+                    bulk_reduce_add_f32(fdO.iterator + (state.index * do_stage + g * do_piece),
+                                        chunk + (g * part + q_piece), 4 * do_piece)
+                    if cutlass.const_expr(x_piece > 0):
+                        bulk_reduce_add_f32(fX.iterator + (state.index * x_stage + g * x_piece),
+                                            chunk + (g * part + q_piece + do_piece), 4 * x_piece)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 pipe.consumer_release(state)  # lane 0 is the pipeline's signalling thread
@@ -226,21 +272,23 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
     @cute.jit
     def _wide_fragments(self, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
                         sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sP: cute.Tensor, sdS: cute.Tensor,
-                        wg: Int32, wt: Int32):
+                        wg: Int32, wt: Int32, mma_dv: cute.TiledMma = None):
         """Warpgroup wg's thread wt's operand views of the five GEMMs (stage or tile mode last), the block
-        coordinates of its S^T and dK / dV values, and the stmatrix copy of its P^T / dS^T half with both
-        destinations."""
+        coordinates of its S^T, dK and dV values, and the stmatrix copy of its P^T / dS^T half with both
+        destinations. mma_kv: dK's MMA, and dV's unless mma_dv is given (unequal head dims)."""
         tm, cols = self.tile_m, self.cols
         half_q = tm // self.wgs
+        mma_dv = mma_kv if mma_dv is None else mma_dv
         thr_s, thr_kv, thr_dq = mma_s.get_slice(wt), mma_kv.get_slice(wt), mma_dq.get_slice(wt)
+        thr_dv = mma_dv.get_slice(wt)
         tSrK = mma_s.make_fragment_A(thr_s.partition_A(sK[None, None, 0]))
         tSrV = mma_s.make_fragment_A(thr_s.partition_A(sV[None, None, 0]))
         tSrQ = mma_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sQ, (half_q, self.head_dim), (wg, 0, None))))
-        tSrdO = mma_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sdO, (half_q, self.head_dim),
+        tSrdO = mma_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sdO, (half_q, self.head_dim_v),
                                                                         (wg, 0, None))))
-        tVrP = mma_kv.make_fragment_A(thr_kv.partition_A(_transposed(sP)))  # (keys, queries, tile)
+        tVrP = mma_dv.make_fragment_A(thr_dv.partition_A(_transposed(sP)))  # (keys, queries, tile)
         tKrdS = mma_kv.make_fragment_A(thr_kv.partition_A(_transposed(sdS)))
-        tVrdO = mma_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(_transposed(sdO), (cols, tm),
+        tVrdO = mma_dv.make_fragment_B(thr_dv.partition_B(cute.local_tile(_transposed(sdO), (self.cols_v, tm),
                                                                           (wg, 0, None))))
         tKrQ = mma_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(_transposed(sQ), (cols, tm), (wg, 0, None))))
         tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (queries, keys, tile)
@@ -250,10 +298,15 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         tKcK = thr_kv.partition_C(cute.local_tile(cute.make_identity_tensor((TILE_N, self.head_dim)),
                                                   (TILE_N, cols), (0, wg)))
         tQcQ = thr_dq.partition_C(cute.make_identity_tensor((tm, cols)))
+        tVcV = None  # dV's coordinates where they are not dK's
+        if cutlass.const_expr(self.head_dim_v != self.head_dim):
+            tVcV = thr_dv.partition_C(cute.local_tile(cute.make_identity_tensor((TILE_N, self.head_dim_v)),
+                                                      (TILE_N, self.cols_v), (0, wg)))
         store = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_s)
         tPsP = store.get_slice(wt).partition_D(cute.local_tile(_transposed(sP), (TILE_N, half_q), (0, wg, None)))
         tDSsdS = store.get_slice(wt).partition_D(cute.local_tile(_transposed(sdS), (TILE_N, half_q), (0, wg, None)))
-        return tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS
+        return (tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS,
+                tVcV)
 
     @cute.jit
     def _mma_wide(self, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor,
@@ -262,17 +315,23 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                   pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor,
                   mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32, wt: Int32, n_block: Int32,
                   head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32, m_start: Int32,
-                  n_m: Int32, steps: Int32, mWords: cute.Tensor = None):
+                  n_m: Int32, steps: Int32, mWords: cute.Tensor = None, mma_dv: cute.TiledMma = None,
+                  fX: cute.Tensor = None):
         """MMA warpgroup wg (thread wt of it): per step, its query half of S^T / dP^T / P^T / dS^T, one barrier,
         then its column half of dV, dK and the dQ block. Key masks as flash_bwd_ws: each thread's two key rows' bound
-        (_key_keep) replaces seqlen_k in the visibility test."""
+        (_key_keep) replaces seqlen_k in the visibility test. mma_kv: dK's MMA, and dV's unless mma_dv is given
+        (unequal head dims, whose dQ parts also use fX)."""
         wgs = self.wgs
         key0 = n_block * TILE_N
-        f = self._wide_fragments(mma_s, mma_kv, mma_dq, sK, sV, sQ, sdO, sP, sdS, wg, wt)
-        tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS = f
-        acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ)
+        f = self._wide_fragments(mma_s, mma_kv, mma_dq, sK, sV, sQ, sdO, sP, sdS, wg, wt, mma_dv)
+        tSrK, tSrV, tSrQ, tSrdO, tVrP, tKrdS, tVrdO, tKrQ, tQrdS, tQrK, tScS, tKcK, tQcQ, store, tPsP, tDSsdS, tVcV = f
+        acc_s, acc_dp, acc_dk, acc_dv, acc_dq = self._accumulators(tScS, tKcK, tQcQ, tVcV)
         row_loader = self._first_rows(mLSE, mDelta, sRows, bar_kv, wg, wt, head_kv, batch, group, m_start, n_m, steps)
         mma_kv.set(warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(mma_dv is not None):
+            mma_dv.set(warpgroup.Field.ACCUMULATE, True)
+        else:
+            mma_dv = mma_kv
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.qdo_stages)
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
@@ -322,25 +381,30 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             _gemm(mma_dq, acc_dq, tQrdS[None, None, None, tile], tQrK)
             warpgroup.commit_group()
             for kk in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
-                cute.gemm(mma_kv, acc_dv, tVrP[None, None, kk, tile], tVrdO[None, None, kk, stage], acc_dv)
+                cute.gemm(mma_dv, acc_dv, tVrP[None, None, kk, tile], tVrdO[None, None, kk, stage], acc_dv)
             warpgroup.commit_group()
             for kk in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
                 cute.gemm(mma_kv, acc_dk, tKrdS[None, None, kk, tile], tKrQ[None, None, kk, stage], acc_dk)
             warpgroup.commit_group()
             warpgroup.wait_group(0)  # dQ, dV and dK: this warpgroup's column halves of the stage are free
 
-            # the dQ part into them (_dq_slot's order within the part: its first half in the Q tile's columns, its
-            # second in dO's), then the arrival for the writer, which releases the stage
-            piece = self._part_floats()
-            base = stage * (self.tile_m * self.head_dim * self.dtype.width // 8 // 4) + wg * piece
-            pairs = cute.size(acc_dq) // 2
+            # the dQ part into them (_dq_slot's order within the part: its first piece in the Q tile's columns, the
+            # next in dO's, with unequal head dims the rest in fX: _pieces), then the arrival for the writer, which
+            # releases the stage
+            q_piece, do_piece, x_piece = self._pieces()
+            width = self.dtype.width // 8
+            base_q = stage * (self.tile_m * self.head_dim * width // 4) + wg * q_piece
+            base_do = stage * (self.tile_m * self.head_dim_v * width // 4) + wg * do_piece
+            base_x = (stage * wgs + wg) * x_piece
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
                 p = (i // 2) * 2 * THREADS + 2 * wt + i % 2
-                if cutlass.const_expr(i // 2 < pairs // 2):
-                    fQ[base + p] = acc_dq[i]
+                if cutlass.const_expr((i // 2) * 2 * THREADS < q_piece):  # pieces are whole multiples of 2 * THREADS
+                    fQ[base_q + p] = acc_dq[i]
+                elif cutlass.const_expr((i // 2) * 2 * THREADS < q_piece + do_piece):
+                    fdO[base_do + p - q_piece] = acc_dq[i]
                 else:
-                    fdO[base + p - piece] = acc_dq[i]
+                    fX[base_x + p - q_piece - do_piece] = acc_dq[i]
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(bar_dq + stage)
             state.advance()
-        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block, head_kv, batch)
+        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block, head_kv, batch, tVcV=tVcV)

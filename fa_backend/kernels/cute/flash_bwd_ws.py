@@ -201,7 +201,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         for step in cutlass.range(steps, unroll=1):
             head = head_kv * group + step // n_m
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))  # (tile_m, d, blocks)
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
             tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),

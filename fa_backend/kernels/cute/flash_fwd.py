@@ -25,6 +25,7 @@ The softmax scale must be positive (the row maximum is taken before scaling). La
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -207,17 +208,23 @@ def compile_flash_fwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
 def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int,
                      causal: bool, bottom_right: bool, arch: str, dump_dir: str | None,
                      pointer_args: bool = False, key_mask: bool = False,
-                     head_dims: tuple[int, ...] = HEAD_DIMS, dropout: bool = False) -> Any:
+                     head_dims: tuple[int, ...] = HEAD_DIMS, dropout: bool = False, head_dim_v: int | None = None,
+                     head_dim_pairs: frozenset[tuple[int, int]] = frozenset()) -> Any:
     """compile_flash_fwd for any forward kernel class taking (dtype, head_dim, causal, bottom_right) and the
     arguments (q, k, v, o, lse, scale_log2, stream); `kernel_name` and `tile` go into the cache key;
     `pointer_args`: the _fast_call.PointerForward convention, cached as kernel_name + "_ptrargs"; `key_mask`: the
     kernel also takes the packed key-mask words (b, hq, words) int32 after the stream (PointerForwardKeyMask);
     `head_dims`: the kernel class's head dims; `dropout`: the kernel takes dropout's arguments
-    (PointerForwardDropout: the pointer convention only)."""
+    (PointerForwardDropout: the pointer convention only); `head_dim_v`: V's and O's head dim where it differs from
+    head_dim (the class then takes it as a keyword), one of `head_dim_pairs`."""
     if dropout and not pointer_args:
         raise ValueError("dropout variants are compiled for the pointer calling convention (pointer_args=True)")
     if head_dim not in head_dims:
         raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, head_dims))})")
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if dv != head_dim and (head_dim, dv) not in head_dim_pairs:
+        raise ValueError(f"head_dim={head_dim} with head_dim_v={dv} (supported: equal, or (head_dim, head_dim_v) "
+                         f"one of {sorted(head_dim_pairs)})")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} (supported: torch.float16, torch.bfloat16)")
     cdtype = _DTYPES[dtype]
@@ -227,7 +234,8 @@ def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...]
         example = torch.empty(1, 1, 8, head_dim, dtype=dtype)
         q, k, v, o = (_dynamic(example) for _ in range(4))
         lse = _dynamic(torch.empty(1, 1, 8, dtype=torch.float32), align=4)
-        kernel = kernel_class(cdtype, head_dim, causal, bottom_right)
+        kernel = (kernel_class(cdtype, head_dim, causal, bottom_right) if dv == head_dim else
+                  kernel_class(cdtype, head_dim, causal, bottom_right, head_dim_v=dv))
         if pointer_args:
             from . import _fast_call
 
@@ -242,27 +250,33 @@ def _compile_variant(kernel_class: type, kernel_name: str, tile: tuple[int, ...]
     if dump_dir is not None:
         return build()
     name = kernel_name + ("_ptrargs" if pointer_args else "")
-    return CACHE.get_or_compile(variant_key(name, tile, dtype, head_dim, causal, bottom_right, arch), build)
+    return CACHE.get_or_compile(variant_key(name, tile, dtype, head_dim, causal, bottom_right, arch, dv), build)
 
 
 def variant_key(kernel_name: str, tile: tuple[int, ...], dtype: torch.dtype, head_dim: int, causal: bool,
-                bottom_right: bool, arch: str = "sm_90a") -> CompileKey:
+                bottom_right: bool, arch: str = "sm_90a", head_dim_v: int | None = None) -> CompileKey:
     """The compile-cache key of one variant (what the dispatcher asks CACHE.failure about)."""
     alignment = ("bottom_right" if bottom_right else "top_left") if causal else "none"
-    return CompileKey(kernel_name, dtype, head_dim, head_dim, causal, alignment, 0, tile, arch)
+    return CompileKey(kernel_name, dtype, head_dim, head_dim if head_dim_v is None else head_dim_v, causal, alignment,
+                      0, tile, arch)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  head_dims: tuple[int, ...] = HEAD_DIMS) -> None:
-    """ValueError unless the tensors fit the kernel: what compile_flash_fwd's symbolic signature and TMA assume."""
+                  head_dims: tuple[int, ...] = HEAD_DIMS,
+                  head_dim_pairs: frozenset[tuple[int, int]] = frozenset()) -> None:
+    """ValueError unless the tensors fit the kernel: what compile_flash_fwd's symbolic signature and TMA assume.
+    head_dim_pairs: the (head_dim, head_dim_v) pairs with v's head dim different from q's and k's it takes."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"expected 4-D (batch, heads, seqlen, head_dim) tensors, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ValueError(f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (supported: one of torch.float16, torch.bfloat16)")
     b, hq, _, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or d not in head_dims:
+    dv = v.shape[3]
+    if (k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d or d not in head_dims
+            or (dv != d and (d, dv) not in head_dim_pairs)):
+        pairs = f", or (head_dim, head_dim_v) one of {sorted(head_dim_pairs)}" if head_dim_pairs else ""
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (head_dim one of "
-                         f"{head_dims}, equal for q, k and v)")
+                         f"{head_dims}, equal for q, k and v{pairs})")
     if k.shape[1] == 0 or hq % k.shape[1]:
         raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={k.shape[1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -289,15 +303,19 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
          v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool,
          key_words: torch.Tensor | None = None,
          head_dims: tuple[int, ...] = HEAD_DIMS,
-         dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         dropout: tuple[torch.Tensor, int, float] | None = None,
+         head_dim_pairs: frozenset[tuple[int, int]] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right); key_words (a
     key-mask variant's packed words, (b, hq, words) int32) go to the kernel after the stream; head_dims: the
     variant's kernel's; dropout (a dropout variant's arguments, which always take the pointer convention): the
-    (seed, rng_offset) int64 pair on q's device, the 16-bit keep threshold and 1 / (1 - dropout_p)."""
+    (seed, rng_offset) int64 pair on q's device, the 16-bit keep threshold and 1 / (1 - dropout_p); head_dim_pairs:
+    the (head_dim, head_dim_v) pairs with v's head dim different from q's that compile_fn takes (as head_dim_v=)."""
     from cuda.bindings import driver
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _check_inputs(q, k, v, scale, head_dims)
+    _check_inputs(q, k, v, scale, head_dims, head_dim_pairs)
+    if v.shape[-1] != q.shape[-1]:
+        compile_fn = functools.partial(compile_fn, head_dim_v=v.shape[-1])
     if key_words is not None:
         _check_key_words(key_words, q, k)
     from . import _fast_call
@@ -305,7 +323,7 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     fast = _fast_call.ENABLED or dropout is not None
     compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right, pointer_args=True) if fast else \
         compile_fn(q.dtype, q.shape[-1], causal, bottom_right)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     masked = key_words is not None

@@ -64,7 +64,12 @@ TILE_N = 128  # key rows per block: S is 64 x 128 per consumer, 64 fp32 register
 # O accumulator takes 96 / 128 of their 240 registers
 HEAD_DIMS = (64, 96, 128, 192, 256)
 TILE_NS = {192: 64, 256: 64}
+# (head_dim, head_dim_v) pairs with head_dim_v != head_dim: MLA's (192, 128) (DeepSeek-V2 / V3 prefill and training).
+# K stages of 192 columns beside V stages of 128 leave room for 128-key blocks (SMEM_LIMIT), and O takes 64 registers as
+# at d=128
+HEAD_DIM_V_PAIRS = frozenset({(192, 128)})
 KV_STAGES = 2
+SMEM_LIMIT = 227 * 1024  # what one sm90 CTA may have
 WG_THREADS = 128
 THREADS = WG_THREADS * (1 + CONSUMERS)
 # setmaxnreg: 384 threads start with 65536 / 384 = 170 registers each. The producer only walks TMA
@@ -77,6 +82,18 @@ CONSUMER_REGS = 240
 CONSUMER_REGS_3 = 160
 PINGPONG_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads'): one per consumer
 PERSISTENT_CTAS = 132  # persistent variants: CTAs launched at most (one per SM of an H100 / H200, 1 CTA per SM)
+
+
+def _smem_bytes(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int) -> int:
+    """Shared memory of a 16-bit variant: the Q tile, KV_STAGES K and V stages, alignment padding and barriers."""
+    return 2 * (tile_m * head_dim + KV_STAGES * tile_n * (head_dim + head_dim_v)) + 4 * 1024
+
+
+def tile_n(head_dim: int, head_dim_v: int | None = None) -> int:
+    """Keys per block: TILE_N, or 64 where the tiles of 128 keys would not fit in shared memory (TILE_NS)."""
+    if head_dim_v is None or head_dim_v == head_dim:
+        return TILE_NS.get(head_dim, TILE_N)
+    return TILE_N if _smem_bytes(TILE_M, TILE_N, head_dim, head_dim_v) <= SMEM_LIMIT else 64
 
 
 def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False,
@@ -103,8 +120,8 @@ class FlashForwardSm90WS(ForwardVariant):
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
                  pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
-                 key_mask: bool = False, dropout: bool = False):
-        super().__init__(dtype, head_dim, causal, bottom_right)
+                 key_mask: bool = False, dropout: bool = False, head_dim_v: int | None = None):
+        super().__init__(dtype, head_dim, causal, bottom_right, head_dim_v)
         self.dropout = dropout
         _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
         self.persistent = persistent
@@ -113,7 +130,7 @@ class FlashForwardSm90WS(ForwardVariant):
         self.pingpong = pingpong
         self.consumers = consumers
         self.tile_m = WG_M * consumers
-        self.tile_n = TILE_NS.get(head_dim, TILE_N)
+        self.tile_n = tile_n(head_dim, self.head_dim_v)
         self.threads = WG_THREADS * (1 + consumers)
         self.consumer_regs = CONSUMER_REGS if consumers == 2 else CONSUMER_REGS_3
 
@@ -121,22 +138,22 @@ class FlashForwardSm90WS(ForwardVariant):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  scale_log2: Float32, stream: Any, mWords: cute.Tensor = None, mRng: cute.Tensor = None,
                  drop_threshold=None, drop_scale=None):  # Int32, Float32 with dropout (unannotated: None otherwise)
-        d = self.head_dim
+        d, dv = self.head_dim, self.head_dim_v
         q, k, v, o, lse = sdpa_views(mQ, mK, mV, mO, mLSE)
         words = None
         if cutlass.const_expr(self.key_mask):  # (b, hq, words) -> (words, h, b)
             words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
-        mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, self.tile_n, d)
+        mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, self.tile_n, d, dv)
         # staged smem layouts: Q has one stage per consumer (its 64 rows), K and V KV_STAGES each
         sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype, self.consumers)
         sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype, KV_STAGES)
-        sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, d, self.tile_n), self.dtype, KV_STAGES)
+        sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, dv, self.tile_n), self.dtype, KV_STAGES)
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, cute.slice_(sQ_layout, (None, None, 0)), (WG_M, d))
         n = self.tile_n
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, cute.slice_(sK_layout, (None, None, 0)), (n, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (d, n))
-        smem_bytes = 2 * (self.tile_m + 2 * KV_STAGES * n) * d + 4 * 1024  # tiles, alignment padding, barriers
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (dv, n))
+        smem_bytes = _smem_bytes(self.tile_m, n, d, dv)
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         if cutlass.const_expr(self.persistent):  # one CTA per SM, each walking tiles bid, bid + grid, ...
             grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
@@ -196,7 +213,8 @@ class FlashForwardSm90WS(ForwardVariant):
                                                   consumer_group=consumers, tx_count=stage_bytes,
                                                   barrier_storage=bars_k, defer_sync=True)
         pipe_v = pipeline.PipelineTmaAsync.create(num_stages=KV_STAGES, producer_group=producer,
-                                                  consumer_group=consumers, tx_count=stage_bytes,
+                                                  consumer_group=consumers,
+                                                  tx_count=self.tile_n * self.head_dim_v * self.dtype.width // 8,
                                                   barrier_storage=bars_v, defer_sync=True)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_q, 1)
@@ -307,7 +325,8 @@ class FlashForwardSm90WS(ForwardVariant):
         one_cta = cute.make_layout(1)
         gQ = cute.local_tile(mQ[None, None, head, batch], (WG_M, d), (None, 0))  # (64, d, 64-row tiles)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))  # (tile_n, d, blocks)
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (d, self.tile_n), (0, None))  # (d, tile_n, blocks)
+        # (dv, tile_n, blocks)
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
@@ -337,7 +356,7 @@ class FlashForwardSm90WS(ForwardVariant):
         """One consumer warpgroup, one tile: its 64 query rows against every visited key block, then the epilogue.
         drop_args: (the (seed, rng_offset) tensor, the 16-bit keep threshold, 1 / (1 - dropout_p)) of dropout
         variants. Returns the advanced pipeline states."""
-        d = self.head_dim
+        dv = self.head_dim_v
         thr_qk, thr_pv = mma_qk.get_slice(wg_tidx), mma_pv.get_slice(wg_tidx)
         tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K, consumer)
         tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stage)
@@ -347,7 +366,7 @@ class FlashForwardSm90WS(ForwardVariant):
         key_row = None
         if cutlass.const_expr(self.key_mask):
             key_row = mWords[None, head, batch]
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((WG_M, d)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((WG_M, dv)))
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
         acc_o.fill(0.0)
@@ -376,7 +395,7 @@ class FlashForwardSm90WS(ForwardVariant):
             # warpgroup stores its rows
             cute.arch.mbarrier_arrive(bar_q_free)
 
-        gO = cute.local_tile(mO[None, None, head, batch], (WG_M, d), (m_block * self.consumers + wg, 0))
+        gO = cute.local_tile(mO[None, None, head, batch], (WG_M, dv), (m_block * self.consumers + wg, 0))
         store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
         return state_k, state_v
 
@@ -541,7 +560,8 @@ class FlashForwardSm90WS(ForwardVariant):
 def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool = False,
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
                          pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
-                         persistent: bool = False, key_mask: bool = False, dropout: bool = False) -> Any:
+                         persistent: bool = False, key_mask: bool = False, dropout: bool = False,
+                         head_dim_v: int | None = None) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
@@ -552,23 +572,26 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     each walking the tiles (suffix "_persistent"); `key_mask`: the variant that also takes a bool key mask packed
     32 keys per int32 word, (b, hq, words) with broadcast strides (suffix "_keymask"; the last argument before
     the scale); `dropout`: the variant that also drops scores (_dropout: 16-bit Philox draws, the Triton kernels'
-    mask), pointer convention only (_fast_call.PointerForwardDropout; suffix "_dropout")."""
+    mask), pointer convention only (_fast_call.PointerForwardDropout; suffix "_dropout"); `head_dim_v`: V's and O's
+    head dim where it differs from head_dim ((head_dim, head_dim_v) in HEAD_DIM_V_PAIRS; the cache key's dv)."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
-    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout)
+    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout, head_dim_v)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers, persistent=persistent, key_mask=key_mask,
                                               dropout=dropout),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
-                            key_mask=key_mask, head_dims=HEAD_DIMS, dropout=dropout)
+                            key_mask=key_mask, head_dims=HEAD_DIMS, dropout=dropout, head_dim_v=head_dim_v,
+                            head_dim_pairs=HEAD_DIM_V_PAIRS)
 
 
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
-                   key_mask: bool = False, head_dim: int = 128, dropout: bool = False) -> tuple[str, tuple[int, ...]]:
+                   key_mask: bool = False, head_dim: int = 128, dropout: bool = False,
+                   head_dim_v: int | None = None) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
               + ("_keymask" if key_mask else "") + ("_dropout" if dropout else ""))
-    return KERNEL_NAME + suffix, (WG_M * consumers, TILE_NS.get(head_dim, TILE_N), KV_STAGES)
+    return KERNEL_NAME + suffix, (WG_M * consumers, tile_n(head_dim, head_dim_v), KV_STAGES)
 
 
 # The fastest variant per (head_dim, causal) on the H200, the one the op runs (scripts/bench_cute.py, bf16, 2026-11-30,
@@ -594,34 +617,45 @@ DROPOUT_FASTEST: dict[tuple[int, bool], dict[str, Any]] = {(64, False): dict(pin
                                                          (64, True): dict(pingpong=True)}
 
 
-def fastest_kwargs(head_dim: int, causal: bool, dropout: bool = False) -> dict[str, Any]:
+# (head_dim, head_dim_v, causal) -> the variant for HEAD_DIM_V_PAIRS (128-key blocks, O of 64 registers: d=128's
+# choice until timed)
+HEAD_DIM_V_FASTEST: dict[tuple[int, int, bool], dict[str, Any]] = {
+    (192, 128, False): dict(pingpong=True), (192, 128, True): dict(overlap=True)}
+
+
+def fastest_kwargs(head_dim: int, causal: bool, dropout: bool = False,
+                   head_dim_v: int | None = None) -> dict[str, Any]:
     """flash_fwd_ws's keywords of the variant flash_fwd_fastest runs (FASTEST; DROPOUT_FASTEST where it differs for
-    dropout variants)."""
+    dropout variants; HEAD_DIM_V_FASTEST where head_dim_v differs from head_dim)."""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return HEAD_DIM_V_FASTEST[head_dim, head_dim_v, causal]
     if dropout and (head_dim, causal) in DROPOUT_FASTEST:
         return DROPOUT_FASTEST[head_dim, causal]
     return FASTEST[head_dim, causal]
 
 
 def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False,
-                        dropout: bool = False):
+                        dropout: bool = False, head_dim_v: int | None = None):
     """The compile-cache key of the variant flash_fwd_fastest runs for these (what the dispatcher asks about), in
     the calling convention it compiles now (_fast_call.ENABLED: the pointer one; dropout variants always)."""
     from . import _fast_call
     from .flash_fwd import variant_key
 
-    kw = fastest_kwargs(head_dim, causal, dropout)
+    kw = fastest_kwargs(head_dim, causal, dropout, head_dim_v)
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
-                                kw.get("persistent", False), key_mask, head_dim, dropout)
+                                kw.get("persistent", False), key_mask, head_dim, dropout, head_dim_v)
     pointers = _fast_call.ENABLED or dropout
-    return variant_key(name + ("_ptrargs" if pointers else ""), tile, dtype, head_dim, causal, bottom_right)
+    return variant_key(name + ("_ptrargs" if pointers else ""), tile, dtype, head_dim, causal, bottom_right,
+                       head_dim_v=head_dim_v)
 
 
 def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                       causal: bool = False, bottom_right: bool = False, key_words: torch.Tensor | None = None,
                       dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_fwd_ws with the fastest variant for q's head_dim and `causal` (fastest_kwargs)."""
-    known = q.dim() == 4 and (q.shape[-1], bool(causal)) in FASTEST
-    kw = fastest_kwargs(q.shape[-1], bool(causal), dropout is not None) if known else {}
+    """flash_fwd_ws with the fastest variant for q's and v's head dims and `causal` (fastest_kwargs)."""
+    known = q.dim() == 4 and v.dim() == 4 and ((q.shape[-1], bool(causal)) in FASTEST if v.shape[-1] == q.shape[-1]
+                                               else (q.shape[-1], v.shape[-1], bool(causal)) in HEAD_DIM_V_FASTEST)
+    kw = fastest_kwargs(q.shape[-1], bool(causal), dropout is not None, v.shape[-1]) if known else {}
     return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, dropout=dropout, **kw)
 
 
@@ -629,8 +663,9 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
                  consumers: int = CONSUMERS, persistent: bool = False, key_words: torch.Tensor | None = None,
                  dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k / v (b, hkv, sk, d): returns out
-    (b, hq, sq, d) in q's dtype and the fp32 natural-log LSE (b, hq, sq). Same input checks (ValueError,
+    """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv) (dv =
+    d, or (d, dv) in HEAD_DIM_V_PAIRS): returns out (b, hq, sq, dv) in q's dtype and the fp32 natural-log LSE
+    (b, hq, sq). Same input checks (ValueError,
     flash_fwd._check_inputs) and calling convention as flash_fwd.flash_fwd. `overlap`: the intra-warpgroup overlap variant;
     `pingpong`: overlap plus the consumers' turns; `consumers`: 2 or 3 consumer warpgroups; `persistent`: at
     most PERSISTENT_CTAS CTAs walking the tiles; `key_words`: a bool key mask packed 32 keys per int32 word (bit
@@ -640,4 +675,4 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout)."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
                                   persistent=persistent, key_mask=key_words is not None, dropout=dropout is not None),
-                q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout)
+                q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)

@@ -134,15 +134,39 @@ def test_wide_head_dims_fast_call_and_deterministic(d, causal, monkeypatch):
                    deterministic=True, repeat=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 100, 333), (2, 2, 1, 333, 100),
+                                             (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 40)])
+def test_head_dim_v_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
+    """flash_bwd_wide with MLA's head dims (q / k 192, v 128): dV 64 x 64 per warpgroup, each dQ part staged in three
+    pieces (the Q and dO tiles' column halves and its own region)."""
+    check_backward(dtype, 192, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, warp_specialized=True, dv=128)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_fast_call_and_deterministic(causal, monkeypatch):
+    from fa_backend.kernels.cute import _fast_call
+
+    monkeypatch.setattr(_fast_call, "ENABLED", True)
+    for _ in range(2):
+        check_backward(torch.bfloat16, 192, causal, True, 1, 8, 2, 300, 333, wgs=2, warp_specialized=True, dv=128)
+    check_backward(torch.bfloat16, 192, causal, True, 1, 8, 2, 700, 733, wgs=2, warp_specialized=True,
+                   deterministic=True, repeat=3, dv=128)
+
+
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1, dq_buffer=False,
-                   warp_specialized=False, tile_m=64, deterministic=False, repeat=1):
+                   warp_specialized=False, tile_m=64, deterministic=False, repeat=1, dv=None):
+    """The backward's gradients against float64 (2x rule); dv: v's head dim (d if None)."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd import HEAD_DIMS, flash_fwd
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
-    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype) for _ in range(2))
-    forward = flash_fwd if d in HEAD_DIMS else flash_fwd_ws  # d = 192 / 256: the warp-specialised forward only
+    k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, hkv, sk, d if dv is None else dv, device="cuda", dtype=dtype)
+    # d = 192 / 256 and unequal head dims: the warp-specialised forward only
+    forward = flash_fwd if d in HEAD_DIMS and dv in (None, d) else flash_fwd_ws
     out, lse = forward(q, k, v, causal=causal, bottom_right=bottom_right)
     dout = torch.randn_like(out)
     def run():

@@ -353,15 +353,38 @@ def test_wide_head_dims_registers_fit(tmp_path, d):
 
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, d, True, False, "sm_90a", str(tmp_path), wgs=2,
                                       warp_specialized=True).__ptx__
-    report = ptxas_report(ptx, tmp_path)
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
-    assert not re.findall(r"C75\d\d", report), report
     # P^T branch-free (_p_only(..., branch_free=True)): no branch between the first and last MUFU.EX2 (with the
     # exp2 under `if visible` ptxas kept one per score here: 418 SASS lines for the 16 exp2s at d=256 against 90)
-    sass = _sass(tmp_path / "kernel.cubin")
-    if sass is not None:
-        first, last = sass.index("MUFU.EX2"), sass.rindex("MUFU.EX2")
-        assert " BRA " not in sass[first:last]
+    _assert_asynchronous_and_if_converted(ptx, tmp_path)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_variant_compiles_for_sm90a(tmp_path, causal):
+    """flash_bwd_wide with MLA's head dims (q / k 192, v 128): S^T over 192 and dP^T over 128 columns as m64n32 GEMMs
+    (12 + 8), dV as m64n64 (each warpgroup's 64 of v's columns, 4), dK and the dQ block as m64n96 (4 + 4); each
+    warpgroup's dQ part in three bulk adds (the Q and dO tiles' column halves and its own region: six per step); no
+    local memory, no spills, no C75xx, the exp2s without a branch between them."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 192, causal, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, pointer_args=True, head_dim_v=128).__ptx__
+    assert len(_wgmma_lines(ptx, "m64n32k16.f32.bf16.bf16")) == 192 // 16 + 128 // 16
+    assert len(_wgmma_lines(ptx, "m64n64k16.f32.bf16.bf16")) == 64 // 16
+    assert len(_wgmma_lines(ptx, "m64n96k16.f32.bf16.bf16")) == 2 * 64 // 16
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32", ptx)) == 6
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    _assert_asynchronous_and_if_converted(ptx, tmp_path)
+
+
+def test_head_dims_v_outside_the_pairs_are_refused():
+    from fa_backend.kernels.cute import flash_bwd
+
+    with pytest.raises(ValueError, match="head_dim_v=64"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 192, False, wgs=2, warp_specialized=True, head_dim_v=64)
+    with pytest.raises(ValueError, match="dropout"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 192, False, wgs=2, warp_specialized=True, head_dim_v=128,
+                                    dropout=True, pointer_args=True)
 
 
 def test_wide_head_dims_refuse_other_variants():

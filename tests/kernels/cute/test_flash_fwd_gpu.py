@@ -15,16 +15,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.cute,
               pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90) GPU")]
 
 
-def _qkv(b, hq, hkv, sq, sk, d, dtype):
+def _qkv(b, hq, hkv, sq, sk, d, dtype, dv=None):
     return (torch.randn(b, hq, sq, d, device="cuda", dtype=dtype), torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype),
-            torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype))
+            torch.randn(b, hkv, sk, d if dv is None else dv, device="cuda", dtype=dtype))
 
 
-def check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk):
+def check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dv=None):
     """run(q, k, v, causal=, bottom_right=) -> (out, lse) against the float64 reference: out within the
-    project's bar, the LSE to 1e-3, and rows that see no key with O = 0 and LSE = -inf."""
-    q, k, v = _qkv(b, hq, hkv, sq, sk, d, dtype)
+    project's bar, the LSE to 1e-3, and rows that see no key with O = 0 and LSE = -inf. dv: v's head dim (d if
+    None)."""
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, dtype, dv)
     out, lse = run(q, k, v, causal=causal, bottom_right=bottom_right)
+    assert out.shape == (b, hq, sq, v.shape[-1])
     kr, vr = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
     ref = attention_math(q.double(), kr.double(), vr.double(), is_causal=causal, bottom_right=bottom_right)
     same = attention_same_dtype(q, kr, vr, is_causal=causal, bottom_right=bottom_right)

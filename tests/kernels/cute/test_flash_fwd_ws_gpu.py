@@ -39,6 +39,27 @@ def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, 
     check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,dv", [(192, 128)])  # flash_fwd_ws.HEAD_DIM_V_PAIRS
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES)
+@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong"])
+def test_head_dim_v_within_bar(dtype, d, dv, causal, bottom_right, b, hq, hkv, sq, sk, mode):
+    """V (and O) with another head dim than Q and K: MLA's 192 / 128 on 128-key blocks."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong")
+    check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dv=dv)
+
+
+def test_head_dim_v_outside_the_pairs_is_a_value_error():
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    q, k, v = _qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, dv=64)
+    with pytest.raises(ValueError, match="head_dim_v"):
+        flash_fwd_ws(q, k, v)
+
+
 def test_strided_inputs():
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 

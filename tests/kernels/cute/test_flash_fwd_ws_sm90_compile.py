@@ -306,3 +306,32 @@ def test_dropout_variants_take_the_pointer_convention_only(tmp_path):
 
     with pytest.raises(ValueError, match="pointer"):
         flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, dropout=True, pointer_args=False)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_variants_compile_without_spills(tmp_path, causal):
+    """MLA's head dims (Q and K at 192, V and O at 128), the op's variants: 128-key blocks (the V stages are smaller,
+    so two K / V stages of 128 keys fit), S = Q K^T in 12 and O += P V in 8 m64n128k16 instructions per block (each
+    twice: the overlap variants peel a first S and a last P V), Q and K in 3 TMA boxes of 64 columns, V in 2; no local
+    memory, no spills, no C75xx."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    d, dv = 192, 128
+    assert flash_fwd_ws.tile_n(d, dv) == 128
+    kw = flash_fwd_ws.fastest_kwargs(d, causal, head_dim_v=dv)
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path),
+                                            pointer_args=True, head_dim_v=dv, **kw).__ptx__
+    assert _wgmma_counts(ptx) == {"m64n128k16.f32.bf16.bf16": 2 * (d // 16 + 128 // 16)}
+    assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2 * 3 + 3 + 2
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.findall(r"C75\d\d", report), report
+
+
+def test_head_dims_v_outside_the_pairs_are_refused():
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    with pytest.raises(ValueError, match="head_dim_v=64"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, head_dim_v=64)
