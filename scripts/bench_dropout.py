@@ -3,7 +3,10 @@ efficient backend's and our Triton forward's with the same dropout_p, plus the C
 draws cost), all in one process.
 
     python3 scripts/bench_dropout.py [--dims 128 64] [--seqlens 2048 8192] [--causal no yes] [--p 0.1] [--backward]
-        [--json FILE]
+        [--runners ...] [--json FILE]
+
+cute: the op (its variant: flash_fwd_ws.fastest_kwargs); cute_serial / cute_overlap / cute_pingpong: one forward
+variant alone (forward only: the kernel has no autograd).
 
 bf16, batch = 16384 / seqlen, heads = 2048 / d; TFLOP/s: 4 b h s^2 d forward (halved when causal), 2.5x that
 backward; triton.testing.do_bench medians. Each call draws a fresh RNG state, as SDPA calls do.
@@ -19,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 from _records import write_records  # scripts/_records.py
 
-RUNNERS = ("cute", "cute_no_dropout", "cudnn", "efficient", "triton")
+RUNNERS = ("cute", "cute_no_dropout", "cute_serial", "cute_overlap", "cute_pingpong", "cudnn", "efficient", "triton")
 
 
 def _fn(name: str, p: float, causal: bool):
@@ -30,6 +33,14 @@ def _fn(name: str, p: float, causal: bool):
         return lambda q, k, v: cute_flash_attention(q, k, v, None, causal, False, dropout_p=p)[0]
     if name == "cute_no_dropout":
         return lambda q, k, v: cute_flash_attention(q, k, v, None, causal, False)[0]
+    if name in ("cute_serial", "cute_overlap", "cute_pingpong"):  # one forward variant alone, a fresh RNG state a call
+        from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+        from fa_backend.ops import new_rng_state
+        from fa_backend.ops.cute_flash import _dropout_args
+
+        kw = dict(overlap=name == "cute_overlap", pingpong=name == "cute_pingpong")
+        return lambda q, k, v: flash_fwd_ws(q, k, v, None, causal, dropout=_dropout_args(q, p, new_rng_state()),
+                                            **kw)[0]
     if name == "triton":
         return lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal, dropout_p=p)
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
