@@ -230,8 +230,9 @@ def _row_masks(b, sk, p_hidden, seed=0):
 def test_packed_key_mask_forward_backward(sk, form):
     # A scattered key mask: every tile is partial, so every tile reads the packed words; sk not a multiple of
     # 32 puts keys past the end in the last word (a multiple of 32: test_packed_key_mask_with_band). "expanded":
-    # the (b, hq, sq, sk) stride-0 view Hugging Face builds from a key-padding mask.
-    sq = 45
+    # the (b, hq, sq, sk) stride-0 view Hugging Face builds from a key-padding mask. sq: one full and one partial
+    # 16-row tile under the interpreter.
+    sq = 21
     mask = _row_masks(2, sk, 0.3)
     if form == "expanded":
         mask = mask.expand(2, 4, sq, sk)
