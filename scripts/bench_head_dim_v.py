@@ -2,7 +2,7 @@
 variant alone), our Triton kernels, and PyTorch's backends forced one at a time (cuDNN, efficient, flash: whichever
 accepts the call), forward and optionally forward + backward, in one process.
 
-    python3 scripts/bench_head_dim_v.py [--d 192] [--dv 128] [--heads 16] [--seqlens 2048 8192 16384]
+    python3 scripts/bench_head_dim_v.py [--d 192] [--dv 128] [--heads 16] [--kv-heads N] [--seqlens 2048 8192 16384]
         [--causal no yes] [--runners ...] [--backward] [--json FILE]
 
 bf16, batch = 16384 / seqlen; TFLOP/s: 2 b h s^2 (d + dv) forward (halved when causal), 2.5x that backward;
@@ -23,7 +23,7 @@ RUNNERS = ("cute", "ws_serial", "ws_overlap", "ws_pingpong", "triton", "cudnn", 
 PEERS = ("cudnn", "efficient", "flash")
 
 
-def _fn(name: str, causal: bool):
+def _fn(name: str, causal: bool, gqa: bool = False):
     from fa_backend.ops import cute_flash_attention, triton_flash_attention
 
     if name == "cute":
@@ -40,7 +40,7 @@ def _fn(name: str, causal: bool):
 
     def sdpa(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return sdpa
 
 
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=192)
     parser.add_argument("--dv", type=int, default=128)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="K / V heads (GQA); default: --heads")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
@@ -56,19 +57,20 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     d, dv, h = args.d, args.dv, args.heads
+    hkv = h if args.kv_heads is None else args.kv_heads
     records = []
     for causal in (c == "yes" for c in args.causal):
         for s in args.seqlens:
             b = max(1, 16384 // s)
             flops = 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
-            q, k = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
-                    for _ in range(2))
-            v = torch.randn(b, h, s, dv, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+            q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+            k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+            v = torch.randn(b, hkv, s, dv, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
             row = {}
             for name in args.runners:
-                rec = dict(runner=name, d=d, dv=dv, causal=causal, seqlen=s, batch=b, heads=h)
+                rec = dict(runner=name, d=d, dv=dv, causal=causal, seqlen=s, batch=b, heads=h, kv_heads=hkv)
                 try:
-                    fn = _fn(name, causal)
+                    fn = _fn(name, causal, hkv != h)
                     with torch.no_grad():
                         ms = do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
                     rec["fwd_tflops"] = flops / ms * 1e-9
@@ -88,7 +90,7 @@ def main() -> None:
                               + (f"/{r['bwd_tflops']:4.0f}" if "bwd_tflops" in r else "") for n, r in row.items())
             best = max((row[n].get("fwd_tflops", 0) for n in PEERS if n in row), default=0)
             ratio = row.get("cute", {}).get("fwd_tflops", 0) / best if best else float("nan")
-            print(f"d={d} dv={dv} causal={int(causal)} s={s:5d}: {cells}  cute/best-peer fwd {ratio:.2f}",
+            print(f"d={d} dv={dv} h={h}:{hkv} causal={int(causal)} s={s:5d}: {cells}  cute/best-peer fwd {ratio:.2f}",
                   flush=True)
             for n, r in row.items():
                 if "error" in r and s == args.seqlens[0]:

@@ -139,8 +139,11 @@ PREFERENCES: tuple[FasterPeer, ...] = (
                         "d=96: 1.24-1.37x, 1.55-1.63x; d=192 / 256: 1.42-1.97x, 1.99-2.55x)"),
     # MLA's head dims (q / k 192, v 128; docs/benchmarks.md "Unequal head dims", bf16, seqlen 2k-16k, seventeenth
     # session): cuDNN 1.58-1.81x our Triton forward, 1.86-3.03x its backward. (On sm90 the CuTe kernels come first.)
+    # GQA at this pair was timed for cuDNN and the CuTe kernels only (16:4, seqlen 2k / 8k): cuDNN within 3 % of its
+    # MHA figures.
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), head_dim_v=128,
+               gqa=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
                evidence="H200, torch 2.11, bf16, q / k head dim 192 and v 128, seqlen 2k-16k: cuDNN 1.58-1.81x our "
                         "Triton forward, 1.86-3.03x its backward"),
     # docs/benchmarks.md, "Masks and dropout" (H200, torch 2.11, bf16, d=128, seqlen 2k-16k): with dropout 0.1
@@ -257,17 +260,19 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     # MLA's head dims, q / k 192 and v 128 (scripts/bench_head_dim_v.py --backward, docs/benchmarks.md "Unequal head
     # dims", bf16, 16 heads, seqlen 2k-16k, seventeenth session): without a causal mask the CuTe kernels run a training
     # step 1.17-1.28x cuDNN's (forward 1.07-1.13x, backward 1.18-1.34x); with one, cuDNN's backward is 1.17-1.27x ours
-    # (a training step 1.09-1.24x ours) and its forward 1.15x ours at 2k (ours 1.06-1.19x at 8k / 16k).
+    # (a training step 1.09-1.24x ours) and its forward 1.15x ours at 2k (ours 1.06-1.19x at 8k / 16k). GQA 16:4 (2k /
+    # 8k, h200_head_dim_v_gqa.json) alike: non-causal, our step 1.27x cuDNN's; causal, cuDNN's step 1.06-1.14x ours,
+    # its forward 1.19x ours at 2k.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), head_dim_v=128,
-               causal_only=True, grad_only=True,
+               causal_only=True, grad_only=True, gqa=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
                evidence="H200, torch 2.11, bf16, causal, q / k head dim 192 and v 128, seqlen 2k-16k: cuDNN's training "
-                        "step 1.09-1.24x ours (its backward 1.17-1.27x ours)"),
+                        "step 1.09-1.24x ours (GQA 16:4: 1.06-1.14x; its backward 1.10-1.27x ours)"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({192}), head_dim_v=128,
-               causal_only=True, no_grad_only=True, max_seqlen_q=2048,
+               causal_only=True, no_grad_only=True, max_seqlen_q=2048, gqa=True, min_seqlen_q=DENSE_MIN_SEQLEN_Q,
                evidence="H200, torch 2.11, bf16, causal, q / k head dim 192 and v 128, seqlen 2k: cuDNN's forward "
-                        "1.15x ours (ours 1.06-1.19x cuDNN's at 8k / 16k)"),
+                        "1.15x ours (GQA 16:4: 1.19x; ours 1.06-1.19x cuDNN's at 8k / 16k)"),
     # d=96 (scripts/bench_cute.py, bf16, seqlen 2k / 8k, 2026-11-30): the CuTe forward at 0.97-1.14x cuDNN's (calls
     # without gradients stay ours), the CuTe backward through the op at 0.80-0.87x (cuDNN 1.16-1.25x).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),

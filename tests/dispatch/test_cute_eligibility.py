@@ -164,6 +164,9 @@ def test_mla_head_dims_are_eligible_and_routed_by_their_measured_rules(enabled):
         assert [r.code for r in decision.rejected["triton"]] == [ReasonCode.SLOWER]
         assert "v 128" in decision.rejected["cute"][0].message
     assert select(dataclasses.replace(causal, seqlen_q=8192, seqlen_k=8192)).backend == "cute"
+    gqa = dataclasses.replace(causal, heads_kv=2, enable_gqa=True, requires_grad=True)  # measured at 16:4 too
+    assert select(gqa).backend == "torch"
+    assert select(dataclasses.replace(gqa, is_causal=False)).backend == "cute"
     assert _codes(head_dim=192, head_dim_v=64) == [ReasonCode.HEAD_DIM]
     assert _codes(head_dim=128, head_dim_v=192) == [ReasonCode.HEAD_DIM]
 
