@@ -6,7 +6,7 @@
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
 # tests with the DSL installed, SHARDS=8: 450-510 s per shard (fourteenth session; a TEST_TIMEOUT of 540 cut one)
-# env: PROFILE_ARGS, PROFILE_TIMEOUT, SHARDS, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# env: PROFILE_ARGS, PROFILE_SCRIPT, PROFILE_TIMEOUT, SHARDS, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -105,15 +105,16 @@ if [[ " $steps " == *" cute_bwd "* ]]; then
   grep -v -i warn "$OUT/bench_cute_bwd.log" | tail -n 20
 fi
 if [[ " $steps " == *" cute_profile "* ]]; then
-  # Nsight Compute on one CuTe backward launch (scripts/profile_cute_bwd.py; PROFILE_ARGS e.g. "--causal --d 64"):
-  # duration, instructions, shared-memory traffic and the stall reasons per issued instruction
+  # Nsight Compute on one CuTe backward launch (scripts/profile_cute_bwd.py; PROFILE_ARGS e.g. "--causal --d 64"), or
+  # the forward's (PROFILE_SCRIPT=scripts/profile_cute_fwd.py): duration, instructions, shared-memory traffic and the
+  # stall reasons per issued instruction
   m="gpu__time_duration.sum,smsp__inst_executed.sum,smsp__average_warp_latency_per_inst_issued.ratio"
   m="$m,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed_op_shared_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
   for r in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle dispatch_stall selected not_selected; do
     m="$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
   done
   timeout ${PROFILE_TIMEOUT:-120} ncu --kernel-name regex:kernel_cutlass --launch-skip 2 --launch-count 1 --metrics "$m" \
-    python3 scripts/profile_cute_bwd.py ${PROFILE_ARGS:-} > "$OUT/cute_profile.log" 2>&1 || status=1
+    python3 ${PROFILE_SCRIPT:-scripts/profile_cute_bwd.py} ${PROFILE_ARGS:-} > "$OUT/cute_profile.log" 2>&1 || status=1
   grep -E "duration|inst_executed|latency|bank|stalled" "$OUT/cute_profile.log" | awk '{print $1, $(NF-1), $NF}'
 fi
 if [[ " $steps " == *" cute "* ]]; then
