@@ -1,4 +1,5 @@
-"""Warp-specialised FlashAttention backward for Hopper (sm90a) at head_dim 192 and 256, in the CuTe DSL (issue 7).
+"""Warp-specialised FlashAttention backward for Hopper (sm90a) at head_dim 192 and 256, in the CuTe DSL (issue 7);
+also with V (dO, dV) of another head dim for the pairs of HEAD_DIM_V_PAIRS (MLA's 192 / 128: see there).
 
 flash_bwd.flash_bwd(..., warp_specialized=True) runs it at these head dims. The d = 64 / 128 kernel
 (flash_bwd_ws.py) gives each MMA warpgroup its own 64 keys and every accumulator of them: dK and dV alone would

@@ -26,8 +26,10 @@ rows that see no key get O = 0 and LSE = -inf.
 
 Inputs as flash_fwd (SDPA layout, any 16-byte aligned strides with a unit head_dim stride, GQA by
 h // (hq // hkv), top-left or bottom-right causal), head dims 64, 96, 128 and (two consumers, 64-key blocks:
-TILE_NS) 192 and 256; optionally a packed bool key mask and dropout (the Triton kernels' mask, drawn by the consumers:
-_dropout.py). Shared memory: about 164 KB at d = 128, 84 KB at d = 64, 148 / 196 KB at d = 192 / 256.
+TILE_NS) 192 and 256, V and O with their own head dim for the pairs of HEAD_DIM_V_PAIRS (MLA's 192 / 128, on 128-key
+blocks); optionally a packed bool key mask and dropout (the Triton kernels' mask, drawn by the consumers:
+_dropout.py). Shared memory: about 164 KB at d = 128, 84 KB at d = 64, 148 / 196 KB at d = 192 / 256, 212 KB at
+192 / 128.
 """
 
 from __future__ import annotations
