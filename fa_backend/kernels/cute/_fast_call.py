@@ -34,10 +34,8 @@ MAX_KEYS = 256  # marshalled argument lists kept per compiled variant
 
 def _forward_views(kernel, pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
                    vs2, os0, os1, os2, ls0, ls1) -> tuple:
-    """(q, k, v, o, lse) from pointers, sizes and strides, while tracing a PointerForward* call of `kernel`. V's and
-    O's head dim: the runtime d where the kernel's head dims agree (the traced code of those variants is unchanged),
-    else the kernel's static head_dim_v."""
-    dv = d if kernel.head_dim_v == kernel.head_dim else kernel.head_dim_v
+    """(q, k, v, o, lse) from pointers, sizes and strides, while tracing a PointerForward* call of `kernel`."""
+    dv = _head_dim_v(kernel, d)
     return (_sdpa(pq, (b, hq, sq, d), (qs0, qs1, qs2)), _sdpa(pk, (b, hkv, sk, d), (ks0, ks1, ks2)),
             _sdpa(pv, (b, hkv, sk, dv), (vs0, vs1, vs2)), _sdpa(po, (b, hq, sq, dv), (os0, os1, os2)),
             _sdpa(plse, (b, hq, sq), (ls0, ls1)))
@@ -47,13 +45,19 @@ def _backward_views(kernel, pq, pk, pv, pdo, plse, pdelta, pdk, pdv, pdq, b, hq,
                     qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0, es1, dks0, dks1, dks2, dvs0,
                     dvs1, dvs2, dqs0, dqs1, dqs2) -> tuple:
     """(q, k, v, dO, LSE, delta, dK, dV, dQ accumulator) from pointers, sizes and strides, while tracing a
-    PointerBackward* call of `kernel`; V's, dO's and dV's head dim as _forward_views'."""
-    dv = d if kernel.head_dim_v == kernel.head_dim else kernel.head_dim_v
+    PointerBackward* call of `kernel`."""
+    dv = _head_dim_v(kernel, d)
     return (_sdpa(pq, (b, hq, sq, d), (qs0, qs1, qs2)), _sdpa(pk, (b, hkv, sk, d), (ks0, ks1, ks2)),
             _sdpa(pv, (b, hkv, sk, dv), (vs0, vs1, vs2)), _sdpa(pdo, (b, hq, sq, dv), (os0, os1, os2)),
             _sdpa(plse, (b, hq, sq), (ls0, ls1)), _sdpa(pdelta, (b, hq, sq), (es0, es1)),
             _sdpa(pdk, (b, hkv, sk, d), (dks0, dks1, dks2)), _sdpa(pdv, (b, hkv, sk, dv), (dvs0, dvs1, dvs2)),
             _sdpa(pdq, (b, dq1, dq2, dq3), (dqs0, dqs1, dqs2)))
+
+
+def _head_dim_v(kernel, d):
+    """V's (O's, dO's, dV's) head dim in the traced views: the runtime d where the kernel's head dims agree (the
+    traced code of those variants is unchanged), else the kernel's static head_dim_v."""
+    return d if kernel.head_dim_v == kernel.head_dim else kernel.head_dim_v
 
 
 def _sdpa(pointer, shape: tuple, strides: tuple):

@@ -335,3 +335,16 @@ def test_head_dims_v_outside_the_pairs_are_refused():
 
     with pytest.raises(ValueError, match="head_dim_v=64"):
         flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, head_dim_v=64)
+
+
+def test_the_backend_declares_the_kernels_head_dims():
+    """The cute backend's limits are data that must not drift from the kernels' (the backend cannot import them
+    where the DSL is missing); the backward's head-dim pairs are the forward's or fewer (the op then runs Triton's)."""
+    from fa_backend.dispatch.backends import CuteBackend
+    from fa_backend.kernels.cute import flash_bwd_wide, flash_fwd_ws
+
+    assert CuteBackend.SUPPORTED_HEAD_DIMS == frozenset(flash_fwd_ws.HEAD_DIMS)
+    assert CuteBackend.SUPPORTED_HEAD_DIM_V_PAIRS == flash_fwd_ws.HEAD_DIM_V_PAIRS
+    assert flash_bwd_wide.HEAD_DIM_V_PAIRS <= flash_fwd_ws.HEAD_DIM_V_PAIRS
+    assert all((d, dv, causal) in flash_fwd_ws.HEAD_DIM_V_FASTEST
+               for d, dv in flash_fwd_ws.HEAD_DIM_V_PAIRS for causal in (False, True))
