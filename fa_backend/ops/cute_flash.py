@@ -189,9 +189,9 @@ KEY_MASK_BACKWARD = frozenset({128, 64, 192, 256})
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None, dropout_p=0.0,
                    rng_state=None):
     """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, unequal head dims other than
-    flash_bwd_wide's HEAD_DIM_V_PAIRS, a variant that failed to compile, a key mask at a head dim whose backward variant has none (96), deterministic mode at d=96 or
-    with a key mask, dropout at a head dim outside DROPOUT_BACKWARD or with a key mask or deterministic: the caller
-    runs the Triton backward). Under torch.use_deterministic_algorithms the
+    flash_bwd_wide's HEAD_DIM_V_PAIRS, a variant that failed to compile, a key mask at a head dim whose backward
+    variant has none (96), deterministic mode at d=96 or with a key mask, dropout at a head dim outside
+    DROPOUT_BACKWARD or with a key mask or deterministic: the caller runs the Triton backward). Under torch.use_deterministic_algorithms the
     warp-specialised kernels add dQ in a fixed order (d=64 / 128 / 192 / 256)."""
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, flash_bwd

@@ -2,11 +2,11 @@
 
 It runs the warp-specialised sm90 forward and the CuTe backward (op fa_backend::cute_flash_fwd and its autograd
 formula, ops/cute_flash.py; under deterministic algorithms its ordered-dQ variant at d=64 / 128, the Triton
-backward kernels at d=96 and with a key mask). Head dims 64, 96, 128, 192, 256, and MLA's 192 for Q / K with 128 for
-V (MLA). Masks: bool key masks only
-(no query dim, e.g. key padding (b, 1, 1, sk)), read packed 32 keys per word. Dropout: in the forward kernel, with
-16-bit draws only (the Triton kernels' mask; backward: the Triton kernels). Where nvidia-cutlass-dsl is missing
-every call gets a not_installed reason with the install hint.
+backward kernels at d=96 and with a key mask). Head dims 64, 96, 128, 192, 256, and 192 for Q / K with 128 for V
+(MLA). Masks: bool key masks only (no query dim, e.g. key padding (b, 1, 1, sk)), read packed 32 keys per word.
+Dropout: in the forward kernel, with 16-bit draws only (the Triton kernels' mask; backward: the CuTe one at d=128,
+the Triton kernels elsewhere). Where nvidia-cutlass-dsl is missing every call gets a not_installed reason with the
+install hint.
 """
 
 from __future__ import annotations
