@@ -150,12 +150,11 @@ def rescale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
 
 
 @cute.jit
-def store_rows(acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tOcO: cute.Tensor, gO: cute.Tensor,
-               mLSE: cute.Tensor, row0: Int32, seqlen_q: Int32, head: Int32, batch: Int32, lane: Int32,
-               out_scale: Float32 = None):
-    """Epilogue of one 64-row tile: O / l into gO and the natural-log LSE into mLSE (s, h, b), rows past seqlen_q
-    skipped; a row that saw no key (l = 0) gets O = 0 and LSE = -inf. row0: the tile's first query row; out_scale
-    (dropout: 1 / (1 - dropout_p)) multiplies O."""
+def finish_rows(acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tOcO: cute.Tensor, mLSE: cute.Tensor,
+                row0: Int32, seqlen_q: Int32, head: Int32, batch: Int32, lane: Int32, out_scale: Float32 = None):
+    """acc_o becomes O / l (0 for a row that saw no key, l = 0) and the natural-log LSE of each row goes into mLSE
+    (s, h, b) (-inf where l = 0), rows past seqlen_q skipped. row0: the tile's first query row; out_scale (dropout:
+    1 / (1 - dropout_p)) multiplies O."""
     for half in cutlass.range_constexpr(2):
         total = row_sum[half]
         total += cute.arch.shuffle_sync_bfly(total, offset=1)
@@ -173,6 +172,15 @@ def store_rows(acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, t
         row = row0 + tOcO[half * 2][0]
         if lane % 4 == 0 and row < seqlen_q:
             mLSE[row, head, batch] = lse
+
+
+@cute.jit
+def store_rows(acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tOcO: cute.Tensor, gO: cute.Tensor,
+               mLSE: cute.Tensor, row0: Int32, seqlen_q: Int32, head: Int32, batch: Int32, lane: Int32,
+               out_scale: Float32 = None):
+    """Epilogue of one 64-row tile from registers: finish_rows, then O into gO value by value (rows past seqlen_q
+    skipped)."""
+    finish_rows(acc_o, row_max, row_sum, tOcO, mLSE, row0, seqlen_q, head, batch, lane, out_scale)
     for i in cutlass.range(cute.size(acc_o), unroll_full=True):
         if row0 + tOcO[i][0] < seqlen_q:
             gO[tOcO[i]] = acc_o[i].to(gO.element_type)

@@ -2,7 +2,8 @@
 
 It passes tests/kernels/cute/test_flash_fwd_ws_gpu.py on the H200 (2026-11-30), every variant; bf16 forward of the
 fastest variant per head dim and causal mode (FASTEST, the `cute` backend's forward through the op
-fa_backend::cute_flash_fwd, ops/cute_flash.py) at 0.78-1.04x of cuDNN (scripts/bench_cute.py, docs/benchmarks.md).
+fa_backend::cute_flash_fwd, ops/cute_flash.py) at 0.89-1.20x of cuDNN since its TMA-store epilogue (2026-12-01;
+0.78-1.04x before at d=64 / 128; scripts/bench_cute.py, docs/benchmarks.md).
 
 One CTA = one tile of TILE_M = 128 query rows of one (batch, head), 3 warpgroups (384 threads):
 - warpgroup 0, the producer, gives registers back (setmaxnreg.dec to PRODUCER_REGS) and one warp of it
@@ -20,9 +21,10 @@ warpgroup's GEMMs run while the other computes its softmax. With causal masking 
 first (the grid's last tiles first). persistent=True: at most PERSISTENT_CTAS CTAs, each walking tiles bid, bid +
 grid, ... (the producer reloads Q once the consumers arrive on a "Q free" barrier after their last GEMM of a tile; the
 K/V pipeline states and ping-pong turns carry across tiles): passes the GPU tests, slower than one CTA per tile at
-d=128 on the H200 (docs/perf-log.md), so the op does not use it. Not done: a TMA-store epilogue.
-Epilogue: O / l from registers to global memory (rows past seqlen_q skipped), LSE (natural log, fp32);
-rows that see no key get O = 0 and LSE = -inf.
+d=128 on the H200 (docs/perf-log.md), so the op does not use it.
+Epilogue: LSE (natural log, fp32) from registers; O / l in the input dtype through each consumer's Q stage
+(stmatrix) and one TMA store per consumer (tma_store, the default; persistent variants store O from registers,
+rows past seqlen_q skipped); rows that see no key get O = 0 and LSE = -inf.
 
 Inputs as flash_fwd (SDPA layout, any 16-byte aligned strides with a unit head_dim stride, GQA by
 h // (hq // hkv), top-left or bottom-right causal), head dims 64, 96, 128 and (two consumers, 64-key blocks:
@@ -48,12 +50,13 @@ import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._dropout import drop_scores, dropout_state  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
-    ForwardVariant, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
+    ForwardVariant, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
     rescale_rows, sdpa_views, softmax_scores, store_rows)
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
@@ -83,6 +86,7 @@ CONSUMER_REGS = 240
 # (ptxas still compiles the kernel for 65536 / 512 = 128 registers per thread: see FlashForwardSm90WS.)
 CONSUMER_REGS_3 = 160
 PINGPONG_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads'): one per consumer
+EPILOGUE_BARRIER = 3  # named barriers 3 and 4: a consumer's O rows are in shared memory, for its TMA store
 PERSISTENT_CTAS = 132  # persistent variants: CTAs launched at most (one per SM of an H100 / H200, 1 CTA per SM)
 
 
@@ -107,6 +111,14 @@ def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: 
         raise ValueError(f"consumers=3 at head_dim={head_dim} (supported: head_dim <= 128)")
 
 
+def _tma_store(tma_store: bool | None, persistent: bool) -> bool:
+    """Whether a variant stores O by TMA: `tma_store`, or where None (the default) every variant but the persistent
+    ones; ValueError for both (the next tile's Q would land where the O rows wait for their store)."""
+    if tma_store and persistent:
+        raise ValueError("tma_store=True with persistent=True (supported: one or the other)")
+    return not persistent if tma_store is None else tma_store
+
+
 class FlashForwardSm90WS(ForwardVariant):
     """Compile-time configuration (dtype, head_dim, causal and its alignment) of one warp-specialised variant.
 
@@ -118,13 +130,20 @@ class FlashForwardSm90WS(ForwardVariant):
     consumers: 2 (128 query rows per CTA, 240 registers each) or 3 (192 rows, FA3's tile at d <= 64; serial
     only: 512 threads cap ptxas at 128 registers per thread whatever setmaxnreg hands out later, and the overlap
     variant then spills 80-360 bytes (sm_90a build, cuobjdump), the serial one none).
+    tma_store (the default except for persistent variants, which cannot take it): the epilogue writes a consumer's
+    O rows in the input dtype into its own Q stage (stmatrix; no GEMM of that consumer reads Q any more) and one of
+    its warps stores them with one TMA copy (rows past seqlen_q clipped by the copy), instead of 64 two-byte
+    stores per thread at d=128 that each touch eight rows (False: that register epilogue; +5-18 % at 2k, 1-7 % at
+    8k on the H200, docs/perf-log.md).
     """
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
                  pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
-                 key_mask: bool = False, dropout: bool = False, head_dim_v: int | None = None):
+                 key_mask: bool = False, dropout: bool = False, head_dim_v: int | None = None,
+                 tma_store: bool | None = None):
         super().__init__(dtype, head_dim, causal, bottom_right, head_dim_v)
         self.dropout = dropout
+        self.tma_store = _tma_store(tma_store, persistent)
         _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
         self.persistent = persistent
         self.key_mask = key_mask
@@ -155,13 +174,19 @@ class FlashForwardSm90WS(ForwardVariant):
         n = self.tile_n
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load, k, cute.slice_(sK_layout, (None, None, 0)), (n, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load, v, cute.slice_(sV_layout, (None, None, 0)), (dv, n))
+        tma_o, tma_tensor_o, sO_layout = None, None, None
+        if cutlass.const_expr(self.tma_store):  # one consumer's (64, dv) rows, laid out as a Q stage of dv columns
+            sO_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, n, dv), self.dtype, 1)
+            tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o,
+                                                              cute.slice_(sO_layout, (None, None, 0)), (WG_M, dv))
         smem_bytes = _smem_bytes(self.tile_m, n, d, dv)
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         if cutlass.const_expr(self.persistent):  # one CTA per SM, each walking tiles bid, bid + grid, ...
             grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
                     1, 1)
         self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
-                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout, words, mRng, drop_threshold, drop_scale).launch(
+                    mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout, words, mRng, drop_threshold, drop_scale,
+                    tma_o, tma_tensor_o, sO_layout).launch(
             grid=grid, block=(self.threads, 1, 1), smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
@@ -189,7 +214,8 @@ class FlashForwardSm90WS(ForwardVariant):
                tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, mWords: cute.Tensor, mRng: cute.Tensor,
-               drop_threshold, drop_scale):  # Int32, Float32 for dropout variants, None otherwise (unannotated)
+               drop_threshold, drop_scale,  # Int32, Float32 for dropout variants, None otherwise (unannotated)
+               tma_o: cute.CopyAtom, mO_tma: cute.Tensor, sO_layout: cute.ComposedLayout):  # tma_store, else None
         tidx, _, _ = cute.arch.thread_idx()
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         seqlen_k = mK.shape[0]
@@ -202,7 +228,12 @@ class FlashForwardSm90WS(ForwardVariant):
         bars_k = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)  # full and empty barrier per K stage
         bars_v = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)
         # 1024-byte alignment: the 128B swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
-        sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        raw_q = None
+        if cutlass.const_expr(self.tma_store):  # the Q stages hold the O rows on their way out
+            raw_q = smem.allocate(cute.cosize(sQ_layout.outer) * self.dtype.width // 8, byte_alignment=1024)
+            sQ = cute.make_tensor(cute.recast_ptr(raw_q, sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
+        else:
+            sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(self.dtype, sV_layout.outer, byte_alignment=1024, swizzle=sV_layout.inner)
 
@@ -254,7 +285,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 if wg == 0:  # consumer 0 takes the first turn; the turns then alternate, across tiles too
                     cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMERS * WG_THREADS)
             args = (mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, pipe_k, pipe_v, mO, mLSE, scale_log2, wg,
-                    tidx % WG_THREADS, mWords, (mRng, drop_threshold, drop_scale))
+                    tidx % WG_THREADS, mWords, (mRng, drop_threshold, drop_scale), (tma_o, mO_tma, sO_layout, raw_q))
             if cutlass.const_expr(self.persistent):
                 first, _, _ = cute.arch.block_idx()
                 step, _, _ = cute.arch.grid_dim()
@@ -287,8 +318,8 @@ class FlashForwardSm90WS(ForwardVariant):
     def _consume_tile(self, j: Int32, q_phase: Int32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
                       sK: cute.Tensor, sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, pipe_k: Any,
                       pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
-                      mWords: cute.Tensor, drop_args: tuple, mQ: cute.Tensor, seqlen_k: Int32, state_k: Any,
-                      state_v: Any) -> tuple[Any, Any]:
+                      mWords: cute.Tensor, drop_args: tuple, store_args: tuple, mQ: cute.Tensor, seqlen_k: Int32,
+                      state_k: Any, state_v: Any) -> tuple[Any, Any]:
         """One consumer warpgroup's work on tile j (_tile); returns the advanced pipeline states."""
         m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
         key_row = None
@@ -297,7 +328,7 @@ class FlashForwardSm90WS(ForwardVariant):
         n_blocks, n_masked, offset = self._block_range(m_block, mQ.shape[0], seqlen_k, key_row)
         return self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, q_phase, pipe_k, pipe_v, mO, mLSE,
                              scale_log2, wg, wg_tidx, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset,
-                             state_k, state_v, mWords, drop_args)
+                             state_k, state_v, mWords, drop_args, store_args)
 
     @cute.jit
     def _tile(self, j: Int32, seqlen_q: Int32, mQ: cute.Tensor) -> tuple[Int32, Int32, Int32]:
@@ -354,10 +385,11 @@ class FlashForwardSm90WS(ForwardVariant):
                  pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
                  m_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32, n_blocks: Int32, n_masked: Int32,
                  offset: Int32, state_k: Any, state_v: Any, mWords: cute.Tensor,
-                 drop_args: tuple) -> tuple[Any, Any]:
+                 drop_args: tuple, store_args: tuple) -> tuple[Any, Any]:
         """One consumer warpgroup, one tile: its 64 query rows against every visited key block, then the epilogue.
         drop_args: (the (seed, rng_offset) tensor, the 16-bit keep threshold, 1 / (1 - dropout_p)) of dropout
-        variants. Returns the advanced pipeline states."""
+        variants; store_args: (O's TMA store atom, its TMA tensor, O's shared-memory layout, the Q stages' bytes) of
+        tma_store variants. Returns the advanced pipeline states."""
         dv = self.head_dim_v
         thr_qk, thr_pv = mma_qk.get_slice(wg_tidx), mma_pv.get_slice(wg_tidx)
         tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K, consumer)
@@ -397,9 +429,42 @@ class FlashForwardSm90WS(ForwardVariant):
             # warpgroup stores its rows
             cute.arch.mbarrier_arrive(bar_q_free)
 
-        gO = cute.local_tile(mO[None, None, head, batch], (WG_M, dv), (m_block * self.consumers + wg, 0))
-        store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
+        if cutlass.const_expr(self.tma_store):
+            finish_rows(acc_o, row_max, row_sum, tOcO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
+            self._store_o(mma_pv, acc_o, store_args, m_block, head, batch, wg, wg_tidx)
+        else:
+            gO = cute.local_tile(mO[None, None, head, batch], (WG_M, dv), (m_block * self.consumers + wg, 0))
+            store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32,
+                       out_scale)
         return state_k, state_v
+
+    @cute.jit
+    def _store_o(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, store_args: tuple, m_block: Int32, head: Int32,
+                 batch: Int32, wg: Int32, wg_tidx: Int32):
+        """tma_store epilogue: consumer wg's finished O rows (acc_o, O / l) in the input dtype into its own Q stage by
+        stmatrix, then one TMA store of the 64 rows by its first warp, waited for until it has read them (the CTA
+        must not exit, releasing the memory, before)."""
+        tma_o, mO_tma, sO_layout, raw_q = store_args
+        r_o = cute.make_rmem_tensor(acc_o.shape, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        # O's (64, dv) rows in the layout its TMA atom reads, one per Q stage (WG_M * d values apart: a static stride,
+        # so the copies know the 1024-byte alignment of consumer wg's)
+        stages = cute.append(cute.slice_(sO_layout.outer, (None, None, 0)),
+                             cute.make_layout(self.consumers, stride=WG_M * self.head_dim))
+        sO = cute.make_tensor(cute.recast_ptr(raw_q, sO_layout.inner, dtype=self.dtype), stages)[None, None, wg]
+        # dv is the accumulator's N mode and sO's contiguous one: each 8 x 8 matrix row is 16 contiguous bytes
+        store = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv)
+        thr = store.get_slice(wg_tidx)
+        cute.copy(store, thr.retile(r_o), thr.partition_D(sO))
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores are seen by the TMA unit (the async proxy)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WG_THREADS)
+        if cute.arch.make_warp_uniform(wg_tidx // 32) == 0:
+            gO = cute.local_tile(mO_tma[None, None, head, batch], (WG_M, self.head_dim_v), (None, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(tma_o, tOsO, tOgO[None, m_block * self.consumers + wg])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, t_p: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
@@ -563,7 +628,7 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
                          pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
                          persistent: bool = False, key_mask: bool = False, dropout: bool = False,
-                         head_dim_v: int | None = None) -> Any:
+                         head_dim_v: int | None = None, tma_store: bool | None = None) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
@@ -575,13 +640,17 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     32 keys per int32 word, (b, hq, words) with broadcast strides (suffix "_keymask"; the last argument before
     the scale); `dropout`: the variant that also drops scores (_dropout: 16-bit Philox draws, the Triton kernels'
     mask), pointer convention only (_fast_call.PointerForwardDropout; suffix "_dropout"); `head_dim_v`: V's and O's
-    head dim where it differs from head_dim ((head_dim, head_dim_v) in HEAD_DIM_V_PAIRS; the cache key's dv)."""
+    head dim where it differs from head_dim ((head_dim, head_dim_v) in HEAD_DIM_V_PAIRS; the cache key's dv);
+    `tma_store`: O through shared memory and one TMA store per consumer (suffix "_tmastore"; None: every variant but
+    the persistent ones)."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
-    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout, head_dim_v)
+    tma_store = _tma_store(tma_store, persistent)
+    name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout, head_dim_v,
+                                tma_store)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers, persistent=persistent, key_mask=key_mask,
-                                              dropout=dropout),
+                                              dropout=dropout, tma_store=tma_store),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
                             key_mask=key_mask, head_dims=HEAD_DIMS, dropout=dropout, head_dim_v=head_dim_v,
                             head_dim_pairs=HEAD_DIM_V_PAIRS)
@@ -589,10 +658,10 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
 
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
                    key_mask: bool = False, head_dim: int = 128, dropout: bool = False,
-                   head_dim_v: int | None = None) -> tuple[str, tuple[int, ...]]:
+                   head_dim_v: int | None = None, tma_store: bool = False) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
-              + ("_keymask" if key_mask else "") + ("_dropout" if dropout else ""))
+              + ("_keymask" if key_mask else "") + ("_dropout" if dropout else "") + ("_tmastore" if tma_store else ""))
     return KERNEL_NAME + suffix, (WG_M * consumers, tile_n(head_dim, head_dim_v), KV_STAGES)
 
 
@@ -600,7 +669,11 @@ def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bo
 # three runs; the last interleaved three rounds per cell at s = 2k / 8k / 16k, TFLOP/s): d=128 non-causal ping-pong
 # (513 / 592 / 614; three consumers 501 / 582 / 605, overlap 451 / 547 / 570); d=128 causal overlap (389 / 547 / 592;
 # ping-pong 398 / 515 / 586, three consumers 379 / 542 / 588); d=64 three serial consumers, the fastest in every
-# cell of two runs (s = 2k / 8k, both causal modes).
+# cell of two runs (s = 2k / 8k, both causal modes). Re-timed with the TMA-store epilogue (2026-12-01, three device
+# calls, s = 2k / 8k; docs/benchmarks.md): d=128 non-causal ping-pong 584 / 628, 603 / 609, 588 / 651 (median of three
+# rounds) against overlap 553 / 619, 619 / 652, 595 / 650: a tie within the run-to-run spread, so the choice stays;
+# causal overlap 449 / 566, 475 / 587, 467 / 582 (ping-pong 461 / 548, 479 / 538, 472 / 573); d=64 three consumers
+# fastest in every cell of two calls; d=192 / 256 the choices below confirmed by three rounds.
 FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
     (128, False): dict(pingpong=True), (128, True): dict(overlap=True),
     (64, False): dict(consumers=3), (64, True): dict(consumers=3),
@@ -645,7 +718,8 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
 
     kw = fastest_kwargs(head_dim, causal, dropout, head_dim_v)
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
-                                kw.get("persistent", False), key_mask, head_dim, dropout, head_dim_v)
+                                kw.get("persistent", False), key_mask, head_dim, dropout, head_dim_v,
+                                _tma_store(kw.get("tma_store"), kw.get("persistent", False)))
     pointers = _fast_call.ENABLED or dropout
     return variant_key(name + ("_ptrargs" if pointers else ""), tile, dtype, head_dim, causal, bottom_right,
                        head_dim_v=head_dim_v)
@@ -664,7 +738,8 @@ def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
                  consumers: int = CONSUMERS, persistent: bool = False, key_words: torch.Tensor | None = None,
-                 dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 dropout: tuple[torch.Tensor, int, float] | None = None,
+                 tma_store: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv) (dv =
     d, or (d, dv) in HEAD_DIM_V_PAIRS): returns out (b, hq, sq, dv) in q's dtype and the fp32 natural-log LSE
     (b, hq, sq). Same input checks (ValueError,
@@ -674,7 +749,9 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     j % 32 of word j // 32 of row (batch, head), 1 = attend), (b, hq, ceil(seqlen_k / 32)) with any strides
     (0 where broadcast: _mask_bounds.row_bits' words expanded): the key-mask variant; `dropout`: (the (seed,
     rng_offset) int64 pair on q's device, the 16-bit keep threshold round(dropout_p * 2**16), 1 / (1 - dropout_p)):
-    the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout)."""
+    the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout); `tma_store`: O through
+    shared memory and a TMA store (None: unless persistent; False: from registers)."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
-                                  persistent=persistent, key_mask=key_words is not None, dropout=dropout is not None),
+                                  persistent=persistent, key_mask=key_words is not None, dropout=dropout is not None,
+                                  tma_store=tma_store),
                 q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)

@@ -52,6 +52,21 @@ def test_head_dim_v_within_bar(dtype, d, dv, causal, bottom_right, b, hq, hkv, s
     check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dv=dv)
 
 
+@pytest.mark.parametrize("d,dv,mode", [(64, 64, "three_consumers"), (96, 96, "overlap"), (128, 128, "pingpong"),
+                                       (256, 256, "overlap"), (192, 128, "pingpong")])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES[1:4])
+def test_register_epilogue_within_bar(d, dv, mode, causal, bottom_right, b, hq, hkv, sq, sk):
+    """tma_store=False: O from registers (value by value, rows past seqlen_q skipped), the epilogue the persistent
+    variants keep; every other test here runs the default TMA store (O through each consumer's Q stage: rows past
+    seqlen_q, the next head's in memory, clipped by the copy)."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong",
+                            consumers=3 if mode == "three_consumers" else 2, tma_store=False)
+    check_forward(run, torch.bfloat16, d, causal, bottom_right, b, hq, hkv, sq, sk, dv=dv)
+
+
 def test_head_dim_v_outside_the_pairs_is_a_value_error():
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
 

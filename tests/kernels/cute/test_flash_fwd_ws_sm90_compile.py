@@ -93,7 +93,10 @@ def test_tma_loads_and_pipeline_barriers(compiled):
     # values, so each tile takes d / 64 boxes (d = 96: 192-byte rows, 64-byte swizzle, 32 values per box)
     boxes = d // 64 if d % 64 == 0 else d // 32
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == 4 * boxes
-    assert "cp.async.bulk.tensor" not in ptx.replace("cp.async.bulk.tensor.4d.shared::cta.global", "")
+    # and O's TMA store (the default epilogue), one per consumer, d / 64 boxes
+    assert ptx.count("cp.async.bulk.tensor.4d.global.shared::cta") == boxes
+    assert "cp.async.bulk.tensor" not in ptx.replace("cp.async.bulk.tensor.4d.shared::cta.global", "").replace(
+        "cp.async.bulk.tensor.4d.global.shared::cta", "")
     # expected bytes: Q once, then a K and a V stage per block (one elected producer lane each)
     assert ptx.count("mbarrier.arrive.expect_tx") == 3
     # waits: consumers on Q, K full, V full; the producer on K empty, V empty. Overlap peels the first
@@ -147,7 +150,8 @@ def test_pingpong_takes_turns(tmp_path, dtype, d, causal, bottom_right):
     turns = re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)
     hand_overs = re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)
     assert len(turns) == len(hand_overs) == 3  # the first S, each S + P V pair, the last P V
-    assert "bar.sync" not in overlap.replace("bar.sync \t0;", "")  # no turns without pingpong
+    # no turns without pingpong (the set-up's barrier and the consumer's own before its O store only)
+    assert "bar.sync" not in re.sub(r"bar\.sync\s+%r\d+, 128;", "", overlap.replace("bar.sync \t0;", ""))
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
@@ -164,6 +168,30 @@ def test_three_consumers_take_192_rows(tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx
     with pytest.raises(ValueError, match="consumers=3"):
         flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, consumers=3, overlap=True)
+
+
+@pytest.mark.parametrize("d,dv,kw", [(128, 128, dict(pingpong=True)), (64, 64, dict(consumers=3)),
+                                     (192, 128, dict(overlap=True))])
+def test_tma_store_epilogue(tmp_path, d, dv, kw):
+    # tma_store: each consumer's O rows go to its Q stage by stmatrix (dv / 16 x4 instructions per thread: 8 values
+    # each) and out by one TMA store (dv / 64 boxes of 128-byte swizzled rows) behind its own named barrier; no
+    # 16-bit global store of O is left (the register epilogue has dv / 2 of them per thread)
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, False, "sm_90a", str(tmp_path), tma_store=True,
+                                            head_dim_v=dv, **kw).__ptx__
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == dv // 16
+    assert ptx.count("cp.async.bulk.tensor.4d.global.shared::cta") == dv // 64
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 1
+    assert re.findall(r"st\.global\S*\.b16", ptx) == []
+    assert re.findall(r"bar\.sync\s+%r\d+, 128;", ptx)  # the consumer's own barrier (id 3 + its index)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    (tmp_path / "registers").mkdir()
+    plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, False, "sm_90a", str(tmp_path / "registers"),
+                                              head_dim_v=dv, tma_store=False, **kw).__ptx__
+    assert len(re.findall(r"st\.global\S*\.b16", plain)) == dv // 2  # one per O value of a thread
+    with pytest.raises(ValueError, match="tma_store=True with persistent=True"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, overlap=True, persistent=True, tma_store=True)
 
 
 def test_variants_are_compiled_once_under_their_own_name():
