@@ -121,6 +121,7 @@ class FlashBackwardSm90(ForwardVariant):
         self.dropout = False  # its dropout variant
         self.deterministic = False  # its deterministic variant (dQ adds in key-block order, turn flags in mWords)
         self.key_tiles = wgs  # TILE_N-key tiles per CTA (one per warpgroup; flash_bwd_wide's share one)
+        self.tma_store = False  # the warp-specialised kernel's dK / dV through sK / sV and TMA stores
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -166,6 +167,13 @@ class FlashBackwardSm90(ForwardVariant):
             kernel_args = kernel_args + (words,)
         if cutlass.const_expr(self.dropout):
             kernel_args = kernel_args + (words, mRng, drop_threshold, drop_scale)
+        if cutlass.const_expr(self.tma_store):  # dK / dV: TMA store atoms of one key tile, after the optional four
+            store = cpasync.CopyBulkTensorTileS2GOp()
+            one_k = cute.slice_(sK_layout, (None, None, 0))
+            tma_dk, tma_tensor_dk = cpasync.make_tiled_tma_atom(store, dk, one_k, (TILE_N, d))
+            tma_dv, tma_tensor_dv = cpasync.make_tiled_tma_atom(store, dv, one_k, (TILE_N, self.head_dim_v))
+            kernel_args = (kernel_args[:10] + (tma_tensor_dk, tma_tensor_dv) + kernel_args[12:]  # for dk, dv
+                           + (None,) * (25 - len(kernel_args)) + (tma_dk, tma_dv))
         self.kernel(*kernel_args).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]),
             block=(THREADS * self.cta_warpgroups, 1, 1), smem=smem_bytes, stream=stream,
@@ -673,7 +681,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
                       arch: str = "sm_90a", dump_dir: str | None = None, dq_atomic: bool = False,
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
                       warp_specialized: bool = False, tile_m: int = TILE_M, key_mask: bool = False,
-                      deterministic: bool = False, dropout: bool = False, head_dim_v: int | None = None) -> Any:
+                      deterministic: bool = False, dropout: bool = False, head_dim_v: int | None = None,
+                      tma_store: bool | None = None) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
@@ -686,7 +695,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     query blocks) where the key-mask variant takes its words; `dropout` (warp_specialized at d=64 / 128 with 64 or
     128 query rows, no key mask, not deterministic; the pointer convention only, _fast_call.PointerBackwardDropout):
     the variant that drops with the forward's mask (kernels/cute/_dropout.py); `head_dim_v`: V's, dO's and dV's head
-    dim where it differs from head_dim (flash_bwd_wide's HEAD_DIM_V_PAIRS, no dropout).
+    dim where it differs from head_dim (flash_bwd_wide's HEAD_DIM_V_PAIRS, no dropout); `tma_store`
+    (warp_specialized only; None: True there): dK and dV through shared memory and TMA stores (suffix "_tmastore").
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -720,6 +730,10 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     if dropout and (wide or not warp_specialized or key_mask or deterministic or tile_m % 64 or not pointer_args):
         raise ValueError("dropout=True needs warp_specialized=True at head_dim 64 or 128 with 64 or 128 query rows, no "
                          "key mask, deterministic=False and pointer_args=True")
+    if tma_store and not warp_specialized:
+        raise ValueError("tma_store=True needs warp_specialized=True")
+    if tma_store is None:
+        tma_store = warp_specialized
     if tile_m != TILE_M and not (warp_specialized and (tile_m, head_dim) in ((80, 128), (128, 64))):
         raise ValueError(f"tile_m={tile_m} with head_dim={head_dim} (supported: {TILE_M}; with warp_specialized=True "
                          f"also 80 at head_dim 128 and 128 at head_dim 64)")
@@ -732,15 +746,16 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         if wide:
             from .flash_bwd_wide import FlashBackwardSm90Wide
 
-            kernel = (FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, key_mask, deterministic)
+            kernel = (FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, key_mask, deterministic,
+                                            tma_store=tma_store)
                       if dim_v == head_dim else
                       FlashBackwardSm90Wide(_DTYPES[dtype], head_dim, causal, bottom_right, key_mask, deterministic,
-                                            head_dim_v=dim_v))
+                                            head_dim_v=dim_v, tma_store=tma_store))
         elif warp_specialized:
             from .flash_bwd_ws import FlashBackwardSm90WS
 
             kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m, key_mask,
-                                         deterministic, dropout)
+                                         deterministic, dropout, tma_store)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
@@ -764,7 +779,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
             + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "")
             + ("_deterministic" if deterministic else "") + ("_dropout" if dropout else "")
-            + ("_ptrargs" if pointer_args else ""))
+            + ("_tmastore" if tma_store else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, dim_v, causal, alignment, 0, (TILE_N * (1 if wide else wgs), tile_m), arch)
     return CACHE.get_or_compile(key, build)
 
@@ -775,7 +790,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               wgs: int = 1, dq_buffer: bool = False,
               warp_specialized: bool = False, tile_m: int = TILE_M,
               key_words: torch.Tensor | None = None, deterministic: bool = False,
-              dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              dropout: tuple[torch.Tensor, int, float] | None = None,
+              tma_store: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv;
     dv = d, or flash_bwd_wide's HEAD_DIM_V_PAIRS with warp_specialized and no dropout), given the
     forward's out and natural-log LSE (b, hq, sq). Inputs as flash_fwd takes them (checked the same way).
@@ -787,8 +803,9 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only). deterministic (warp_specialized, no
     key_words): the same bits on every run (dQ's fp32 adds in a fixed order). dropout (warp_specialized at d=64 /
     128, no key_words, not deterministic): the forward's (the (seed, offset) pair on q's device, the 16-bit keep
-    threshold, 1 / (1 - dropout_p)), flash_fwd_ws.flash_fwd_ws's argument. The three gradients are contiguous
-    whatever the inputs' strides."""
+    threshold, 1 / (1 - dropout_p)), flash_fwd_ws.flash_fwd_ws's argument. tma_store (warp_specialized, where None
+    means True): dK and dV through shared memory and TMA stores. The three gradients are contiguous whatever the inputs'
+    strides."""
     from cuda.bindings import driver
 
     from .flash_fwd import _check_inputs, _check_key_words
@@ -811,7 +828,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                  pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
                                  tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic,
                                  dropout=dropout is not None,
-                                 head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3])
+                                 head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3], tma_store=tma_store)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape

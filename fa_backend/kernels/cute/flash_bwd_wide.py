@@ -21,6 +21,9 @@ and split the work by columns (FA3's split at large head dims; the budget is in 
   releases the stage to the producer once the adds have read it. Without a dQ buffer of its own (64 KB at d=256) two
   Q / dO stages fit at d=256: with one stage, a step's loads start only when the step before it ends (d=256 ran at
   0.63-0.70x cuDNN so, 0.90-1.05x with two; d=192 with one stage 0.59-0.64x of two).
+- epilogue (tma_store, the default): each warpgroup's column halves of dK and dV in the input dtype into the K and V
+  tiles (stmatrix; nothing reads them after the last step), then one TMA store of each tile (+1-16 % on the H200,
+  eighteenth session; tma_store=False: value by value from registers).
 A warpgroup's column half must be whole swizzle atoms for the MN-major views (dO, Q, K as B operands): d=256 keeps
 128-byte swizzling (64-column atoms), d=192 uses 64-byte swizzling (32-column atoms: 96 = 3 of them); the column
 halves are then contiguous regions of a tile (the atoms tile the rows first).
@@ -42,7 +45,7 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup  # noqa: E402
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
@@ -70,15 +73,17 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
     docstring): head_dim 192 or 256, 64 query rows per step."""
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False,
-                 deterministic: bool = False, head_dim_v: int | None = None):
+                 deterministic: bool = False, head_dim_v: int | None = None, tma_store: bool = True):
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
         dv = head_dim if head_dim_v is None else head_dim_v
         if dv != head_dim and (head_dim, dv) not in HEAD_DIM_V_PAIRS:
             raise ValueError(f"head_dim={head_dim} with head_dim_v={dv} (supported: equal, or (head_dim, head_dim_v) "
                              f"one of {sorted(HEAD_DIM_V_PAIRS)})")
+        # tma_store: each warpgroup's column halves of dK and dV into the K and V tiles (stmatrix), then one TMA store
+        # of each whole tile
         super().__init__(dtype, head_dim, causal, bottom_right, TILE_M, key_mask=key_mask,
-                         deterministic=deterministic)
+                         deterministic=deterministic, tma_store=tma_store)
         self.head_dim_v = dv
         self.key_tiles = 1  # one 64-key tile per CTA, shared by both MMA warpgroups
         self.qdo_stages = QDO_STAGES[head_dim]
@@ -140,9 +145,14 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         sP_layout = sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tm, d, TILE_N), self.dtype, PT_TILES)
         tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do = self._tma_atoms(
             k, v, q, do, sK_layout, sQ_layout, sV_layout, sdO_layout)
+        tma_dk, tma_dv = None, None
+        if cutlass.const_expr(self.tma_store):  # dK / dV: TMA store atoms of the key tile (dk, dv: their tensors)
+            store = cpasync.CopyBulkTensorTileS2GOp()
+            tma_dk, dk = cpasync.make_tiled_tma_atom(store, dk, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d))
+            tma_dv, dv = cpasync.make_tiled_tma_atom(store, dv, cute.slice_(sV_layout, (None, None, 0)), (TILE_N, d_v))
         self.kernel(tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do, lse, delta,
                     dk, dv, dqacc, scale_log2, scale, mma_s, mma_dk, mma_dq, sK_layout, sQ_layout, sP_layout,
-                    words, mma_dv, sV_layout, sdO_layout).launch(
+                    words, mma_dv, sV_layout, sdO_layout, tma_dk, tma_dv).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N), k.shape[2], k.shape[3]),
             block=(THREADS * self.cta_warpgroups, 1, 1), smem=self._smem_bytes(), stream=stream,
             min_blocks_per_mp=1)  # ptxas needs one CTA per SM stated for setmaxnreg (flash_bwd.__call__)
@@ -154,7 +164,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                scale: Float32, mma_s: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                mWords: cute.Tensor, mma_dv: cute.TiledMma, sV_layout: cute.ComposedLayout,
-               sdO_layout: cute.ComposedLayout):
+               sdO_layout: cute.ComposedLayout, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom):  # tma_store, else None
         d, d_v = self.head_dim, self.head_dim_v
         wgs = self.wgs
         stages = self.qdo_stages
@@ -228,7 +238,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             self._mma_wide(_own_copy(mma_s), _own_copy(mma_dk), _own_copy(mma_dq), sK, sV, sQ, sdO, sP, sdS, fQ,
                            fdO, sRows, bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1,
                            tidx % THREADS, n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps,
-                           mWords, own_dv, fX)
+                           mWords, own_dv, fX, (tma_dk, tma_dv))
 
     @cute.jit
     def _write_dq_parts(self, fQ: cute.Tensor, fdO: cute.Tensor, mdQacc: cute.Tensor, bar_dq: cute.Pointer,
@@ -317,11 +327,11 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
                   mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32, wt: Int32, n_block: Int32,
                   head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32, m_start: Int32,
                   n_m: Int32, steps: Int32, mWords: cute.Tensor = None, mma_dv: cute.TiledMma = None,
-                  fX: cute.Tensor = None):
+                  fX: cute.Tensor = None, tma_atoms: tuple = (None, None)):
         """MMA warpgroup wg (thread wt of it): per step, its query half of S^T / dP^T / P^T / dS^T, one barrier,
         then its column half of dV, dK and the dQ block. Key masks as flash_bwd_ws: each thread's two key rows' bound
         (_key_keep) replaces seqlen_k in the visibility test. mma_kv: dK's MMA, and dV's unless mma_dv is given
-        (unequal head dims, whose dQ parts also use fX)."""
+        (unequal head dims, whose dQ parts also use fX). tma_atoms: dK's and dV's TMA store atoms (tma_store)."""
         wgs = self.wgs
         key0 = n_block * TILE_N
         f = self._wide_fragments(mma_s, mma_kv, mma_dq, sK, sV, sQ, sdO, sP, sdS, wg, wt, mma_dv)
@@ -408,4 +418,48 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(bar_dq + stage)
             state.advance()
-        self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block, head_kv, batch, tVcV=tVcV)
+        if cutlass.const_expr(self.tma_store):
+            self._store_dkdv_halves(mma_kv, mma_dv, sK, sV, mdK, mdV, tma_atoms, acc_dk, acc_dv, scale, n_block,
+                                    head_kv, batch, wg, wt)
+        else:
+            self._store_dkdv(mdK, mdV, acc_dk, acc_dv, tKcK, scale, key0, seqlen_k, n_block, head_kv, batch,
+                             tVcV=tVcV)
+
+    @cute.jit
+    def _store_dkdv_halves(self, mma_kv: cute.TiledMma, mma_dv: cute.TiledMma, sK: cute.Tensor, sV: cute.Tensor,
+                           mdK: cute.Tensor, mdV: cute.Tensor, tma_atoms: tuple, acc_dk: cute.Tensor,
+                           acc_dv: cute.Tensor, scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32,
+                           wg: Int32, wt: Int32):
+        """tma_store epilogue: warpgroup wg's column halves of dK = scale * sum dS^T Q and dV in the input dtype into
+        the K and V tiles by stmatrix (a column half is whole swizzle atoms); once both halves are in, the first warp
+        of warpgroup 0 stores each tile with one TMA copy (keys past seqlen_k clipped) and waits until it has read
+        them (the CTA must not exit, releasing the memory, before)."""
+        tma_dk, tma_dv = tma_atoms
+        mma_dv = mma_kv if mma_dv is None else mma_dv
+        wgs = self.wgs
+        # both warpgroups past their last GEMM: each one's S^T and dP^T read all of K's and V's columns
+        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
+        for mma, acc, sX, cols, factor in ((mma_kv, acc_dk, sK, self.cols, scale), (mma_dv, acc_dv, sV, self.cols_v,
+                                                                                    None)):
+            # the accumulators' N mode is the tiles' contiguous one: each 8 x 8 matrix row is 16 contiguous bytes
+            store = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma)
+            thr = store.get_slice(wt)
+            r = cute.make_rmem_tensor(acc.shape, self.dtype)
+            if cutlass.const_expr(factor is not None):
+                r.store((acc.load() * factor).to(self.dtype))
+            else:
+                r.store(acc.load().to(self.dtype))
+            cute.copy(store, thr.retile(r), thr.partition_D(cute.local_tile(sX[None, None, 0], (TILE_N, cols),
+                                                                            (0, wg))))
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores are seen by the TMA unit (the async proxy)
+        cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
+        if wg == 0:
+            if cute.arch.make_warp_uniform(wt // 32) == 0:
+                one_cta = cute.make_layout(1)
+                for tma, mG, sX, cols in ((tma_dk, mdK, sK, self.head_dim), (tma_dv, mdV, sV, self.head_dim_v)):
+                    gX = cute.local_tile(mG[None, None, head_kv, batch], (TILE_N, cols), (None, 0))
+                    tXsX, tXgX = cpasync.tma_partition(tma, 0, one_cta, cute.group_modes(sX, 0, 2),
+                                                       cute.group_modes(gX, 0, 2))
+                    cute.copy(tma, tXsX[None, 0], tXgX[None, n_block])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -53,6 +53,19 @@ def test_tile128_d64_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk)
     check_backward(dtype, 64, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, warp_specialized=True, tile_m=128)
 
 
+@pytest.mark.parametrize("d,tile_m,deterministic", [(128, 64, False), (128, 80, False), (64, 128, False),
+                                                    (128, 64, True), (192, 64, False), (256, 64, True)])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(1, 8, 2, 100, 333), (1, 4, 2, 1000, 1100), (1, 2, 2, 200, 64)])
+def test_register_epilogue_within_bar(d, tile_m, deterministic, causal, bottom_right, b, hq, hkv, sq, sk):
+    """The warp-specialised kernels (flash_bwd_ws; flash_bwd_wide at d=192 / 256) with tma_store=False: dK / dV from
+    registers (rows past seqlen_k skipped); every other warp-specialised test runs the default, dK / dV through the
+    K / V tiles and TMA stores (keys past seqlen_k clipped by the copy; sk = 64: the second warpgroup's tile
+    wholly)."""
+    check_backward(torch.bfloat16, d, causal, bottom_right, b, hq, hkv, sq, sk, wgs=2, warp_specialized=True,
+                   tile_m=tile_m, deterministic=deterministic, repeat=3 if deterministic else 1, tma_store=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
@@ -156,7 +169,7 @@ def test_head_dim_v_fast_call_and_deterministic(causal, monkeypatch):
 
 
 def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic=False, wgs=1, dq_buffer=False,
-                   warp_specialized=False, tile_m=64, deterministic=False, repeat=1, dv=None):
+                   warp_specialized=False, tile_m=64, deterministic=False, repeat=1, dv=None, tma_store=None):
     """The backward's gradients against float64 (2x rule); dv: v's head dim (d if None)."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd import HEAD_DIMS, flash_fwd
@@ -172,7 +185,7 @@ def check_backward(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, dq_atomic
     def run():
         return flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, dq_atomic=dq_atomic,
                          wgs=wgs, dq_buffer=dq_buffer, warp_specialized=warp_specialized, tile_m=tile_m,
-                         deterministic=deterministic)
+                         deterministic=deterministic, tma_store=tma_store)
 
     dq, dk, dv = run()
     for _ in range(repeat - 1):  # deterministic: the same bits again

@@ -108,9 +108,11 @@ def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right, dq_buf
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
 def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right):
     """flash_bwd_ws: 384 threads, the producer warpgroup at 24 registers and the MMA warpgroups at 240; the same
-    GEMMs as the two-warpgroup kernel; one CTA barrier (setup) and two barriers of the MMA warpgroups' 256 threads
-    (setup, one per step); the dQ block by one bulk add from the writer warp, the Q / dO loads through a full / empty
-    mbarrier pipeline; one wgmma commit group per GEMM (five per step), each waited for where its result is read."""
+    GEMMs as the two-warpgroup kernel; one CTA barrier (setup) and three barriers of the MMA warpgroups' 256 threads
+    (setup, one per step, one before the epilogue overwrites K and V), then one of each warpgroup's 128 threads;
+    the dQ block by one bulk add from the writer warp, the Q / dO loads through a full / empty mbarrier pipeline;
+    one wgmma commit group per GEMM (five per step), each waited for where its result is read; dK and dV by
+    stmatrix into the K / V tiles and TMA stores (d / 64 boxes each), no 16-bit global store."""
     from fa_backend.kernels.cute import flash_bwd, flash_bwd_ws
 
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
@@ -122,9 +124,14 @@ def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right):
     half = _wgmma_lines(ptx, f"m64n{d // 2}k16.f32.bf16.bf16")
     full = _wgmma_lines(ptx, f"m64n{d}k16.f32.bf16.bf16")
     assert len(half) == 2 * d // 16 + 2 * n // 16 and len(full) == 2 * m // 16
-    assert re.findall(r"bar\.sync\s+([^;]*);", ptx) == ["0", "1, 256", "1, 256"]
+    assert re.findall(r"bar\.sync\s+([^;]*);", ptx)[:4] == ["0", "1, 256", "1, 256", "1, 256"]
+    assert re.fullmatch(r"%r\d+, 128", re.findall(r"bar\.sync\s+([^;]*);", ptx)[4])
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 1
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == n * m // (flash_bwd.THREADS * 8)
+    # dS^T per step, then dK and dV (64 x d each per warpgroup) once
+    assert (ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16")
+            == (n * m + 2 * n * d) // (flash_bwd.THREADS * 8))
+    assert ptx.count("cp.async.bulk.tensor.4d.global.shared::cta") == 2 * d // 64
+    assert not re.findall(r"st\.global\S*\.b16", ptx)
     assert ptx.count("mbarrier.arrive.expect_tx") == 2  # K and V once, Q and dO per step
     assert ptx.count("wgmma.commit_group.sync.aligned") == 5
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -155,7 +162,7 @@ def test_tile80_compiles_for_sm90a(tmp_path, causal, bottom_right):
     n, d = flash_bwd.TILE_N, 128
     assert len(_wgmma_lines(ptx, "m64n80k16.f32.bf16.bf16")) == 2 * d // 16 + 2 * n // 16
     assert len(_wgmma_lines(ptx, f"m64n{d}k16.f32.bf16.bf16")) == 2 * 80 // 16
-    assert re.findall(r"bar\.sync\s+([^;]*);", ptx) == ["0", "1, 256", "1, 256"]
+    assert re.findall(r"bar\.sync\s+([^;]*);", ptx)[:4] == ["0", "1, 256", "1, 256", "1, 256"]
     assert ptx.count("wgmma.commit_group.sync.aligned") == 5
 
 
@@ -185,7 +192,7 @@ def test_tile128_d64_compiles_for_sm90a(tmp_path, causal, bottom_right):
     n, d = flash_bwd.TILE_N, 64
     assert len(_wgmma_lines(ptx, "m64n128k16.f32.bf16.bf16")) == 2 * d // 16
     assert len(_wgmma_lines(ptx, "m64n64k16.f32.bf16.bf16")) == 2 * 128 // 16 + 2 * n // 16
-    assert re.findall(r"bar\.sync\s+([^;]*);", ptx) == ["0", "1, 256", "1, 256"]
+    assert re.findall(r"bar\.sync\s+([^;]*);", ptx)[:4] == ["0", "1, 256", "1, 256", "1, 256"]
     assert ptx.count("wgmma.commit_group.sync.aligned") == 5
 
 
@@ -198,6 +205,21 @@ def test_tile128_d64_keeps_wgmma_asynchronous(tmp_path):
                                       warp_specialized=True, tile_m=128).__ptx__
     report = ptxas_report(ptx, tmp_path)
     assert not re.findall(r"C75\d\d", report), report
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_register_epilogue_variant(tmp_path, causal):
+    """tma_store=False: dK / dV from registers (d / 2 16-bit stores per thread and gradient: one per value), no TMA
+    store, the setup and per-step barriers only."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, tma_store=False).__ptx__
+    assert len(re.findall(r"st\.global\S*\.b16", ptx)) == 2 * 128 // 2
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" not in ptx
+    assert re.findall(r"bar\.sync\s+([^;]*);", ptx) == ["0", "1, 256", "1, 256"]
+    with pytest.raises(ValueError, match="tma_store=True needs"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, wgs=2, tma_store=True)
 
 
 def test_unsupported_variants_are_value_errors():
@@ -296,7 +318,7 @@ def test_deterministic_variant_orders_its_dq_adds(tmp_path, d, tile_m, causal):
     assert ptx.count("fence.proxy.async.global") == 2
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.global", ptx)) == 1
     waits = re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s+0;", ptx)
-    assert waits.count(".read") == 1 and waits.count("") == 1
+    assert waits.count(".read") == 2 and waits.count("") == 1  # .read: the writer's, and the dK / dV stores' own
     # the flag's release comes after the full wait, the acquire before the add
     assert ptx.index("ld.global.acquire.gpu.b32") < ptx.index("cp.reduce.async.bulk.global")
     full_wait = re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
@@ -329,7 +351,8 @@ def test_wide_head_dims_compile_for_sm90a(tmp_path, d, causal, deterministic):
     """flash_bwd_wide (d = 192 / 256): S^T / dP^T as m64n32 GEMMs over the warpgroup's 32 queries (d / 16 each),
     dV, dK and the dQ block as m64n(d/2) GEMMs with every operand in shared memory (64 / 16 each), P^T and dS^T
     stored by stmatrix, the dQ block's four pieces (each warpgroup's part through its column halves of the step's Q
-    and dO tiles) by four bulk adds per step, no local memory."""
+    and dO tiles) by four bulk adds per step, no local memory; dK and dV (a warpgroup's column halves: 64 x d / 2
+    each) by stmatrix into the K and V tiles and two TMA stores of d / 64 (d=192: 64-byte swizzle, d / 32) boxes."""
     from fa_backend.kernels.cute import flash_bwd
 
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, d, causal, True, "sm_90a", str(tmp_path), wgs=2,
@@ -338,7 +361,10 @@ def test_wide_head_dims_compile_for_sm90a(tmp_path, d, causal, deterministic):
     grads = _wgmma_lines(ptx, f"m64n{d // 2}k16.f32.bf16.bf16")
     assert len(scores) == 2 * d // 16 and len(grads) == 3 * 64 // 16
     assert not [line for line in grads if "{%r" in line.split("}, ")[1]]  # A from shared memory, not registers
-    assert len(re.findall(r"stmatrix", ptx)) == 4
+    assert len(re.findall(r"stmatrix", ptx)) == 4 + 2 * 64 * (d // 2) // (flash_bwd.THREADS * 8)
+    boxes = d // 64 if d % 128 == 0 else d // 32
+    assert ptx.count("cp.async.bulk.tensor.4d.global.shared::cta") == 2 * boxes
+    assert not re.findall(r"st\.global\S*\.b16", ptx)
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32", ptx)) == 4
     assert ("ld.global.acquire" in ptx) == deterministic  # the turn flags
     assert "ld.local" not in ptx and "st.local" not in ptx
