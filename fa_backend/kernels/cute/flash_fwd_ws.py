@@ -129,12 +129,13 @@ class FlashForwardSm90WS(ForwardVariant):
     and arrives on the other's after; consumer 0 arrives on its own once at the start, so it goes first.
     consumers: 2 (128 query rows per CTA, 240 registers each) or 3 (192 rows, FA3's tile at d <= 64; serial
     only: 512 threads cap ptxas at 128 registers per thread whatever setmaxnreg hands out later, and the overlap
-    variant then spills 80-360 bytes (sm_90a build, cuobjdump), the serial one none).
+    variant then spills 80-360 bytes (sm_90a build, cuobjdump), the serial one none; rechecked in the eighteenth
+    session: 8-200 bytes with a causal mask, a key mask or dropout, 556 with the TMA store, none otherwise).
     tma_store (the default except for persistent variants, which cannot take it): the epilogue writes a consumer's
     O rows in the input dtype into its own Q stage (stmatrix; no GEMM of that consumer reads Q any more) and one of
     its warps stores them with one TMA copy (rows past seqlen_q clipped by the copy), instead of 64 two-byte
-    stores per thread at d=128 that each touch eight rows (False: that register epilogue; +5-18 % at 2k, 1-7 % at
-    8k on the H200, docs/perf-log.md).
+    stores per thread at d=128 that each touch eight rows (False: that register epilogue; the TMA store is +7-19 % at
+    2k, +0-7 % at 8k on the H200, docs/perf-log.md).
     """
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,

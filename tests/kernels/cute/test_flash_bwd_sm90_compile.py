@@ -207,7 +207,7 @@ def test_tile128_d64_keeps_wgmma_asynchronous(tmp_path):
     assert not re.findall(r"C75\d\d", report), report
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [True])
 def test_register_epilogue_variant(tmp_path, causal):
     """tma_store=False: dK / dV from registers (d / 2 16-bit stores per thread and gradient: one per value), no TMA
     store, the setup and per-step barriers only."""

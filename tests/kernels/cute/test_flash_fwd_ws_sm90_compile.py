@@ -186,10 +186,11 @@ def test_tma_store_epilogue(tmp_path, d, dv, kw):
     assert re.findall(r"st\.global\S*\.b16", ptx) == []
     assert re.findall(r"bar\.sync\s+%r\d+, 128;", ptx)  # the consumer's own barrier (id 3 + its index)
     assert "ld.local" not in ptx and "st.local" not in ptx
-    (tmp_path / "registers").mkdir()
-    plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, False, "sm_90a", str(tmp_path / "registers"),
-                                              head_dim_v=dv, tma_store=False, **kw).__ptx__
-    assert len(re.findall(r"st\.global\S*\.b16", plain)) == dv // 2  # one per O value of a thread
+    if d == dv == 128:  # the register epilogue, once (CI time): one 16-bit global store per O value of a thread
+        (tmp_path / "registers").mkdir()
+        plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, False, "sm_90a",
+                                                  str(tmp_path / "registers"), tma_store=False, **kw).__ptx__
+        assert len(re.findall(r"st\.global\S*\.b16", plain)) == dv // 2
     with pytest.raises(ValueError, match="tma_store=True with persistent=True"):
         flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, overlap=True, persistent=True, tma_store=True)
 
