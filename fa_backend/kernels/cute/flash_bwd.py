@@ -160,20 +160,23 @@ class FlashBackwardSm90(ForwardVariant):
         # d=128 with one warpgroup (two CTAs per SM), 147 KB with two (dq_buffer: + 32 KB of dQ block, + 16 KB of dS)
         smem_bytes = (2 * (2 * TILE_N * wgs + 2 * QDO_STAGES * tm) * d + 2 * tm * TILE_N * self.ds_tiles
                       + 2 * 4 * QDO_STAGES * tm + self.smem_padding + (4 * tm * d if self.dq_buffer else 0))
-        kernel_args = (tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
-                       lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
-                       sK_layout, sQ_layout, sdS_layout)
+        # the warp-specialised kernel's optional arguments, in its signature's order: the key-mask words (or turn
+        # flags), the dropout RNG state, threshold and scale, then dK's and dV's TMA store atoms (tma_store, whose
+        # kernel gets their TMA tensors in place of dk and dv)
+        optional = ()
         if cutlass.const_expr(self.key_mask or self.deterministic):
-            kernel_args = kernel_args + (words,)
+            optional = (words,)
         if cutlass.const_expr(self.dropout):
-            kernel_args = kernel_args + (words, mRng, drop_threshold, drop_scale)
-        if cutlass.const_expr(self.tma_store):  # dK / dV: TMA store atoms of one key tile, after the optional four
+            optional = (words, mRng, drop_threshold, drop_scale)
+        if cutlass.const_expr(self.tma_store):
             store = cpasync.CopyBulkTensorTileS2GOp()
             one_k = cute.slice_(sK_layout, (None, None, 0))
-            tma_dk, tma_tensor_dk = cpasync.make_tiled_tma_atom(store, dk, one_k, (TILE_N, d))
-            tma_dv, tma_tensor_dv = cpasync.make_tiled_tma_atom(store, dv, one_k, (TILE_N, self.head_dim_v))
-            kernel_args = (kernel_args[:10] + (tma_tensor_dk, tma_tensor_dv) + kernel_args[12:]  # for dk, dv
-                           + (None,) * (25 - len(kernel_args)) + (tma_dk, tma_dv))
+            tma_dk, dk = cpasync.make_tiled_tma_atom(store, dk, one_k, (TILE_N, d))
+            tma_dv, dv = cpasync.make_tiled_tma_atom(store, dv, one_k, (TILE_N, self.head_dim_v))
+            optional = optional + (None,) * (4 - len(optional)) + (tma_dk, tma_dv)
+        kernel_args = (tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
+                       lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
+                       sK_layout, sQ_layout, sdS_layout, *optional)
         self.kernel(*kernel_args).launch(
             grid=(cute.ceil_div(k.shape[0], TILE_N * wgs), k.shape[2], k.shape[3]),
             block=(THREADS * self.cta_warpgroups, 1, 1), smem=smem_bytes, stream=stream,

@@ -51,6 +51,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._bulk import bulk_reduce_add_f32  # noqa: E402
+from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 from .flash_bwd import THREADS, TILE_M, TILE_N, WIDE_HEAD_DIMS, _gemm, _transposed  # noqa: E402
 from .flash_bwd_ws import MMA_BARRIER, MMA_REGS, PRODUCER_REGS, FlashBackwardSm90WS, _own_copy  # noqa: E402
 
@@ -441,25 +442,14 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
         for mma, acc, sX, cols, factor in ((mma_kv, acc_dk, sK, self.cols, scale), (mma_dv, acc_dv, sV, self.cols_v,
                                                                                     None)):
-            # the accumulators' N mode is the tiles' contiguous one: each 8 x 8 matrix row is 16 contiguous bytes
-            store = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma)
-            thr = store.get_slice(wt)
-            r = cute.make_rmem_tensor(acc.shape, self.dtype)
-            if cutlass.const_expr(factor is not None):
-                r.store((acc.load() * factor).to(self.dtype))
-            else:
-                r.store(acc.load().to(self.dtype))
-            cute.copy(store, thr.retile(r), thr.partition_D(cute.local_tile(sX[None, None, 0], (TILE_N, cols),
-                                                                            (0, wg))))
+            stmatrix_tile(mma, converted(acc, self.dtype, factor),
+                          cute.local_tile(sX[None, None, 0], (TILE_N, cols), (0, wg)), self.dtype, wt)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores are seen by the TMA unit (the async proxy)
         cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=wgs * THREADS)
         if wg == 0:
             if cute.arch.make_warp_uniform(wt // 32) == 0:
-                one_cta = cute.make_layout(1)
                 for tma, mG, sX, cols in ((tma_dk, mdK, sK, self.head_dim), (tma_dv, mdV, sV, self.head_dim_v)):
                     gX = cute.local_tile(mG[None, None, head_kv, batch], (TILE_N, cols), (None, 0))
-                    tXsX, tXgX = cpasync.tma_partition(tma, 0, one_cta, cute.group_modes(sX, 0, 2),
-                                                       cute.group_modes(gX, 0, 2))
-                    cute.copy(tma, tXsX[None, 0], tXgX[None, n_block])
+                    tma_store_tile(tma, sX[None, None, 0], gX, n_block)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -36,13 +36,13 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
-from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp  # noqa: E402
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
 from ._dropout import (  # noqa: E402
     BITS_STAGES, BITS_WARPS, MMA_THREADS, backward_keep, bits_words, draw_backward_bits, read_backward_bits)
+from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm, dq_split  # noqa: E402
 
 TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (the dQ GEMM transposed), 128 at d=64
@@ -313,26 +313,14 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         tma_dk, tma_dv = tma_atoms
         # both warpgroups past their last GEMM: each one's dQ GEMMs read both key tiles of sK
         cute.arch.barrier(barrier_id=MMA_BARRIER, number_of_threads=self.wgs * THREADS)
-        # d is the accumulators' N mode and the tiles' contiguous one: each 8 x 8 matrix row is 16 contiguous bytes
-        store = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_rs)
-        thr = store.get_slice(wt)
-        r = cute.make_rmem_tensor(acc_dk.shape, self.dtype)
-        r.store((acc_dk.load() * scale).to(self.dtype))
-        cute.copy(store, thr.retile(r), thr.partition_D(sK[None, None, wg]))
-        if cutlass.const_expr(dv_scale is not None):
-            r.store((acc_dv.load() * dv_scale).to(self.dtype))
-        else:
-            r.store(acc_dv.load().to(self.dtype))
-        cute.copy(store, thr.retile(r), thr.partition_D(sV[None, None, wg]))
+        stmatrix_tile(mma_rs, converted(acc_dk, self.dtype, scale), sK[None, None, wg], self.dtype, wt)
+        stmatrix_tile(mma_rs, converted(acc_dv, self.dtype, dv_scale), sV[None, None, wg], self.dtype, wt)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores are seen by the TMA unit (the async proxy)
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS)
         if cute.arch.make_warp_uniform(wt // 32) == 0:
-            one_cta = cute.make_layout(1)
             for tma, mG, sX in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
                 gX = cute.local_tile(mG[None, None, head_kv, batch], (TILE_N, self.head_dim), (None, 0))
-                tXsX, tXgX = cpasync.tma_partition(tma, 0, one_cta, cute.group_modes(sX, 0, 2),
-                                                   cute.group_modes(gX, 0, 2))
-                cute.copy(tma, tXsX[None, wg], tXgX[None, key_tile])
+                tma_store_tile(tma, sX[None, None, wg], gX, key_tile)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 

@@ -50,7 +50,6 @@ import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
-from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
@@ -58,6 +57,7 @@ from ._dropout import drop_scores, dropout_state  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
     ForwardVariant, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
     rescale_rows, sdpa_views, softmax_scores, store_rows)
+from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
 WG_M = 64  # query rows per consumer warpgroup (the wgmma M)
@@ -446,24 +446,18 @@ class FlashForwardSm90WS(ForwardVariant):
         stmatrix, then one TMA store of the 64 rows by its first warp, waited for until it has read them (the CTA
         must not exit, releasing the memory, before)."""
         tma_o, mO_tma, sO_layout, raw_q = store_args
-        r_o = cute.make_rmem_tensor(acc_o.shape, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
+        r_o = converted(acc_o, self.dtype)
         # O's (64, dv) rows in the layout its TMA atom reads, one per Q stage (WG_M * d values apart: a static stride,
         # so the copies know the 1024-byte alignment of consumer wg's)
         stages = cute.append(cute.slice_(sO_layout.outer, (None, None, 0)),
                              cute.make_layout(self.consumers, stride=WG_M * self.head_dim))
         sO = cute.make_tensor(cute.recast_ptr(raw_q, sO_layout.inner, dtype=self.dtype), stages)[None, None, wg]
-        # dv is the accumulator's N mode and sO's contiguous one: each 8 x 8 matrix row is 16 contiguous bytes
-        store = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv)
-        thr = store.get_slice(wg_tidx)
-        cute.copy(store, thr.retile(r_o), thr.partition_D(sO))
+        stmatrix_tile(mma_pv, r_o, sO, self.dtype, wg_tidx)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores are seen by the TMA unit (the async proxy)
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WG_THREADS)
         if cute.arch.make_warp_uniform(wg_tidx // 32) == 0:
             gO = cute.local_tile(mO_tma[None, None, head, batch], (WG_M, self.head_dim_v), (None, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            cute.copy(tma_o, tOsO, tOgO[None, m_block * self.consumers + wg])
+            tma_store_tile(tma_o, sO, gO, m_block * self.consumers + wg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
