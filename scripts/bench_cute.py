@@ -81,6 +81,8 @@ def main() -> None:
         "cute_ws_overlap": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, overlap=True),
         "cute_ws_pingpong": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, pingpong=True),
         "cute_ws_3wg": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, consumers=3),
+        "cute_ws_3wg_overlap": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, consumers=3, overlap=True),
+        "cute_ws_3wg_pingpong": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, consumers=3, pingpong=True),
         # O stored from registers (tma_store=False) instead of through shared memory and a TMA store
         "cute_ws_overlap_regs": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, overlap=True, tma_store=False),
         "cute_ws_pingpong_regs": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, pingpong=True, tma_store=False),

@@ -1,8 +1,8 @@
 """torch.library op for the CuTe DSL forward on Hopper: fa_backend::cute_flash_fwd.
 
 The forward is the warp-specialised kernel (kernels/cute/flash_fwd_ws.py) in its fastest variant per head
-dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 ping-pong consumers without a causal mask,
-intra-warpgroup overlap with one; three consumers at d=64). The forward returns out contiguous (b, hq, sq, dv) and
+dim and causal mode measured on the H200 (flash_fwd_ws.FASTEST: at d=128 two consumers with intra-warpgroup overlap;
+three consumers in round-robin ping-pong at d=64). The forward returns out contiguous (b, hq, sq, dv) and
 the natural-log fp32 lse (b, hq, sq), the layout the Triton forward writes too. V's head dim dv equals q's and k's d,
 or (d, dv) = (192, 128) (MLA; flash_fwd_ws.HEAD_DIM_V_PAIRS), whose backward is flash_bwd_wide's (dropout: Triton's).
 

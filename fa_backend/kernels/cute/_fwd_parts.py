@@ -13,8 +13,10 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 class ForwardVariant:
@@ -138,6 +140,28 @@ def softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
                 acc_s[i + j] = p
                 block_sum += p
         row_sum[half] = row_sum[half] * alpha[half] + block_sum
+
+
+@dsl_user_op
+def _packed_pair(lo: Float32, hi: Float32, ptx_type: str, *, loc=None, ip=None) -> Uint32:
+    """(lo, hi) rounded to the 16-bit `ptx_type` and packed in one word (lo in the low half), as one PTX instruction
+    the compiler keeps in program order with the wgmma issues (a side-effecting asm statement)."""
+    word = llvm.inline_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                           f"cvt.rn.{ptx_type}x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=True,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Uint32(word)
+
+
+@cute.jit
+def convert_in_place(acc_s: cute.Tensor, r_p: cute.Tensor, dtype: cutlass.Constexpr):
+    """r_p = acc_s in `dtype` (bf16 or fp16), converted here and not later. With the plain conversion LLVM may sink it
+    past the next S = Q K^T issue (it did in the three-consumer overlap forward with the TMA-store epilogue), which
+    keeps the old fp32 scores alive beside the new accumulators: 64 more registers per thread, and ptxas spilled
+    556 bytes in the loop."""
+    words = cute.recast_tensor(r_p, Uint32)
+    ptx_type = "bf16" if cutlass.const_expr(dtype == cutlass.BFloat16) else "f16"
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = _packed_pair(acc_s[2 * i], acc_s[2 * i + 1], ptx_type)
 
 
 @cute.jit

@@ -2,8 +2,8 @@
 
 It passes tests/kernels/cute/test_flash_fwd_ws_gpu.py on the H200 (2026-11-30), every variant; bf16 forward of the
 fastest variant per head dim and causal mode (FASTEST, the `cute` backend's forward through the op
-fa_backend::cute_flash_fwd, ops/cute_flash.py) at 0.89-1.20x of cuDNN since its TMA-store epilogue (2026-12-01;
-0.78-1.04x before at d=64 / 128; scripts/bench_cute.py, docs/benchmarks.md).
+fa_backend::cute_flash_fwd, ops/cute_flash.py) at 0.90-1.15x of cuDNN (d=64 / 96 / 128, 2k / 8k tokens, 2026-12-01;
+scripts/bench_cute.py, docs/benchmarks.md).
 
 One CTA = one tile of TILE_M = 128 query rows of one (batch, head), 3 warpgroups (384 threads):
 - warpgroup 0, the producer, gives registers back (setmaxnreg.dec to PRODUCER_REGS) and one warp of it
@@ -16,8 +16,9 @@ Key blocks are visited last to first, so the blocks that need masking (the one p
 the causal diagonal) come first and the rest run without mask code; blocks above the diagonal are skipped.
 With overlap=True (FA3's intra-warpgroup overlap) a consumer issues block j+1's S GEMM and block j's P V
 GEMM together and runs block j+1's softmax while P V is in flight. With pingpong=True (overlap too; FA3's
-warp scheduling) the consumers take turns issuing their GEMMs through two named barriers, so that one
-warpgroup's GEMMs run while the other computes its softmax. With causal masking the query tiles run longest
+warp scheduling) the consumers take turns issuing their GEMMs, round robin through one named barrier each, so
+that one warpgroup's GEMMs run while the others compute their softmax. consumers=3: 192 query rows per CTA, four
+warpgroups (FA3 / FA4's tile at d=64). With causal masking the query tiles run longest
 first (the grid's last tiles first). persistent=True: at most PERSISTENT_CTAS CTAs, each walking tiles bid, bid +
 grid, ... (the producer reloads Q once the consumers arrive on a "Q free" barrier after their last GEMM of a tile; the
 K/V pipeline states and ping-pong turns carry across tiles): passes the GPU tests, slower than one CTA per tile at
@@ -55,8 +56,8 @@ from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._dropout import drop_scores, dropout_state  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
-    ForwardVariant, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores, online_softmax,
-    rescale_rows, sdpa_views, softmax_scores, store_rows)
+    ForwardVariant, convert_in_place, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores,
+    online_softmax, rescale_rows, sdpa_views, softmax_scores, store_rows)
 from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
@@ -85,8 +86,9 @@ CONSUMER_REGS = 240
 # Three consumers (192 query rows per CTA, FA3's tile at d <= 64): 24 * 128 + 3 * 160 * 128 = 64512 registers.
 # (ptxas still compiles the kernel for 65536 / 512 = 128 registers per thread: see FlashForwardSm90WS.)
 CONSUMER_REGS_3 = 160
-PINGPONG_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads'): one per consumer
-EPILOGUE_BARRIER = 3  # named barriers 3 and 4: a consumer's O rows are in shared memory, for its TMA store
+PINGPONG_BARRIER = 1  # named barriers 1 .. consumers (0 is __syncthreads'): one per consumer
+# a consumer's O rows are in shared memory, for its TMA store: named barriers PINGPONG_BARRIER + consumers + consumer
+# index (3 and 4 with two consumers, 4 to 6 with three)
 PERSISTENT_CTAS = 132  # persistent variants: CTAs launched at most (one per SM of an H100 / H200, 1 CTA per SM)
 
 
@@ -104,9 +106,9 @@ def tile_n(head_dim: int, head_dim_v: int | None = None) -> int:
 
 def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False,
                      head_dim: int = 128) -> None:
-    if consumers not in (2, 3) or ((overlap or pingpong or persistent) and consumers != 2):
+    if consumers not in (2, 3) or (persistent and consumers != 2):
         raise ValueError(f"consumers={consumers} with overlap={overlap}, pingpong={pingpong}, persistent={persistent} "
-                         "(supported: 2 consumers, or 3 without overlap and not persistent)")
+                         "(supported: 2 consumers, or 3 not persistent)")
     if consumers == 3 and head_dim > 128:  # 128 registers per thread cannot hold O (96-128 of them) and S
         raise ValueError(f"consumers=3 at head_dim={head_dim} (supported: head_dim <= 128)")
 
@@ -124,13 +126,15 @@ class FlashForwardSm90WS(ForwardVariant):
 
     overlap: intra-warpgroup overlap (FA3): each consumer issues block j+1's S = Q K^T and block j's
     O += P V back to back and runs block j+1's softmax while the P V GEMM is still in flight.
-    pingpong (implies overlap): the two consumers issue their GEMMs in turns (named barriers
-    PINGPONG_BARRIER + consumer index, 256 threads each): consumer c waits on its own barrier before issuing
-    and arrives on the other's after; consumer 0 arrives on its own once at the start, so it goes first.
-    consumers: 2 (128 query rows per CTA, 240 registers each) or 3 (192 rows, FA3's tile at d <= 64; serial
-    only: 512 threads cap ptxas at 128 registers per thread whatever setmaxnreg hands out later, and the overlap
-    variant then spills 80-360 bytes (sm_90a build, cuobjdump), the serial one none; rechecked in the eighteenth
-    session: 8-200 bytes with a causal mask, a key mask or dropout, 556 with the TMA store, none otherwise).
+    pingpong (implies overlap): the consumers issue their GEMMs in turns, round robin (named barriers
+    PINGPONG_BARRIER + consumer index, 256 threads each: the waiting consumer and the one handing over): consumer c
+    waits on its own barrier before issuing and arrives on consumer (c + 1) % consumers' after; consumer 0 arrives on
+    its own once at the start, so it goes first.
+    consumers: 2 (128 query rows per CTA, 240 registers each) or 3 (192 rows, FA3 / FA4's tile at d <= 64, 160
+    registers each). At d=64 every three-consumer variant (serial, overlap, ping-pong; causal, key mask) allocates
+    without spills; the overlap ones only since the probabilities are converted in program order
+    (_fwd_parts.convert_in_place: LLVM had sunk the conversion past the next S issue, 556 bytes of spills with the TMA
+    store). At d=96 / 128 three consumers spill (128-1156 bytes), and with dropout 40 bytes.
     tma_store (the default except for persistent variants, which cannot take it): the epilogue writes a consumer's
     O rows in the input dtype into its own Q stage (stmatrix; no GEMM of that consumer reads Q any more) and one of
     its warps stores them with one TMA copy (rows past seqlen_q clipped by the copy), instead of 64 two-byte
@@ -283,8 +287,8 @@ class FlashForwardSm90WS(ForwardVariant):
             state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
             state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
             if cutlass.const_expr(self.pingpong):
-                if wg == 0:  # consumer 0 takes the first turn; the turns then alternate, across tiles too
-                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMERS * WG_THREADS)
+                if wg == 0:  # consumer 0 takes the first turn; the turns then go round, across tiles too
+                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * WG_THREADS)
             args = (mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, pipe_k, pipe_v, mO, mLSE, scale_log2, wg,
                     tidx % WG_THREADS, mWords, (mRng, drop_threshold, drop_scale), (tma_o, mO_tma, sO_layout, raw_q))
             if cutlass.const_expr(self.persistent):
@@ -454,7 +458,7 @@ class FlashForwardSm90WS(ForwardVariant):
         sO = cute.make_tensor(cute.recast_ptr(raw_q, sO_layout.inner, dtype=self.dtype), stages)[None, None, wg]
         stmatrix_tile(mma_pv, r_o, sO, self.dtype, wg_tidx)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores are seen by the TMA unit (the async proxy)
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WG_THREADS)
+        cute.arch.barrier(barrier_id=PINGPONG_BARRIER + self.consumers + wg, number_of_threads=WG_THREADS)
         if cute.arch.make_warp_uniform(wg_tidx // 32) == 0:
             gO = cute.local_tile(mO_tma[None, None, head, batch], (WG_M, self.head_dim_v), (None, 0))
             tma_store_tile(tma_o, sO, gO, m_block * self.consumers + wg)
@@ -507,13 +511,16 @@ class FlashForwardSm90WS(ForwardVariant):
     def _turn_begin(self, wg: Int32):
         """Pingpong: wait for this consumer's turn to issue GEMMs (nothing without pingpong)."""
         if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=CONSUMERS * WG_THREADS)
+            cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
     def _turn_end(self, wg: Int32):
-        """Pingpong: hand the turn to the other consumer (nothing without pingpong)."""
+        """Pingpong: hand the turn to the next consumer (nothing without pingpong)."""
         if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg, number_of_threads=CONSUMERS * WG_THREADS)
+            following = 1 - wg  # two consumers: the other one
+            if cutlass.const_expr(self.consumers == 3):
+                following = (wg + 1) % 3
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + following, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
     def _key_mask_state(self, mma_qk: cute.TiledMma):
@@ -580,7 +587,7 @@ class FlashForwardSm90WS(ForwardVariant):
             softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
             if cutlass.const_expr(self.dropout):
                 drop_scores(acc_s, tScS0, (n_blocks - 1) * self.tile_n, drop)
-            r_p.store(acc_s.load().to(self.dtype))
+            convert_in_place(acc_s, r_p, self.dtype)
             for i in cutlass.range(1, n_blocks, unroll=1):
                 n_block = n_blocks - 1 - i
                 if cutlass.const_expr(self.key_mask):  # in flight during the GEMMs
@@ -608,7 +615,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 pipe_v.consumer_release(state_v)
                 state_v.advance()
                 rescale_rows(acc_o, alpha)
-                r_p.store(acc_s.load().to(self.dtype))
+                convert_in_place(acc_s, r_p, self.dtype)
             pipe_v.consumer_wait(state_v)
             self._turn_begin(wg)
             self._issue_pv(mma_pv, acc_o, t_p, tOrV, state_v.index)
@@ -660,18 +667,16 @@ def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bo
     return KERNEL_NAME + suffix, (WG_M * consumers, tile_n(head_dim, head_dim_v), KV_STAGES)
 
 
-# The fastest variant per (head_dim, causal) on the H200, the one the op runs (scripts/bench_cute.py, bf16, 2026-11-30,
-# three runs; the last interleaved three rounds per cell at s = 2k / 8k / 16k, TFLOP/s): d=128 non-causal ping-pong
-# (513 / 592 / 614; three consumers 501 / 582 / 605, overlap 451 / 547 / 570); d=128 causal overlap (389 / 547 / 592;
-# ping-pong 398 / 515 / 586, three consumers 379 / 542 / 588); d=64 three serial consumers, the fastest in every
-# cell of two runs (s = 2k / 8k, both causal modes). Re-timed with the TMA-store epilogue (2026-12-01, three device
-# calls, s = 2k / 8k; docs/benchmarks.md): d=128 non-causal ping-pong 584 / 628, 603 / 609, 588 / 651 (median of three
-# rounds) against overlap 553 / 619, 619 / 652, 595 / 650: a tie within the run-to-run spread, so the choice stays;
-# causal overlap 449 / 566, 475 / 587, 467 / 582 (ping-pong 461 / 548, 479 / 538, 472 / 573); d=64 three consumers
-# fastest in every cell of two calls; d=192 / 256 the choices below confirmed by three rounds.
+# The fastest variant per (head_dim, causal) on the H200, the one the op runs (scripts/bench_cute.py, bf16, medians of
+# three interleaved rounds per cell, TFLOP/s at s = 2k / 8k; history in docs/perf-log.md). Nineteenth session
+# (2026-12-01, with the probabilities converted in program order): d=128 overlap 599 / 648 non-causal, 487 / 588
+# causal, ahead of ping-pong (592 / 632, 476 / 561) in every round of every cell (they had tied within the spread
+# before); d=64 three consumers in round-robin ping-pong 462 / 524 non-causal, 353 / 463 causal, ahead of three
+# overlapped consumers (433 / 494, 339 / 443), three serial ones (439 / 477, 342 / 446) and two consumers in every
+# round.
 FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
-    (128, False): dict(pingpong=True), (128, True): dict(overlap=True),
-    (64, False): dict(consumers=3), (64, True): dict(consumers=3),
+    (128, False): dict(overlap=True), (128, True): dict(overlap=True),
+    (64, False): dict(consumers=3, pingpong=True), (64, True): dict(consumers=3, pingpong=True),
     # d=96: overlap, at s = 2k / 8k 471 / 538 TFLOP/s non-causal (ping-pong 456 / 493) and 361 / 483 causal (ping-pong
     # 359 / 482); three consumers spill at d=96 (ptxas: 128 registers for 512 threads)
     (96, False): dict(overlap=True), (96, True): dict(overlap=True),

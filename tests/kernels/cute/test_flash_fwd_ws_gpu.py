@@ -40,6 +40,19 @@ def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES + [(1, 2, 1, 300, 2000)])  # the third consumer's rows partly past sq
+@pytest.mark.parametrize("mode", ["overlap", "pingpong"])
+def test_three_consumers_overlapped_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk, mode):
+    """Three consumers with intra-warpgroup overlap at d=64 (FA3 / FA4's 192 x 128 tile), and with their GEMM issues
+    in round-robin turns (pingpong)."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    check_forward(functools.partial(flash_fwd_ws, overlap=True, pingpong=mode == "pingpong", consumers=3), dtype, 64,
+                  causal, bottom_right, b, hq, hkv, sq, sk)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d,dv", [(192, 128)])  # flash_fwd_ws.HEAD_DIM_V_PAIRS
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES)

@@ -166,11 +166,39 @@ def test_three_consumers_take_192_rows(tmp_path):
     assert (flash_fwd_ws.PRODUCER_REGS + 3 * flash_fwd_ws.CONSUMER_REGS_3) * 128 <= 65536
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == 5  # three Q stages, K, V (d = 64: one box)
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def _issue_order(ptx: str) -> str:
+    """The PTX's S = Q K^T issues (S, wgmma m64n128), P V issues (V, m64n64: d=64) and 16-bit pair conversions (c), in
+    program order, runs collapsed."""
+    events = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(128|64)k16|cvt\.rn\.bf16x2\.f32", ptx)
+    return re.sub(r"(.)\1+", r"\1", "".join({"128": "S", "64": "V", "": "c"}[e] for e in events))
+
+
+@needs_ptxas
+def test_three_consumers_take_turns_without_spills(tmp_path):
+    """The op's d=64 variant (FASTEST: three consumers in ping-pong): the GEMM turns go round (consumer c waits on named
+    barrier 1 + c and hands over on 1 + (c + 1) % 3), and ptxas allocates it in the consumers' 160 registers without
+    spills, because each block's probabilities are converted before the next S = Q K^T is issued (the plain
+    conversion was sunk past it, between S and P V, and ptxas spilled 556 bytes)."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    kw = flash_fwd_ws.FASTEST[64, True]
+    assert kw == dict(consumers=3, pingpong=True)
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, False, "sm_90a", str(tmp_path), **kw).__ptx__
+    order = _issue_order(ptx)
+    assert "ScV" not in order, order  # no conversion between an S issue and the P V issue after it
+    assert order.startswith("ScSVcV"), order  # the first S, its P, then the loop's S + P V pair and its P, the last P V
+    # wg = warpgroup - 1: consumer c syncs on 1 + c = its warpgroup index and arrives on 1 + (c + 1) % 3
+    assert len(re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)) == 3 and "bar.arrive 1, 256;" in ptx
+    assert re.search(r"mul\.lo\.s32\s+%r\d+, %r\d+, 3;", ptx)  # the (c + 1) % 3 of the hand-over
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     with pytest.raises(ValueError, match="consumers=3"):
-        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, consumers=3, overlap=True)
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, consumers=3, pingpong=True, persistent=True)
 
 
-@pytest.mark.parametrize("d,dv,kw", [(128, 128, dict(pingpong=True)), (64, 64, dict(consumers=3)),
+@pytest.mark.parametrize("d,dv,kw", [(128, 128, dict(pingpong=True)), (64, 64, dict(consumers=3, pingpong=True)),
                                      (192, 128, dict(overlap=True))])
 def test_tma_store_epilogue(tmp_path, d, dv, kw):
     # tma_store: each consumer's O rows go to its Q stage by stmatrix (dv / 16 x4 instructions per thread: 8 values
