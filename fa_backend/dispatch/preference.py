@@ -200,18 +200,37 @@ PREFERENCES: tuple[FasterPeer, ...] = (
 
 
 # The CuTe forward (issue 7). Host-bound calls: as for "triton" above (its runner converts each tensor with
-# from_dlpack on every call). cuDNN: scripts/bench_cute.py on the H200 (torch 2.11, bf16, seqlen 2k-8k,
-# d=64/128, docs/cute.md): the CuTe forward at 0.76-0.97x cuDNN's; the backward runs our Triton kernels,
-# which cuDNN's beat (the "triton" cuDNN rule above). GQA: the rules below.
+# from_dlpack on every call). cuDNN, MHA at d=64 / 128: the rules after it. GQA: the rules below.
 CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     dataclasses.replace(PREFERENCES[0], backend="cute",
                         evidence=f"a host-bound call (under {TINY_FWD_FLOPS:.2e} forward FLOPs and "
                                  f"{TINY_KV_BYTES >> 20} MiB of K and V): PyTorch's C++ path costs less host time "
                                  "per call than our CuTe runner"),
+    # MHA at d=64 / 128 (docs/benchmarks.md, "Three consumers in ping-pong", scripts/bench_cute.py, H200, torch 2.11,
+    # bf16, seqlen 2k / 8k, two device calls of the nineteenth session, the op's variants): the CuTe forward at d=128
+    # 0.98-0.99x cuDNN's at 2k and 1.04-1.05x at 8k; at d=64 1.02-1.04x (2k) and 1.12-1.14x (8k) without a causal mask,
+    # 0.90x and 1.05-1.06x with one. The backward kernel 0.97-1.02x cuDNN's (eighteenth session), a training step about
+    # on par: calls with gradients stay on cuDNN, and so do calls without them where our forward was not measured
+    # faster (below 8k tokens, except d=64 without a causal mask from 2k on; shorter calls were not timed).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}),
-               evidence="H200, torch 2.11, bf16, seqlen 2k-8k: cuDNN 1.03-1.31x our CuTe forward; our backward is "
-                        "slower too"),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}), grad_only=True,
+               evidence="H200, torch 2.11, bf16, seqlen 2k / 8k: our CuTe backward 0.97-1.02x cuDNN's, a training "
+                        "step about on par"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), no_grad_only=True,
+               max_seqlen_q=8191,
+               evidence="H200, torch 2.11, bf16, d=128, seqlen 2k: our CuTe forward 0.98-0.99x cuDNN's (1.04-1.05x "
+                        "at 8k, where ours runs)"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
+               causal_only=True, max_seqlen_q=8191,
+               evidence="H200, torch 2.11, bf16, causal d=64, seqlen 2k: our CuTe forward 0.90x cuDNN's (1.05-1.06x "
+                        "at 8k, where ours runs)"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
+               max_seqlen_q=2047,
+               evidence="H200, torch 2.11, bf16, d=64: our CuTe forward not timed below 2k tokens (1.02-1.04x cuDNN's "
+                        "at 2k, 1.12-1.14x at 8k without a causal mask, where ours runs)"),
     # d=256, MHA and GQA (docs/benchmarks.md, "CuTe backward at d=192 / 256", the run after the branch-free P^T,
     # 2026-12-01, seqlen 2k / 8k): the CuTe forward at 0.78-1.03x cuDNN's, the backward at 0.99-1.17x. A training
     # step without a causal mask ran 1.00-1.14x cuDNN's (ours), with one 0.94-1.06x: cuDNN keeps calls without

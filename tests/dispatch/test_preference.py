@@ -59,6 +59,23 @@ def test_dropout_with_gradients_prefers_cudnn_over_cute(d):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+def test_mha_at_small_head_dims_runs_cute_only_where_its_forward_was_faster(d):
+    """MHA at d = 64 / 128 on sm90: calls with gradients stay on cuDNN (backward and training step about on par);
+    calls without gradients run the CuTe forward where it was measured faster than cuDNN's, from 8k tokens, and at
+    d=64 without a causal mask from 2k (below: not timed)."""
+    call = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d)
+    for causal in (False, True):
+        for s in (1024, 2048, 4096, 8192, 16384):
+            inference = dataclasses.replace(call, is_causal=causal, seqlen_q=s, seqlen_k=s)
+            training = dataclasses.replace(inference, requires_grad=True)
+            assert "training step about on par" in slower_than_peer("cute", training).message
+            ours = s >= 8192 or (d == 64 and not causal and s >= 2048)
+            rule = slower_than_peer("cute", inference)
+            assert (rule is None) == ours, (causal, s, rule)
+            assert slower_than_peer("triton", inference).code is ReasonCode.SLOWER  # Triton's forward is slower
+
+
+@pytest.mark.parametrize("d", [64, 128])
 def test_gqa_at_small_head_dims_prefers_cudnn_only_when_causal(d):
     """d = 64 / 128 GQA: cuDNN beat the CuTe kernels on causal calls; non-causal GQA stays on the CuTe kernels
     (measured on par or faster). Our Triton kernels lose to cuDNN on both."""
