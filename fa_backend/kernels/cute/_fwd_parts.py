@@ -54,17 +54,21 @@ def sdpa_views(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tenso
 
 
 @cute.jit
-def mask_scores(acc_s: cute.Tensor, tScS: cute.Tensor, row0: Int32, col0: Int32, seqlen_k: Int32, offset: Int32,
-                causal: cutlass.Constexpr):
+def mask_scores(acc_s: cute.Tensor, tScS: cute.Tensor, tScS0: cute.Tensor, row0: Int32, col0: Int32, seqlen_k: Int32,
+                offset: Int32, causal: cutlass.Constexpr):
     """-inf for keys past seqlen_k (TMA zero-filled them) and, when causal, for keys after the diagonal: key j
-    is visible to query row i when j < seqlen_k and j <= i + offset. (row0, col0): the tile's first row and key."""
-    for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-        col = col0 + tScS[i][1]
-        visible = col < seqlen_k
+    is visible to query row i when j < seqlen_k and j <= i + offset. (row0, col0): the tile's first row and key.
+    tScS0: thread 0's coordinates (compile-time; a thread's are those plus its first value's, tScS[0]): each value
+    costs one compare of its constant column with its row's bound and one select (a runtime column per value, compared
+    with both bounds, took 3.6 instructions per value in the SASS, 234 per thread and masked block)."""
+    first_col = col0 + tScS[0][1]
+    for half in cutlass.range_constexpr(2):  # the accumulator's two rows per thread
+        bound = seqlen_k - first_col  # columns (from this thread's first) at or past it are hidden
         if cutlass.const_expr(causal):
-            visible = visible & (col <= row0 + tScS[i][0] + offset)
-        if not visible:
-            acc_s[i] = -Float32.inf
+            bound = cutlass.min(bound, row0 + tScS[half * 2][0] + offset + 1 - first_col)
+        for i in cutlass.range_constexpr(half * 2, cute.size(acc_s), 4):
+            for j in cutlass.range_constexpr(2):
+                acc_s[i + j] = cutlass.select_(tScS0[i + j][1] >= bound, -Float32.inf, acc_s[i + j])
 
 
 @cute.jit

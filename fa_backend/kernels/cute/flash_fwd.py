@@ -129,6 +129,7 @@ class FlashForwardSm90(ForwardVariant):
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
         # (row, col) within the tile of every accumulator value this thread holds
         tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        tScS0 = mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))  # thread 0's: static
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, d)))
         acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
         acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
@@ -165,7 +166,7 @@ class FlashForwardSm90(ForwardVariant):
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            mask_scores(acc_s, tScS, m_block * TILE_M, n_block * TILE_N, seqlen_k, offset, self.causal)
+            mask_scores(acc_s, tScS, tScS0, m_block * TILE_M, n_block * TILE_N, seqlen_k, offset, self.causal)
             online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
 
             # O += P V, P from registers: the S accumulator's value order is the A operand's

@@ -525,13 +525,11 @@ class FlashForwardSm90WS(ForwardVariant):
     @cute.jit
     def _key_mask_state(self, mma_qk: cute.TiledMma):
         """(registers for one block's key-mask words or None without a key mask, the S accumulator's static
-        coordinates for thread 0 or None without a key mask or dropout)."""
-        words, tScS0 = None, None
+        coordinates for thread 0)."""
+        words = None
         if cutlass.const_expr(self.key_mask):
             words = cute.make_rmem_tensor((self.tile_n // 32,), cutlass.Uint32)
-        if cutlass.const_expr(self.key_mask or self.dropout):
-            tScS0 = mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((WG_M, self.tile_n)))
-        return words, tScS0
+        return words, mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((WG_M, self.tile_n)))
 
     @cute.jit
     def _blocks(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
@@ -549,7 +547,7 @@ class FlashForwardSm90WS(ForwardVariant):
             if cutlass.const_expr(self.key_mask):
                 mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
             if i < n_masked:  # only the blocks on the diagonal and the partial last block pay for masking
-                mask_scores(acc_s, tScS, row0, (n_blocks - 1 - i) * self.tile_n, seqlen_k, offset, self.causal)
+                mask_scores(acc_s, tScS, tScS0, row0, (n_blocks - 1 - i) * self.tile_n, seqlen_k, offset, self.causal)
             online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
             if cutlass.const_expr(self.dropout):  # after the row sums: the normaliser keeps every probability
                 drop_scores(acc_s, tScS0, (n_blocks - 1 - i) * self.tile_n, drop)
@@ -583,7 +581,7 @@ class FlashForwardSm90WS(ForwardVariant):
             if cutlass.const_expr(self.key_mask):
                 mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
             if n_masked > 0:
-                mask_scores(acc_s, tScS, row0, (n_blocks - 1) * self.tile_n, seqlen_k, offset, self.causal)
+                mask_scores(acc_s, tScS, tScS0, row0, (n_blocks - 1) * self.tile_n, seqlen_k, offset, self.causal)
             softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)  # O is still zero: no rescale
             if cutlass.const_expr(self.dropout):
                 drop_scores(acc_s, tScS0, (n_blocks - 1) * self.tile_n, drop)
@@ -607,7 +605,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 if cutlass.const_expr(self.key_mask):
                     mask_keys(acc_s, tScS0, words, cute.arch.lane_idx())
                 if i < n_masked:
-                    mask_scores(acc_s, tScS, row0, n_block * self.tile_n, seqlen_k, offset, self.causal)
+                    mask_scores(acc_s, tScS, tScS0, row0, n_block * self.tile_n, seqlen_k, offset, self.causal)
                 softmax_scores(acc_s, row_max, row_sum, alpha, scale_log2)
                 if cutlass.const_expr(self.dropout):  # the draws run while P V is in flight
                     drop_scores(acc_s, tScS0, n_block * self.tile_n, drop)

@@ -177,7 +177,7 @@ def _issue_order(ptx: str) -> str:
 
 @needs_ptxas
 def test_three_consumers_take_turns_without_spills(tmp_path):
-    """The op's d=64 variant (FASTEST: three consumers in ping-pong): the GEMM turns go round (consumer c waits on named
+    """The op's d=64 variant (FASTEST: three consumers in ping-pong), causal: the GEMM turns go round (consumer c waits on named
     barrier 1 + c and hands over on 1 + (c + 1) % 3), and ptxas allocates it in the consumers' 160 registers without
     spills, because each block's probabilities are converted before the next S = Q K^T is issued (the plain
     conversion was sunk past it, between S and P V, and ptxas spilled 556 bytes)."""
@@ -192,6 +192,10 @@ def test_three_consumers_take_turns_without_spills(tmp_path):
     # wg = warpgroup - 1: consumer c syncs on 1 + c = its warpgroup index and arrives on 1 + (c + 1) % 3
     assert len(re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)) == 3 and "bar.arrive 1, 256;" in ptx
     assert re.search(r"mul\.lo\.s32\s+%r\d+, %r\d+, 3;", ptx)  # the (c + 1) % 3 of the hand-over
+    # causal masking (the first block's and the loop's): per value one compare of its constant column with the row's
+    # bound and one select (_fwd_parts.mask_scores; comparing a runtime column with both bounds took two of each)
+    assert len(re.findall(r"selp\.f32\s+%r\d+, 0fFF800000, %r\d+, %p\d+;", ptx)) == 2 * 64
+    assert len(re.findall(r"setp\.\w+\.s32\s+%p\d+, %r\d+, -?\d+;", ptx)) >= 2 * 64
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     with pytest.raises(ValueError, match="consumers=3"):
