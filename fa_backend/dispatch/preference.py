@@ -209,9 +209,10 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     # MHA at d=64 / 128 (docs/benchmarks.md, "Three consumers in ping-pong", scripts/bench_cute.py, H200, torch 2.11,
     # bf16, seqlen 2k / 8k, two device calls of the nineteenth session, the op's variants): the CuTe forward at d=128
     # 0.98-0.99x cuDNN's at 2k and 1.04-1.05x at 8k; at d=64 1.02-1.04x (2k) and 1.12-1.14x (8k) without a causal mask,
-    # 0.90-0.93x and 1.05-1.06x with one (0.93x at 2k after the single-compare mask, one call). The backward kernel 0.97-1.02x cuDNN's (eighteenth session), a training step about
-    # on par: calls with gradients stay on cuDNN, and so do calls without them where our forward was not measured
-    # faster (below 8k tokens, except d=64 without a causal mask from 2k on; shorter calls were not timed).
+    # 0.90-0.93x and 1.05-1.06x with one (0.93x at 2k after the single-compare mask, one call). The backward kernel
+    # 0.97-1.02x cuDNN's (eighteenth session), a training step about on par: calls with gradients stay on cuDNN, and
+    # so do calls without them where our forward was not measured faster (below 8k tokens, except d=64 without a
+    # causal mask from 2k on; shorter calls were not timed).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}), grad_only=True,
                evidence="H200, torch 2.11, bf16, seqlen 2k / 8k: our CuTe backward 0.97-1.02x cuDNN's, a training "
