@@ -528,7 +528,7 @@ class FlashBackwardSm90(ForwardVariant):
     @cute.jit
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
                 key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None,
-                branch_free: cutlass.Constexpr = False):
+                branch_free: cutlass.Constexpr = False, tScS0: cute.Tensor = None):
         """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
         `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, the key bound that
         replaces seqlen_k in the visibility test (seqlen_k, or 0 for a hidden key), so that the code is the unmasked
@@ -538,12 +538,29 @@ class FlashBackwardSm90(ForwardVariant):
         slower than without a mask on the H200.) `branch_free`: the exp2 of every score, then a select (flash_bwd_wide:
         there ptxas kept the exp2 under `if visible` as a real branch per score, while the d=128 kernel's is
         if-converted and the unconditional form made ptxas serialise its wgmmas for registers)."""
+        first_q = None
+        if cutlass.const_expr(tScS0 is not None):
+            # per row half (one key each): the first query column, counted from this thread's first, that sees the key
+            # (a value's column is thread 0's, a compile-time constant, plus tScS[0]'s): one compare per score
+            first_q = cute.make_rmem_tensor((2,), Int32)
+            for h in cutlass.range_constexpr(2):
+                row_key = key0 + tScS[h * 2][0]
+                key_bound = seqlen_k
+                if cutlass.const_expr(keep is not None):
+                    key_bound = keep[h]
+                first = Int32(0)
+                if cutlass.const_expr(self.causal):
+                    first = row_key - row0 - offset - tScS[0][1]
+                first_q[h] = cutlass.select_(row_key < key_bound, first, Int32(1 << 30))
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             qi = tScS[i][1]
-            limit = seqlen_k
-            if cutlass.const_expr(keep is not None):
-                limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
-            visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
+            if cutlass.const_expr(tScS0 is not None):
+                visible = tScS0[i][1] >= first_q[(i // 2) % 2]
+            else:
+                limit = seqlen_k
+                if cutlass.const_expr(keep is not None):
+                    limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
+                visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
             if cutlass.const_expr(branch_free):
                 p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
                 acc_s[i] = cutlass.select_(visible, p, Float32(0.0))

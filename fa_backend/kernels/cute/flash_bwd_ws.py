@@ -391,10 +391,11 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         r_ds = cute.make_rmem_tensor(acc_dp.shape, self.dtype)
         t_p = cute.make_tensor(r_p.iterator, a_layout)
         t_ds = cute.make_tensor(r_ds.iterator, a_layout)
-        bits, tScS0 = None, None
-        if cutlass.const_expr(self.dropout):  # the step's keep bits; the static coordinates that index them
+        bits = None
+        # thread 0's (compile-time) coordinates: the visibility bounds' columns, and the keep bits' index with dropout
+        tScS0 = mma_ss.get_slice(0).partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
+        if cutlass.const_expr(self.dropout):  # the step's keep bits
             bits = cute.make_rmem_tensor((bits_words(self.tile_m),), cutlass.Uint32)
-            tScS0 = mma_ss.get_slice(0).partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
         keep = None
         if cutlass.const_expr(self.key_mask):  # the first head's key-mask terms, out of the step loop
             keep = cute.make_rmem_tensor((2,), Int32)
@@ -419,7 +420,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                     released.advance()
             if cutlass.const_expr(self.dropout):
                 read_backward_bits(drop[1], drop[0], step, wg * THREADS + wt, bits)
-            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep)
+            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep, tScS0=tScS0)
             if cutlass.const_expr(self.key_mask):
                 # GQA: step + 1 starts the group's next query head (a uniform branch, once the key bounds are used;
                 # at the step's start it changed how the step's LSE addresses compile, at its end it cost registers)
