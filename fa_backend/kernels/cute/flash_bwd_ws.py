@@ -42,6 +42,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
 from ._dropout import (  # noqa: E402
     BITS_STAGES, BITS_WARPS, MMA_THREADS, backward_keep, bits_words, draw_backward_bits, read_backward_bits)
+from ._schedule import L2_SECTION_BYTES, l2_section, longest_first  # noqa: E402
 from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm, dq_split  # noqa: E402
 
@@ -109,6 +110,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
+        if cutlass.const_expr(self.causal and not self.deterministic):
+            n_block, head_kv, batch = self._longest_first(n_block, head_kv, batch, seqlen_q, group)
 
         smem = SmemAllocator()
         bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
@@ -178,6 +181,20 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                       bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
                       n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords, drop,
                       (tma_dk, tma_dv))
+
+    @cute.jit
+    def _longest_first(self, n_block: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32, group: Int32):
+        """(key block, KV head, batch) of this CTA in the causal order of _schedule: the first key blocks (seen by the
+        most queries) first over all heads of an L2 section. (Not for the deterministic variant, whose dQ turns
+        assume every key block of a head starts together.)"""
+        blocks, heads, batches = cute.arch.grid_dim()
+        # a section's query rows: Q and dO in 16 bits, dQ in fp32, LSE and delta (a compile-time byte count per row)
+        row_bytes = 2 * (self.head_dim + self.head_dim) + 4 * self.head_dim + 8
+        heads_fit = Int32(L2_SECTION_BYTES // row_bytes) // cutlass.max(seqlen_q * group, 1)
+        section = l2_section(heads_fit, lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
+        last_first, pair = longest_first(n_block + blocks * (head_kv + heads * batch), blocks, heads * batches,
+                                         section, cutlass.min)
+        return blocks - 1 - last_first, pair % heads, pair // heads
 
     @cute.jit
     def _draw_bits(self, drop: tuple, gt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,

@@ -58,6 +58,7 @@ from ._dropout import drop_scores, dropout_state  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
     ForwardVariant, convert_in_place, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores,
     online_softmax, rescale_rows, sdpa_views, softmax_scores, store_rows)
+from ._schedule import L2_SECTION_BYTES, l2_section, longest_first  # noqa: E402
 from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
@@ -157,6 +158,10 @@ class FlashForwardSm90WS(ForwardVariant):
         self.consumers = consumers
         self.tile_m = WG_M * consumers
         self.tile_n = tile_n(head_dim, self.head_dim_v)
+        # causal tiles longest first over the heads of an L2 section (_schedule) where it was measured faster than
+        # each head's tiles in turn (H200, bf16, 2k / 8k tokens): d=128 two consumers (overlap +1 / +3 %) and d=64
+        # three (ping-pong -1 / +4 %); not d=64 with two (overlap -5 / -5 %), other head dims not timed
+        self.longest_first = causal and not persistent and (head_dim, consumers) in ((128, 2), (64, 3))
         self.threads = WG_THREADS * (1 + consumers)
         self.consumer_regs = CONSUMER_REGS if consumers == 2 else CONSUMER_REGS_3
 
@@ -311,7 +316,7 @@ class FlashForwardSm90WS(ForwardVariant):
                       bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, state_k: Any, state_v: Any,
                       mWords: cute.Tensor) -> tuple[Any, Any]:
         """The producer's loads of tile j (_tile); returns the advanced pipeline states."""
-        m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
+        m_block, head, batch = self._tile(j, mQ.shape[0], mQ, mK.shape[0])
         key_row = None
         if cutlass.const_expr(self.key_mask):
             key_row = mWords[None, head, batch]
@@ -326,7 +331,7 @@ class FlashForwardSm90WS(ForwardVariant):
                       mWords: cute.Tensor, drop_args: tuple, store_args: tuple, mQ: cute.Tensor, seqlen_k: Int32,
                       state_k: Any, state_v: Any) -> tuple[Any, Any]:
         """One consumer warpgroup's work on tile j (_tile); returns the advanced pipeline states."""
-        m_block, head, batch = self._tile(j, mQ.shape[0], mQ)
+        m_block, head, batch = self._tile(j, mQ.shape[0], mQ, seqlen_k)
         key_row = None
         if cutlass.const_expr(self.key_mask):
             key_row = mWords[None, head, batch]
@@ -336,18 +341,30 @@ class FlashForwardSm90WS(ForwardVariant):
                              state_k, state_v, mWords, drop_args, store_args)
 
     @cute.jit
-    def _tile(self, j: Int32, seqlen_q: Int32, mQ: cute.Tensor) -> tuple[Int32, Int32, Int32]:
+    def _tile(self, j: Int32, seqlen_q: Int32, mQ: cute.Tensor, seqlen_k: Int32) -> tuple[Int32, Int32, Int32]:
         """(query tile, head, batch) of tile j: the CTA's block index, or, persistent, j of the flattened order
-        (query tile fastest). Causal: the last query tiles (the most keys) first."""
+        (query tile fastest). Causal: the last query tiles (the most keys) first, over all heads of an L2 section
+        (_schedule.longest_first, where self.longest_first; otherwise within each head)."""
         m_tiles = cute.ceil_div(seqlen_q, self.tile_m)
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.persistent):
             m_block = j % m_tiles
             head = (j // m_tiles) % mQ.shape[2]
             batch = j // (m_tiles * mQ.shape[2])
-        if cutlass.const_expr(self.causal):
-            # longest first: launched first, the short tiles fill the tail instead of one long tile running
-            # alone at the end
+        if cutlass.const_expr(self.longest_first):
+            # longest first over all heads (_schedule): the short tiles fill the tail instead of long ones of the
+            # last heads running alone at the end
+            heads = mQ.shape[2]
+            pairs = heads * mQ.shape[3]
+            # heads whose K and V fit in L2 together (a compile-time byte count per key row, divided once)
+            heads_fit = Int32(L2_SECTION_BYTES // ((self.head_dim + self.head_dim_v) * self.dtype.width // 8)) // \
+                cutlass.max(seqlen_k, 1)
+            section = l2_section(heads_fit, lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
+            m_block, pair = longest_first(m_block + m_tiles * (head + heads * batch), m_tiles, pairs, section,
+                                          cutlass.min)
+            head = pair % heads
+            batch = pair // heads
+        elif cutlass.const_expr(self.causal):  # each head's longest tile first
             m_block = m_tiles - 1 - m_block
         return m_block, head, batch
 

@@ -91,6 +91,16 @@ VARIANTS = {"stage_dq": {}, "dq_buffer": dict(dq_buffer=True), "warp_specialized
             "ws_tile80": dict(warp_specialized=True, tile_m=80), "ws_tile128": dict(warp_specialized=True, tile_m=128)}
 
 
+@pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("bottom_right", [False, True])
+def test_longest_first_order_over_several_l2_sections(d, tile_m, bottom_right):
+    """8k queries of a GQA group of 2: a KV head's Q, dO and fp32 dQ take 16 MB at d=128 (L2 sections of 2 (batch,
+    KV head) pairs) and 8 MB at d=64 (4 pairs), so the causal key blocks' longest-first order (_schedule) runs over
+    several sections, the last one partial."""
+    check_backward(torch.bfloat16, d, True, bottom_right, 1, 10, 5, 8192, 700, wgs=2, warp_specialized=True,
+                   tile_m=tile_m)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d,tile_m", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])

@@ -108,6 +108,18 @@ def test_matches_the_simple_kernel():
 
 
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bottom_right", [False, True])
+# 32k keys: K and V of a head take 16 MB at d=128 (L2 sections of 2 (batch, head) pairs), 8 MB at d=64 (4 pairs), so
+# the causal tiles' longest-first order (_schedule) runs over several sections, the last one partial
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(1, 5, 5, 300, 32768), (2, 6, 3, 200, 32768)])
+def test_longest_first_order_over_several_l2_sections(d, bottom_right, b, hq, hkv, sq, sk):
+    from fa_backend.kernels.cute.flash_fwd_ws import FASTEST, flash_fwd_ws
+
+    check_forward(functools.partial(flash_fwd_ws, **FASTEST[d, True]), torch.bfloat16, d, True, bottom_right, b, hq,
+                  hkv, sq, sk)
+
+
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 # more tiles than PERSISTENT_CTAS: each CTA walks 2-3 tiles (256 / 360 tiles); the second shape's bottom-right
 # causal tiles past the keys visit no key block (no GEMM turn in either consumer)
