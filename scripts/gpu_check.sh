@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile]
+#   bash scripts/gpu_check.sh [tests] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
-# tests with the DSL installed, SHARDS=8: 450-510 s per shard (fourteenth session; a TEST_TIMEOUT of 540 cut one)
-# env: PROFILE_ARGS, PROFILE_SCRIPT, PROFILE_TIMEOUT, SHARDS, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
+# tests with the DSL installed, SHARDS=8: 450-510 s per shard (fourteenth session; a TEST_TIMEOUT of 540 cut one);
+# twentieth session: SHARDS=11 TEST_TIMEOUT=530 ran 90-94 % of each shard in a 600 s call, then `tests_tail` (TAIL=380)
+# the rest in a second
+# env: PROFILE_ARGS, PROFILE_SCRIPT, PROFILE_TIMEOUT, SHARDS, TAIL, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -18,13 +20,24 @@ status=0
 if [[ " $steps " == *" tests "* ]]; then
   n=${SHARDS:-6}
   for i in $(seq 0 $((n - 1))); do
-    timeout ${TEST_TIMEOUT:-900} python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --shard="$i/$n" \
+    # SIGINT at the limit: pytest then prints what passed and failed so far (a SIGTERM left only the dots)
+    timeout -s INT -k 30 ${TEST_TIMEOUT:-900} python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --shard="$i/$n" \
       > "$OUT/tests_$i.log" 2>&1 &
   done
   for i in $(seq 0 $((n - 1))); do wait -n || status=1; done
   for i in $(seq 0 $((n - 1))); do echo "shard $i: $(tail -n 1 "$OUT/tests_$i.log")"; done
   grep -h -E "^(FAILED|ERROR)" "$OUT"/tests_*.log | head -40
   cat "$OUT"/tests_*.log > "$OUT/tests.log"; rm -f "$OUT"/tests_*.log
+fi
+if [[ " $steps " == *" tests_tail "* ]]; then
+  # the last TAIL tests of the collection order over pytest-xdist: what shards cut by TEST_TIMEOUT leave (interleaved
+  # shards stop at about the same position of the order; twentieth session: SHARDS=11 TEST_TIMEOUT=530 ran 90-94 % of
+  # every shard, TAIL=380 the rest)
+  python3 -m pytest tests --collect-only -q -p no:cacheprovider 2>/dev/null | grep "::" | tail -n ${TAIL:-400} \
+    > "$OUT/tail_ids.txt"
+  timeout -s INT -k 30 ${TEST_TIMEOUT:-500} xargs -d '\n' -a "$OUT/tail_ids.txt" python3 -m pytest -q \
+    -p no:cacheprovider -n ${SHARDS:-14} > "$OUT/tests_tail.log" 2>&1 || status=1
+  tail -n 3 "$OUT/tests_tail.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/tests_tail.log" | head -20
 fi
 if [[ " $steps " == *" feature_tests "* ]]; then
   # the kernels' optional features only (masks, dropout, varlen, KV cache): pytest-xdist over SHARDS processes
