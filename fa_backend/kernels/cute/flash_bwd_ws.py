@@ -189,7 +189,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         assume every key block of a head starts together.)"""
         blocks, heads, batches = cute.arch.grid_dim()
         # a section's query rows: Q and dO in 16 bits, dQ in fp32, LSE and delta (a compile-time byte count per row)
-        row_bytes = 2 * (self.head_dim + self.head_dim) + 4 * self.head_dim + 8
+        row_bytes = 2 * (self.head_dim + self.head_dim_v) + 4 * self.head_dim + 8
         heads_fit = Int32(L2_SECTION_BYTES // row_bytes) // cutlass.max(seqlen_q * group, 1)
         section = l2_section(heads_fit, lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
         last_first, pair = longest_first(n_block + blocks * (head_kv + heads * batch), blocks, heads * batches,
