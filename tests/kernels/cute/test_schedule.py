@@ -19,7 +19,8 @@ def test_section_is_the_largest_power_of_two_that_fits(heads_fit: int, expected:
 
 
 def test_sections_at_the_benchmark_sizes() -> None:
-    # bf16, d=64: K and V of a 2k-token head are 512 KB (80 heads fit in 40 MB -> 64), of a 16k-token head 4 MB (10 -> 8)
+    # bf16, d=64: K and V of a 2k-token head are 512 KB (80 heads fit in 40 MB -> 64), of a 16k-token head 4 MB
+    # (10 -> 8)
     per_key_row = 2 * (64 + 64)
     assert l2_section(L2_SECTION_BYTES // per_key_row // 2048, _select) == 64
     assert l2_section(L2_SECTION_BYTES // per_key_row // 16384, _select) == 8
