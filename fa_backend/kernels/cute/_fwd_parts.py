@@ -19,6 +19,11 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
+def select_i32(cond, a, b) -> Int32:
+    """cutlass.select_ of two integers (Python ints or Int32) as Int32 (for _schedule's plain integer code)."""
+    return cutlass.select_(cond, Int32(a), Int32(b))
+
+
 class ForwardVariant:
     """Compile-time configuration (dtype, head_dim, causal and its alignment, head_dim_v: V's and O's head dim,
     head_dim where None) of one forward kernel variant."""

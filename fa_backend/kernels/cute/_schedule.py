@@ -31,6 +31,13 @@ def l2_section(heads_fit: Any, select: Callable[[Any, Any, Any], Any]) -> Any:
     return section
 
 
+def section_size(rows: Any, row_bytes: int, maximum: Callable[[Any, Any], Any],
+                 select: Callable[[Any, Any, Any], Any]) -> Any:
+    """l2_section for (batch, head) pairs whose shared operands take `rows` rows of `row_bytes` bytes each (a
+    compile-time count: one runtime division)."""
+    return l2_section((L2_SECTION_BYTES // row_bytes) // maximum(rows, 1), select)
+
+
 def longest_first(linear: Any, m_tiles: Any, pairs: Any, section: Any,
                   minimum: Callable[[Any, Any], Any]) -> tuple[Any, Any]:
     """(query tile, (batch, head) pair index) of the `linear`-th CTA in launch order, for `m_tiles` query tiles per

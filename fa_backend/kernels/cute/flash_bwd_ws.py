@@ -42,7 +42,8 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
 from ._dropout import (  # noqa: E402
     BITS_STAGES, BITS_WARPS, MMA_THREADS, backward_keep, bits_words, draw_backward_bits, read_backward_bits)
-from ._schedule import L2_SECTION_BYTES, l2_section, longest_first  # noqa: E402
+from ._fwd_parts import select_i32  # noqa: E402
+from ._schedule import longest_first, section_size  # noqa: E402
 from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 from .flash_bwd import QDO_STAGES, THREADS, TILE_M, TILE_N, FlashBackwardSm90, _gemm, dq_split  # noqa: E402
 
@@ -190,8 +191,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         blocks, heads, batches = cute.arch.grid_dim()
         # a section's query rows: Q and dO in 16 bits, dQ in fp32, LSE and delta (a compile-time byte count per row)
         row_bytes = 2 * (self.head_dim + self.head_dim_v) + 4 * self.head_dim + 8
-        heads_fit = Int32(L2_SECTION_BYTES // row_bytes) // cutlass.max(seqlen_q * group, 1)
-        section = l2_section(heads_fit, lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
+        section = section_size(seqlen_q * group, row_bytes, cutlass.max, select_i32)
         last_first, pair = longest_first(n_block + blocks * (head_kv + heads * batch), blocks, heads * batches,
                                          section, cutlass.min)
         return blocks - 1 - last_first, pair % heads, pair // heads

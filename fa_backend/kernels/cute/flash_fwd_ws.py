@@ -57,8 +57,8 @@ from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 from ._dropout import drop_scores, dropout_state  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
     ForwardVariant, convert_in_place, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores,
-    online_softmax, rescale_rows, sdpa_views, softmax_scores, store_rows)
-from ._schedule import L2_SECTION_BYTES, l2_section, longest_first  # noqa: E402
+    online_softmax, rescale_rows, sdpa_views, select_i32, softmax_scores, store_rows)
+from ._schedule import longest_first, section_size  # noqa: E402
 from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 
 KERNEL_NAME = "flash_fwd_sm90_ws"
@@ -356,10 +356,9 @@ class FlashForwardSm90WS(ForwardVariant):
             # last heads running alone at the end
             heads = mQ.shape[2]
             pairs = heads * mQ.shape[3]
-            # heads whose K and V fit in L2 together (a compile-time byte count per key row, divided once)
-            heads_fit = Int32(L2_SECTION_BYTES // ((self.head_dim + self.head_dim_v) * self.dtype.width // 8)) // \
-                cutlass.max(seqlen_k, 1)
-            section = l2_section(heads_fit, lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
+            # sections of heads whose K and V fit in L2 together
+            section = section_size(seqlen_k, (self.head_dim + self.head_dim_v) * self.dtype.width // 8, cutlass.max,
+                                   select_i32)
             m_block, pair = longest_first(m_block + m_tiles * (head + heads * batch), m_tiles, pairs, section,
                                           cutlass.min)
             head = pair % heads

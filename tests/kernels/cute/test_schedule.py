@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fa_backend.kernels.cute._schedule import L2_SECTION_BYTES, l2_section, longest_first
+from fa_backend.kernels.cute._schedule import l2_section, longest_first, section_size
 
 
 def _select(cond: bool, a: int, b: int) -> int:
@@ -20,10 +20,12 @@ def test_section_is_the_largest_power_of_two_that_fits(heads_fit: int, expected:
 
 def test_sections_at_the_benchmark_sizes() -> None:
     # bf16, d=64: K and V of a 2k-token head are 512 KB (80 heads fit in 40 MB -> 64), of a 16k-token head 4 MB
-    # (10 -> 8)
+    # (10 -> 8); a section of at least one pair however long the sequence
     per_key_row = 2 * (64 + 64)
-    assert l2_section(L2_SECTION_BYTES // per_key_row // 2048, _select) == 64
-    assert l2_section(L2_SECTION_BYTES // per_key_row // 16384, _select) == 8
+    assert section_size(2048, per_key_row, max, _select) == 64
+    assert section_size(16384, per_key_row, max, _select) == 8
+    assert section_size(1 << 24, per_key_row, max, _select) == 1
+    assert section_size(0, per_key_row, max, _select) == 1 << 15
 
 
 @pytest.mark.parametrize("m_tiles, pairs, section", [(11, 256, 64), (16, 128, 64), (3, 5, 2), (7, 13, 4), (1, 9, 8),
