@@ -90,7 +90,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # 64-row steps without dropout: P^T unpredicated (hidden scores to -inf, then every exp2) with the LSE and
         # delta read once per column from one base address, dS^T before dV is issued (FA4's order). Predicated,
         # ptxas recomputed each read's address under its score's predicate and reloaded the scale from the constant
-        # bank (686 SASS instructions per step and thread at d=128 against 559 so); unpredicated in FA3's order it
+        # bank (686 SASS instructions per step and thread at d=128 against 546 so); unpredicated in FA3's order it
         # serialised the wgmmas for registers (C7512), as it still does at d=64's 128-row steps
         self.column_reads = tile_m == TILE_M and not dropout
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
@@ -400,7 +400,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
         memory (dK in flight until the next step's scores have been waited for; only then is the step's Q / dO
         stage released, dK's Q^T being its last reader).
-        With 80-row steps (`lean`, FA4's order) the scores' accumulators grow to 80 registers, and ptxas serialised
+        With 80- or 128-row steps, and 64-row ones with column_reads (`lean`, FA4's order) the scores' accumulators grow to 80 registers, and ptxas serialised
         every wgmma for want of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live
         beside them: dS^T is computed before dV is issued, and dK is waited for at the end of its step. With 128
         rows (d=64) dV is also waited for before the dQ GEMM: with dV, dQ and dK in flight together ptxas spilled
@@ -444,7 +444,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             if cutlass.const_expr(self.dropout):
                 read_backward_bits(drop[1], drop[0], step, wg * THREADS + wt, bits)
             self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep, tScS0=tScS0,
-                        column_reads=self.column_reads)
+                         column_reads=self.column_reads)
             if cutlass.const_expr(self.key_mask):
                 # GQA: step + 1 starts the group's next query head (a uniform branch, once the key bounds are used;
                 # at the step's start it changed how the step's LSE addresses compile, at its end it cost registers)
