@@ -400,9 +400,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
         memory (dK in flight until the next step's scores have been waited for; only then is the step's Q / dO
         stage released, dK's Q^T being its last reader).
-        With 80- or 128-row steps, and 64-row ones with column_reads (`lean`, FA4's order) the scores' accumulators grow to 80 registers, and ptxas serialised
-        every wgmma for want of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live
-        beside them: dS^T is computed before dV is issued, and dK is waited for at the end of its step. With 128
+        With 80-row steps the scores' accumulators grow to 80 registers, and ptxas serialised every wgmma for want
+        of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live beside them; so there,
+        with 128 rows and with 64 rows and column_reads (`lean`, FA4's order), dS^T is computed before dV is issued,
+        and dK is waited for at the end of its step. With 128
         rows (d=64) dV is also waited for before the dQ GEMM: with dV, dQ and dK in flight together ptxas spilled
         104-132 bytes, with dV retired first 20-24 (compile checks; without the dQ or the dK GEMM, none)."""
         wgs = self.wgs
