@@ -528,7 +528,8 @@ class FlashBackwardSm90(ForwardVariant):
     @cute.jit
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
                 key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None,
-                branch_free: cutlass.Constexpr = False, tScS0: cute.Tensor = None):
+                branch_free: cutlass.Constexpr = False, tScS0: cute.Tensor = None,
+                column_reads: cutlass.Constexpr = False):
         """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
         `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, the key bound that
         replaces seqlen_k in the visibility test (seqlen_k, or 0 for a hidden key), so that the code is the unmasked
@@ -537,7 +538,10 @@ class FlashBackwardSm90(ForwardVariant):
         recomputed each time, or serialise the wgmmas for registers, C7512: the key-mask backward ran 21-35 %
         slower than without a mask on the H200.) `branch_free`: the exp2 of every score, then a select (flash_bwd_wide:
         there ptxas kept the exp2 under `if visible` as a real branch per score, while the d=128 kernel's is
-        if-converted and the unconditional form made ptxas serialise its wgmmas for registers)."""
+        if-converted and the unconditional form made ptxas serialise its wgmmas for registers). `column_reads`
+        (flash_bwd_ws's 64-row steps, with tScS0, in FA4's order: dS^T before dV is issued): hidden scores to -inf and
+        every exp2 unpredicated, the LSE read once per column of the thread (_column_rows): no address recomputed
+        per score, and no C7512 in that order."""
         first_q = None
         if cutlass.const_expr(tScS0 is not None):
             # per row half (one key each): the first query column, counted from this thread's first, that sees the key
@@ -552,23 +556,32 @@ class FlashBackwardSm90(ForwardVariant):
                 if cutlass.const_expr(self.causal):
                     first = row_key - row0 - offset - tScS[0][1]
                 first_q[h] = cutlass.select_(row_key < key_bound, first, Int32(1 << 30))
+        lse_cols = None
+        if cutlass.const_expr(column_reads):
+            lse_cols = self._column_rows(sRows, 0, stage, tScS, tScS0, cute.size(acc_s) // 2)
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             qi = tScS[i][1]
-            if cutlass.const_expr(tScS0 is not None):
+            if cutlass.const_expr(column_reads):
+                # hidden scores to -inf, then the exp2 (LSE +inf for a row without keys: 0 either way)
                 visible = tScS0[i][1] >= first_q[(i // 2) % 2]
+                x = acc_s[i] * scale_log2 - lse_cols[(i % 2) + 2 * (i // 4)]
+                acc_s[i] = cute.math.exp2(cutlass.select_(visible, x, -Float32.inf), fastmath=True)
             else:
-                limit = seqlen_k
-                if cutlass.const_expr(keep is not None):
-                    limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
-                visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
-            if cutlass.const_expr(branch_free):
-                p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
-                acc_s[i] = cutlass.select_(visible, p, Float32(0.0))
-            else:
-                p = Float32(0.0)
-                if visible:
+                if cutlass.const_expr(tScS0 is not None):
+                    visible = tScS0[i][1] >= first_q[(i // 2) % 2]
+                else:
+                    limit = seqlen_k
+                    if cutlass.const_expr(keep is not None):
+                        limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
+                    visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
+                if cutlass.const_expr(branch_free):
                     p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
-                acc_s[i] = p
+                    acc_s[i] = cutlass.select_(visible, p, Float32(0.0))
+                else:
+                    p = Float32(0.0)
+                    if visible:
+                        p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
+                    acc_s[i] = p
 
     @cute.jit
     def _key_keep(self, words: cute.Tensor, tScS: cute.Tensor, key0: Int32, seqlen_k: Int32, keep: cute.Tensor):
@@ -583,10 +596,29 @@ class FlashBackwardSm90(ForwardVariant):
             keep[h] = Int32(cutlass.select_(attend, seqlen_k, Int32(0)))
 
     @cute.jit
-    def _ds_only(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32):
-        """In place: acc_dp := dS^T = P^T (dP^T - delta) from _p_only's P^T."""
-        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-            acc_dp[i] = acc_s[i] * (acc_dp[i] - sRows[1, tScS[i][1], stage])
+    def _ds_only(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32,
+                 tScS0: cute.Tensor = None):
+        """In place: acc_dp := dS^T = P^T (dP^T - delta) from _p_only's P^T. tScS0 (thread 0's coordinates): delta
+        read once per distinct column, from one base address (_column_rows)."""
+        if cutlass.const_expr(tScS0 is not None):
+            delta = self._column_rows(sRows, 1, stage, tScS, tScS0, cute.size(acc_s) // 2)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_dp[i] = acc_s[i] * (acc_dp[i] - delta[(i % 2) + 2 * (i // 4)])
+        else:
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+                acc_dp[i] = acc_s[i] * (acc_dp[i] - sRows[1, tScS[i][1], stage])
+
+    @cute.jit
+    def _column_rows(self, sRows: cute.Tensor, which: cutlass.Constexpr, stage: Int32, tScS: cute.Tensor,
+                     tScS0: cute.Tensor, columns: cutlass.Constexpr) -> cute.Tensor:
+        """The step's LSE (which=0) or delta (1) of each of this thread's distinct query columns (an accumulator's
+        values i and i + 2 share theirs: column c is value (c % 2) + 4 * (c // 2)), read from one base address plus
+        compile-time offsets (thread 0's columns)."""
+        row = cute.domain_offset((tScS[0][1],), sRows[which, None, stage])
+        values = cute.make_rmem_tensor((columns,), Float32)
+        for c in cutlass.range_constexpr(columns):
+            values[c] = row[tScS0[(c % 2) + 4 * (c // 2)][1]]
+        return values
 
     @cute.jit
     def _grad_gemms(self, mma_rs: cute.TiledMma, acc_s: cute.Tensor, acc_dp: cute.Tensor, acc_dk: cute.Tensor,

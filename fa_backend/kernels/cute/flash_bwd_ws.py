@@ -87,6 +87,12 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
         self.qdo_stages = QDO_STAGES  # Q / dO pipeline depth (flash_bwd_wide's may differ)
         self.tile_m = tile_m
+        # 64-row steps without dropout: P^T unpredicated (hidden scores to -inf, then every exp2) with the LSE and
+        # delta read once per column from one base address, dS^T before dV is issued (FA4's order). Predicated,
+        # ptxas recomputed each read's address under its score's predicate and reloaded the scale from the constant
+        # bank (686 SASS instructions per step and thread at d=128 against 546 so); unpredicated in FA3's order it
+        # serialised the wgmmas for registers (C7512), as it still does at d=64's 128-row steps
+        self.column_reads = tile_m == TILE_M and not dropout
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
         self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
         # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
@@ -394,13 +400,14 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
         memory (dK in flight until the next step's scores have been waited for; only then is the step's Q / dO
         stage released, dK's Q^T being its last reader).
-        With 80-row steps (`lean`, FA4's order) the scores' accumulators grow to 80 registers, and ptxas serialised
-        every wgmma for want of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live
-        beside them: dS^T is computed before dV is issued, and dK is waited for at the end of its step. With 128
+        With 80-row steps the scores' accumulators grow to 80 registers, and ptxas serialised every wgmma for want
+        of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live beside them; so there,
+        with 128 rows and with 64 rows and column_reads (`lean`, FA4's order), dS^T is computed before dV is issued,
+        and dK is waited for at the end of its step. With 128
         rows (d=64) dV is also waited for before the dQ GEMM: with dV, dQ and dK in flight together ptxas spilled
         104-132 bytes, with dV retired first 20-24 (compile checks; without the dQ or the dK GEMM, none)."""
         wgs = self.wgs
-        lean = self.tile_m != TILE_M
+        lean = self.tile_m != TILE_M or self.column_reads
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
         released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
@@ -437,7 +444,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                     released.advance()
             if cutlass.const_expr(self.dropout):
                 read_backward_bits(drop[1], drop[0], step, wg * THREADS + wt, bits)
-            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep, tScS0=tScS0)
+            self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep, tScS0=tScS0,
+                         column_reads=self.column_reads)
             if cutlass.const_expr(self.key_mask):
                 # GQA: step + 1 starts the group's next query head (a uniform branch, once the key bounds are used;
                 # at the step's start it changed how the step's LSE addresses compile, at its end it cost registers)
@@ -446,7 +454,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                                    keep)
             if cutlass.const_expr(lean):
                 warpgroup.wait_group(0)  # dP^T
-                self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
+                self._ds_only(acc_s, acc_dp, tScS, sRows, rows, tScS0 if self.column_reads else None)
                 r_p.store(acc_s.load().to(self.dtype))
                 r_ds.store(acc_dp.load().to(self.dtype))
                 self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)

@@ -258,6 +258,27 @@ def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, dq_buffer):
 
 
 @needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+def test_64_row_steps_read_each_columns_rows_once(tmp_path, causal):
+    """The op's d=128 backward (64-row steps, FlashBackwardSm90WS.column_reads): the step's LSE and delta are read
+    once per query column of the thread from one base address (LLVM then loads each adjacent pair of columns' LSE
+    and delta, 16 bytes, with one ld.shared.v4: 8 per step), hidden scores go to -inf before an unpredicated exp2
+    (one select per score), and ptxas keeps the wgmmas asynchronous without spills. (Read by runtime column under
+    each score's predicate: 48 scalar loads, the addresses recomputed in the SASS each time, 686 instructions per
+    step against 546.)"""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True).__ptx__
+    assert ptx.count("ld.shared.v4.b32") == 8
+    selects = re.findall(r"selp\.f32\s+%r\d+, (?:%r\d+, 0fFF800000|0fFF800000, %r\d+), %p\d+;", ptx)
+    assert len(selects) == ptx.count("ex2.approx") == 32
+    report = ptxas_report(ptx, tmp_path)
+    assert not re.findall(r"C75\d\d", report), report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+@needs_ptxas
 @pytest.mark.parametrize("d,causal", [(128, False), (128, True), (192, True), (256, False)])
 def test_key_mask_variant_keeps_wgmma_asynchronous(tmp_path, d, causal):
     """The op's masked backward (d=128, 64-row steps, and flash_bwd_wide at d=192 / 256;
