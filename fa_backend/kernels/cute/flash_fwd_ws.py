@@ -602,10 +602,10 @@ class FlashForwardSm90WS(ForwardVariant):
             if cutlass.const_expr(self.dropout):
                 drop_scores(acc_s, tScS0, (n_blocks - 1) * self.tile_n, drop)
             convert_in_place(acc_s, r_p, self.dtype)
-            # causal: the blocks that need the mask (the diagonal's, the partial last one) in one loop, the rest in another
-            # without the mask's branch (FA4's structure: per unmasked block 14 SASS instructions fewer at d=64, and
-            # ptxas places the P V wait after the row maxima instead of before them); each loop has its own copy of
-            # the S MMA, whose ACCUMULATE field it sets
+            # causal: the blocks that need the mask (the diagonal's, the partial last one) in one loop, the rest in
+            # another without the mask's branch (FA4's structure: per unmasked block 14 SASS instructions fewer at
+            # d=64, 7 at d=128, where ptxas now also waits for P V after the row maxima instead of before them); each
+            # loop has its own copy of the S MMA, whose ACCUMULATE field it sets
             args = (mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p, row_max, row_sum, alpha, words, tScS0,
                     pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks, wg, key_row, drop)
             first_unmasked = 1
@@ -624,7 +624,6 @@ class FlashForwardSm90WS(ForwardVariant):
             pipe_v.consumer_release(state_v)
             state_v.advance()
         return state_k, state_v
-
 
     @cute.jit
     def _overlapped_block(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor,
