@@ -53,7 +53,8 @@ from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 from ._bulk import bulk_reduce_add_f32  # noqa: E402
 from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
 from .flash_bwd import THREADS, TILE_M, TILE_N, WIDE_HEAD_DIMS, _gemm, _transposed  # noqa: E402
-from .flash_bwd_ws import MMA_BARRIER, MMA_REGS, PRODUCER_REGS, FlashBackwardSm90WS, _own_copy  # noqa: E402
+from ._fwd_parts import own_copy  # noqa: E402
+from .flash_bwd_ws import MMA_BARRIER, MMA_REGS, PRODUCER_REGS, FlashBackwardSm90WS  # noqa: E402
 
 HEAD_DIMS = WIDE_HEAD_DIMS
 PT_TILES = 2  # P^T / dS^T tiles alternate between steps: one barrier per step orders their writes and reads
@@ -235,8 +236,8 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
             cute.arch.setmaxregister_increase(MMA_REGS)
             own_dv = None  # equal head dims: dK's MMA serves dV
             if cutlass.const_expr(d_v != d):
-                own_dv = _own_copy(mma_dv)
-            self._mma_wide(_own_copy(mma_s), _own_copy(mma_dk), _own_copy(mma_dq), sK, sV, sQ, sdO, sP, sdS, fQ,
+                own_dv = own_copy(mma_dv)
+            self._mma_wide(own_copy(mma_s), own_copy(mma_dk), own_copy(mma_dq), sK, sV, sQ, sdO, sP, sdS, fQ,
                            fdO, sRows, bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1,
                            tidx % THREADS, n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps,
                            mWords, own_dv, fX, (tma_dk, tma_dv))

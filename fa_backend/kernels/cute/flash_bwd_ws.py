@@ -36,10 +36,10 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
-from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
+from ._fwd_parts import own_copy  # noqa: E402
 from ._dropout import (  # noqa: E402
     BITS_STAGES, BITS_WARPS, MMA_THREADS, backward_keep, bits_words, draw_backward_bits, read_backward_bits)
 from ._fwd_parts import select_i32  # noqa: E402
@@ -55,11 +55,6 @@ MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
 EPILOGUE_BARRIER = 2  # named barriers 2 and 3: an MMA warpgroup's dK / dV rows are in shared memory (tma_store)
 
 
-def _own_copy(mma: cute.TiledMma) -> cute.TiledMma:
-    """A copy of an MMA for one branch of the kernel: its ACCUMULATE field is set inside the branch, and a set on an
-    object defined outside a runtime branch leaves that object holding a value the branch defines (the IR then fails
-    to verify: "operand does not dominate this use")."""
-    return new_from_mlir_values(mma, extract_mlir_values(mma))
 
 
 class FlashBackwardSm90WS(FlashBackwardSm90):
@@ -184,7 +179,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                                     seqlen_q, seqlen_k, m_start, n_m, steps)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
-            self._mma(_own_copy(mma_ss), _own_copy(mma_rs), _own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
+            self._mma(own_copy(mma_ss), own_copy(mma_rs), own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
                       bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
                       n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords, drop,
                       (tma_dk, tma_dv))

@@ -71,24 +71,25 @@ def test_registers_move_from_the_producer_to_the_consumers(compiled):
 def test_wgmma_shapes_and_counts(compiled):
     from fa_backend.kernels.cute import flash_fwd_ws
 
-    (dtype, d, _, _, overlap), ptx, _ = compiled
+    (dtype, d, causal, _, overlap), ptx, _ = compiled
     t = "bf16" if dtype == torch.bfloat16 else "f16"
     qk = f"m64n{_tile_n(d)}k16.f32.{t}.{t}"  # S = Q K^T per consumer: head_dim / 16 instructions
     pv = f"m64n{d}k16.f32.{t}.{t}"  # O += P V: tile_n / 16 instructions
     expected = {qk: d // 16}
     expected[pv] = expected.get(pv, 0) + _tile_n(d) // 16
-    if overlap:  # the first S and the last P V are peeled off the loop
-        expected = {shape: 2 * count for shape, count in expected.items()}
+    loops = 2 if causal else 1  # overlap, causal: a loop of the masked blocks, then one without the mask
+    if overlap:  # the first S and the last P V are peeled off the loops
+        expected = {shape: (1 + loops) * count for shape, count in expected.items()}
     assert _wgmma_counts(ptx) == expected
-    # overlap: one wait that leaves the newest group (P V) in flight while the softmax runs
-    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == int(overlap)
+    # overlap: in each loop one wait that leaves the newest group (P V) in flight while the softmax runs
+    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == loops * int(overlap)
     # P V takes P from registers ({4 registers}) and V transposed (MN-major: last immediate 1)
     pv_lines = [line for line in ptx.splitlines() if f"aligned.{pv}" in line and "{%r" in line.split("}, ")[1]]
     assert pv_lines and all(line.rstrip().endswith("1, 1;") for line in pv_lines)
 
 
 def test_tma_loads_and_pipeline_barriers(compiled):
-    (_, d, _, _, overlap), ptx, _ = compiled
+    (_, d, causal, _, overlap), ptx, _ = compiled
     # 4-D TMA loads of two Q halves, one K and one V tile; a 128-byte swizzled box row holds 64 16-bit
     # values, so each tile takes d / 64 boxes (d = 96: 192-byte rows, 64-byte swizzle, 32 values per box)
     boxes = d // 64 if d % 64 == 0 else d // 32
@@ -100,20 +101,22 @@ def test_tma_loads_and_pipeline_barriers(compiled):
     # expected bytes: Q once, then a K and a V stage per block (one elected producer lane each)
     assert ptx.count("mbarrier.arrive.expect_tx") == 3
     # waits: consumers on Q, K full, V full; the producer on K empty, V empty. Overlap peels the first
-    # K stage and the last V stage off the loop: one more K and V wait and release each
-    assert ptx.count("mbarrier.try_wait.parity") == 5 + 2 * overlap
-    assert ptx.count("mbarrier.arrive.shared.b64") == 2 + 2 * overlap  # consumers release K and V stages
+    # K stage and the last V stage off the loop: one more K and V wait and release each; causal overlap runs the
+    # masked blocks in a loop of their own: one more of each again
+    loops = 2 if causal and overlap else 1
+    assert ptx.count("mbarrier.try_wait.parity") == 3 + 2 * loops + 2 * overlap
+    assert ptx.count("mbarrier.arrive.shared.b64") == 2 * loops + 2 * overlap  # consumers release K and V stages
     assert ptx.count("elect.sync") >= 4 * boxes + 3  # TMA copies and producer arrives go to one lane
 
 
 def test_softmax_exp2_count_and_no_local_memory(compiled):
     from fa_backend.kernels.cute import flash_fwd_ws
 
-    (_, d, *_, overlap), ptx, _ = compiled
+    (_, d, causal, _, overlap), ptx, _ = compiled
     # one exp2 per score a consumer thread holds, plus one rescale factor per row half (twice with overlap:
-    # the first block's softmax is peeled off the loop)
+    # the first block's softmax is peeled off the loop; three times with causal overlap: masked blocks loop apart)
     per_block = flash_fwd_ws.WG_M * _tile_n(d) // flash_fwd_ws.WG_THREADS + 2
-    expected = per_block * (2 if overlap else 1)
+    expected = per_block * ((3 if causal else 2) if overlap else 1)
     if _tile_n(d) < flash_fwd_ws.TILE_N and not overlap:
         # the serial loop over 64-key blocks: the compiler copies the scores' exp2 (not the rescale factors') into
         # the block's masked and unmasked paths; still one exp2 per score on either path
@@ -144,12 +147,13 @@ def test_pingpong_takes_turns(tmp_path, dtype, d, causal, bottom_right):
     overlap = flash_fwd_ws.compile_flash_fwd_ws(dtype, d, causal, bottom_right, "sm_90a", str(tmp_path / "overlap"),
                                                 overlap=True).__ptx__
     assert _wgmma_counts(ptx) == _wgmma_counts(overlap)
-    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == 1
+    loops = 2 if causal else 1  # causal: the masked blocks' loop, then the unmasked one
+    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == loops
     first = f"bar.arrive {flash_fwd_ws.PINGPONG_BARRIER}, 256;"
     assert ptx.count(first) == 1
     turns = re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)
     hand_overs = re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)
-    assert len(turns) == len(hand_overs) == 3  # the first S, each S + P V pair, the last P V
+    assert len(turns) == len(hand_overs) == 2 + loops  # the first S, each S + P V pair, the last P V
     # no turns without pingpong (the set-up's barrier and the consumer's own before its O store only)
     assert "bar.sync" not in re.sub(r"bar\.sync\s+%r\d+, 128;", "", overlap.replace("bar.sync \t0;", ""))
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -188,14 +192,18 @@ def test_three_consumers_take_turns_without_spills(tmp_path):
     ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, False, "sm_90a", str(tmp_path), **kw).__ptx__
     order = _issue_order(ptx)
     assert "ScV" not in order, order  # no conversion between an S issue and the P V issue after it
-    assert order.startswith("ScSVcV"), order  # the first S, its P, then the loop's S + P V pair and its P, the last P V
+    # the first S, its P, then the masked loop's S + P V pair and its P, the unmasked loop's, the last P V
+    assert order.startswith("ScSVcSVcV"), order
     # wg = warpgroup - 1: consumer c syncs on 1 + c = its warpgroup index and arrives on 1 + (c + 1) % 3
-    assert len(re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)) == 3 and "bar.arrive 1, 256;" in ptx
+    assert len(re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)) == 4 and "bar.arrive 1, 256;" in ptx
     assert re.search(r"mul\.lo\.s32\s+%r\d+, %r\d+, 3;", ptx)  # the (c + 1) % 3 of the hand-over
-    # causal masking (the first block's and the loop's): per value one compare of its constant column with the row's
-    # bound and one select (_fwd_parts.mask_scores; comparing a runtime column with both bounds took two of each)
-    assert len(re.findall(r"selp\.f32\s+%r\d+, 0fFF800000, %r\d+, %p\d+;", ptx)) == 2 * 64
-    assert len(re.findall(r"setp\.\w+\.s32\s+%p\d+, %r\d+, -?\d+;", ptx)) >= 2 * 64
+    # causal masking (the first block's and the masked loop's): per value one select to -inf on a bit of its row
+    # half's mask word (_fwd_parts.mask_scores; ptxas: R2P + FSEL), no compare of the value's column with a bound
+    # (that form had one setp with an immediate per value, 128 here)
+    selects = (re.findall(r"selp\.f32\s+%r\d+, 0fFF800000, %r\d+, %p\d+;", ptx)
+               + re.findall(r"selp\.f32\s+%r\d+, %r\d+, 0fFF800000, %p\d+;", ptx))
+    assert len(selects) == 2 * 64
+    assert len(re.findall(r"setp\.\w+\.s32\s+%p\d+, %r\d+, -?\d+;", ptx)) < 64
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     with pytest.raises(ValueError, match="consumers=3"):
@@ -383,7 +391,8 @@ def test_head_dim_v_variants_compile_without_spills(tmp_path, causal):
     kw = flash_fwd_ws.fastest_kwargs(d, causal, head_dim_v=dv)
     ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path),
                                             pointer_args=True, head_dim_v=dv, **kw).__ptx__
-    assert _wgmma_counts(ptx) == {"m64n128k16.f32.bf16.bf16": 2 * (d // 16 + 128 // 16)}
+    # (three times with a causal mask: the masked blocks loop apart)
+    assert _wgmma_counts(ptx) == {"m64n128k16.f32.bf16.bf16": (3 if causal else 2) * (d // 16 + 128 // 16)}
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2 * 3 + 3 + 2
     assert "ld.local" not in ptx and "st.local" not in ptx
     report = ptxas_report(ptx, tmp_path)
