@@ -63,6 +63,7 @@ class FasterPeer:
     gqa: bool = False  # also calls with hq != hkv
     gqa_only: bool = False  # only calls with hq != hkv
     causal_only: bool = False  # only calls with is_causal
+    non_causal_only: bool = False  # only calls without is_causal
     grad_only: bool = False  # only calls that need gradients (the evidence is about forward + backward)
     no_grad_only: bool = False  # only calls that need no gradients (the evidence is about the forward)
     choices: frozenset[str] = frozenset({"cudnn_attention"})  # PyTorch's own picks the evidence is about
@@ -79,6 +80,7 @@ class FasterPeer:
                 and (call.heads_q == call.heads_kv or self.gqa or self.gqa_only)
                 and (call.heads_q != call.heads_kv or not self.gqa_only)
                 and (call.is_causal or not self.causal_only)
+                and (not call.is_causal or not self.non_causal_only)
                 and (call.requires_grad or not self.grad_only)
                 and (not call.requires_grad or not self.no_grad_only)
                 and not (call.is_causal and call.seqlen_q != call.seqlen_k)
@@ -207,25 +209,40 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                                  f"{TINY_KV_BYTES >> 20} MiB of K and V): PyTorch's C++ path costs less host time "
                                  "per call than our CuTe runner"),
     # MHA at d=64 / 128 (docs/benchmarks.md, "Three consumers in ping-pong", scripts/bench_cute.py, H200, torch 2.11,
-    # bf16, seqlen 2k / 8k, two device calls of the nineteenth session, the op's variants): the CuTe forward at d=128
-    # 0.98-0.99x cuDNN's at 2k and 1.04-1.05x at 8k; at d=64 1.02-1.04x (2k) and 1.12-1.14x (8k) without a causal mask,
-    # 0.90-0.93x and 1.05-1.06x with one (0.93x at 2k after the single-compare mask, one call). The backward kernel
-    # 0.97-1.02x cuDNN's (eighteenth session), a training step about on par: calls with gradients stay on cuDNN, and
-    # so do calls without them where our forward was not measured faster (below 8k tokens, except d=64 without a
+    # bf16, seqlen 2k / 8k, two device calls of the nineteenth session, the op's variants): the CuTe forward at d=64
+    # 1.02-1.04x cuDNN's (2k) and 1.12-1.14x (8k) without a causal mask, 0.90-0.95x and 1.05-1.06x with one; its
+    # backward 0.99-1.03x cuDNN's (twenty-first session), a training step about on par: calls with gradients stay on
+    # cuDNN, and so do calls without them where our forward was not measured faster (below 8k tokens, except without a
     # causal mask from 2k on; shorter calls were not timed).
+    # d=128 (docs/benchmarks.md, "The backward's rows once per column, the forward's masked blocks apart", twenty-first
+    # session, 2026-12-02): forward 0.99-1.00x cuDNN's at 2k and 1.04x at 8k without a causal mask, 1.04x / 1.11x with
+    # one; backward through the op 1.05x / 1.08x causal, 1.04x / 0.97x without (the kernel alone 1.05-1.06x). Causal
+    # training calls from 2k run ours (a step 1.05x / 1.09x cuDNN's, from the two runs' times), non-causal ones stay on
+    # cuDNN (a step 1.03x / 0.99x); calls without gradients run ours causal from 2k, non-causal from 8k. Shorter calls
+    # were not timed.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 128}), grad_only=True,
-               evidence="H200, torch 2.11, bf16, seqlen 2k / 8k: our CuTe backward 0.97-1.02x cuDNN's, a training "
-                        "step about on par"),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), grad_only=True,
+               evidence="H200, torch 2.11, bf16, d=64, seqlen 2k / 8k: our CuTe backward 0.99-1.03x cuDNN's, a "
+                        "training step about on par"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), grad_only=True,
+               non_causal_only=True,
+               evidence="H200, torch 2.11, bf16, d=128 without a causal mask, seqlen 2k / 8k: our CuTe backward "
+                        "0.97-1.04x cuDNN's through the op, a training step about on par (0.99-1.03x)"),
+    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
+               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), causal_only=True,
+               max_seqlen_q=2047,
+               evidence="H200, torch 2.11, bf16, causal d=128: our CuTe kernels not timed below 2k tokens (from 2k, "
+                        "where ours runs: forward 1.04-1.11x cuDNN's, backward 1.05-1.08x)"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), no_grad_only=True,
-               max_seqlen_q=8191,
-               evidence="H200, torch 2.11, bf16, d=128, seqlen 2k: our CuTe forward 0.98-0.99x cuDNN's (1.04-1.05x "
-                        "at 8k, where ours runs)"),
+               non_causal_only=True, max_seqlen_q=8191,
+               evidence="H200, torch 2.11, bf16, d=128 without a causal mask, seqlen 2k: our CuTe forward 0.99-1.00x "
+                        "cuDNN's (1.04x at 8k, where ours runs)"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
                causal_only=True, max_seqlen_q=8191,
-               evidence="H200, torch 2.11, bf16, causal d=64, seqlen 2k: our CuTe forward 0.90-0.93x cuDNN's "
+               evidence="H200, torch 2.11, bf16, causal d=64, seqlen 2k: our CuTe forward 0.90-0.95x cuDNN's "
                         "(1.05-1.06x at 8k, where ours runs)"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
