@@ -210,7 +210,7 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                                  "per call than our CuTe runner"),
     # MHA at d=64 / 128 (docs/benchmarks.md, "Three consumers in ping-pong", scripts/bench_cute.py, H200, torch 2.11,
     # bf16, seqlen 2k / 8k, two device calls of the nineteenth session, the op's variants): the CuTe forward at d=64
-    # 1.02-1.04x cuDNN's (2k) and 1.12-1.14x (8k) without a causal mask, 0.90-0.95x and 1.05-1.06x with one; its
+    # 1.02-1.04x cuDNN's (2k) and 1.12-1.14x (8k) without a causal mask, 0.90-0.96x and 1.05-1.06x with one; its
     # backward 0.99-1.03x cuDNN's (twenty-first session), a training step about on par: calls with gradients stay on
     # cuDNN, and so do calls without them where our forward was not measured faster (below 8k tokens, except without a
     # causal mask from 2k on; shorter calls were not timed).
@@ -242,7 +242,7 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
                causal_only=True, max_seqlen_q=8191,
-               evidence="H200, torch 2.11, bf16, causal d=64, seqlen 2k: our CuTe forward 0.90-0.95x cuDNN's "
+               evidence="H200, torch 2.11, bf16, causal d=64, seqlen 2k: our CuTe forward 0.90-0.96x cuDNN's "
                         "(1.05-1.06x at 8k, where ours runs)"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
