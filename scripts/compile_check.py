@@ -117,6 +117,9 @@ FEATURES: dict[str, dict] = {
                                   stride_kb=0, stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0, stride_dvb=0,
                                   stride_dqb=0, left_offset=-256, WINDOW_LEFT=True, seed=2**40, rng_offset=0,
                                   drop_threshold=6554, dropout_scale=1.1, DROPOUT=2),
+    # host-bound backward calls (flash_bwd.EXACT_DS_MAX_SCORES): dS unrounded into the dQ / dK products (the
+    # backward kernels only: --kernels dkdv dq)
+    "exact_ds": dict(EXACT_DS=True),
 }
 
 
@@ -183,8 +186,9 @@ def main() -> None:
                 for cfg in dict.fromkeys(table + (candidates if args.candidates else [])):
                     run_cfg = cfg
                     for feature, extra in variants.items():
-                        if feature and feature != "varlen" and cfg in table:
-                            # feature calls use the feature tables where they exist (plain varlen: the plain ones)
+                        if feature and feature not in ("varlen", "exact_ds") and cfg in table:
+                            # feature calls use the feature tables where they exist (plain varlen and exact_ds: the
+                            # plain ones)
                             run_cfg = {"fwd": _configs._GPU_FWD_FEATURES.get(d),
                                        "dkdv": getattr(_configs._GPU_BWD_FEATURES.get(d), "dkdv", None),
                                        "dq": getattr(_configs._GPU_BWD_FEATURES.get(d), "dq", None)}[name] or cfg

@@ -37,6 +37,11 @@ from .flash_fwd import flash_fwd, flash_fwd_varlen, varlen_strides
 # error (seen at 11 x 7 and 2 x 36 scores, fp16: dK 2.1-2.3x PyTorch's error, 0.3-0.5x with O unrounded). There the
 # extra forward costs microseconds.
 EXACT_DELTA_MAX_SCORES = 256 * 256
+# Calls with at most this many scores in all (batch x heads x sq x sk) take dS into the dQ and dK products unrounded
+# (as two products, _ds_dot) instead of rounded to the inputs' dtype (FlashAttention's rounding): host-bound calls,
+# where the extra products cost no visible time, and where that rounding alone put a gradient over 2x PyTorch's
+# same-dtype error on rare draws (docs/perf-log.md, "Why tiny sharp-softmax gradient draws fail the 2x rule").
+EXACT_DS_MAX_SCORES = 1 << 20
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
@@ -69,6 +74,20 @@ def _bwd_preprocess(
 
 
 @triton.jit
+def _ds_dot(ds, x, acc, EXACT_DS: tl.constexpr):
+    """acc + ds @ x for the fp32 dS: dS rounded to x's dtype first (FlashAttention's product), or, EXACT_DS (calls
+    small enough to be host-bound: EXACT_DS_MAX_SCORES), dS as the sum of its rounding and the rounding of the
+    remainder, two tensor-core products (twice x's mantissa bits of dS; an fp32 FMA product spilled 0.8-1.6 KB at
+    d=128 on sm90)."""
+    hi = ds.to(x.dtype)
+    if EXACT_DS:
+        lo = (ds - hi.to(tl.float32)).to(x.dtype)
+        return tl.dot(lo, x, tl.dot(hi, x, acc))
+    else:
+        return tl.dot(hi, x, acc)
+
+
+@triton.jit
 def _bwd_dkdv_loop(
     dk, dv, k, v, Q, DO, LSE, DELTA,
     stride_qm, stride_qd, stride_dom, stride_dod,
@@ -80,6 +99,7 @@ def _bwd_dkdv_loop(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr = True, WINDOW_LEFT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     DROPOUT: tl.constexpr = False, DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    EXACT_DS: tl.constexpr = False,
 ):
     """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end).
 
@@ -153,9 +173,10 @@ def _bwd_dkdv_loop(
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        dk = _ds_dot(ds_t, q, dk, EXACT_DS)
         if ATOMIC_DQ:
-            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)  # (BLOCK_M, BLOCK_D); padded columns of k are 0
+            # (BLOCK_M, BLOCK_D); padded columns of k are 0
+            dq_part = _ds_dot(tl.trans(ds_t), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), EXACT_DS)
             if USE_TMA == 2:
                 dq_desc.atomic_add([start_m, 0], dq_part)
             else:
@@ -190,7 +211,7 @@ def _bwd_dkdv(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, KEY_MAJOR: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, KEY_MAJOR: tl.constexpr = False, EXACT_DS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if KEY_MAJOR:
@@ -313,14 +334,14 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
         dk, dv = _bwd_dkdv_loop(
             dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
             mid_lo, mid_hi, n0, seqlen_q, causal_offset, qk_scale,
             seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
-            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA)
+            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
         if WINDOW_LEFT or MASK_BOUNDS:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -328,7 +349,7 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
 
     dk *= sm_scale
     if DROPOUT:
@@ -352,6 +373,7 @@ def _bwd_dq_loop(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    EXACT_DS: tl.constexpr = False,
 ):
     """Accumulate dQ of one query block over keys [start, end). USE_TMA: K and V tiles by TMA (keys past SEQ_K
     and padded head-dim columns zero-filled by the copy), as the dK/dV kernel reads Q and dO."""
@@ -397,7 +419,7 @@ def _bwd_dq_loop(
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = _ds_dot(ds, k, dq, EXACT_DS)
         if not USE_TMA:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
@@ -423,7 +445,7 @@ def _bwd_dq(
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, EXACT_DS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_m = pid % NUM_M_BLOCKS
@@ -499,32 +521,32 @@ def _bwd_dq(
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           open_lo, open_hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
-                          0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
+                          0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           open_hi, hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
     else:
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           0, n_full, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           n_full, hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
@@ -629,6 +651,7 @@ def flash_bwd(
     cfg = bwd_config(q, d, dv_dim, feat.causal, features=features, group=hq // hkv)
     block_d, block_dv = tile_dims(d, dv_dim)
 
+    exact_ds = {"EXACT_DS": True} if b * hq * sq * sk <= EXACT_DS_MAX_SCORES else {}
     if sq * sk <= EXACT_DELTA_MAX_SCORES:
         out = flash_fwd(q, k, v, scale, causal, bottom_right, torch.empty(out.shape, dtype=torch.float32,
                         device=q.device), attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, window=window,
@@ -653,7 +676,7 @@ def flash_bwd(
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
         **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True} if use_tma else {}),
-        **({"KEY_MAJOR": True} if cfg.dkdv.key_major else {}),
+        **({"KEY_MAJOR": True} if cfg.dkdv.key_major else {}), **exact_ds,
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
     if atomic:
@@ -673,7 +696,7 @@ def flash_bwd(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
-        **({"USE_TMA": True} if use_tma_dq else {}),
+        **({"USE_TMA": True} if use_tma_dq else {}), **exact_ds,
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dq.block_m, cfg.dq.block_n),
     ))
     return dq, dk, dv
@@ -709,7 +732,10 @@ def flash_bwd_varlen(
     cfg = _without_tma(cfg, False, False)  # packed sequences: pointer loads
     block_d, block_dv = tile_dims(d, dv_dim)
 
-    if max_seqlen_q * max_seqlen_k <= EXACT_DELTA_MAX_SCORES:  # as in flash_bwd: delta from an fp32 O
+    # as in flash_bwd: dS unrounded in the products of host-bound calls (their scores at most b x hq x max_seqlen_q
+    # x max_seqlen_k) and delta from an fp32 O
+    exact_ds = {"EXACT_DS": True} if b * hq * max_seqlen_q * max_seqlen_k <= EXACT_DS_MAX_SCORES else {}
+    if max_seqlen_q * max_seqlen_k <= EXACT_DELTA_MAX_SCORES:
         out = flash_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                                torch.empty(out.shape, dtype=torch.float32, device=q.device), dropout_p=dropout_p,
                                rng=rng, window=window, softcap=softcap, alibi_slopes=alibi_slopes)[0]
@@ -727,7 +753,7 @@ def flash_bwd_varlen(
         *feat.args,
     ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen, **exact_ds,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
     ))
 
@@ -737,7 +763,7 @@ def flash_bwd_varlen(
         hq, hq // hkv, max_seqlen_q, max_seqlen_k, m_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
     ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, **varlen, **exact_ds,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
     ))
     return dq, dk, dv
