@@ -5,8 +5,11 @@ draws cost), all in one process.
     python3 scripts/bench_dropout.py [--dims 128 64] [--seqlens 2048 8192] [--causal no yes] [--p 0.1] [--backward]
         [--runners ...] [--json FILE]
 
-cute: the op (its variant: flash_fwd_ws.fastest_kwargs); cute_serial / cute_overlap / cute_pingpong: one forward
-variant alone (forward only: the kernel has no autograd).
+cute: the op (its variant: flash_fwd_ws.fastest_kwargs; with --backward at d=128 its forward saves the keep bits
+within kernels/triton/keep_bits.KEEP_BITS_BUDGET and the backward reads them); cute_drawn: the op with the budget 0 (the
+backward draws the mask again); cute_serial / cute_overlap / cute_pingpong: one forward variant alone (forward
+only: the kernel has no autograd). With --backward, fwd_grad_tflops: the forward with gradients enabled (what a
+training step's forward runs: ours then saves the bits).
 
 bf16, batch = 16384 / seqlen, heads = 2048 / d; TFLOP/s: 4 b h s^2 d forward (halved when causal), 2.5x that
 backward; triton.testing.do_bench medians. Each call draws a fresh RNG state, as SDPA calls do.
@@ -22,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 from _records import write_records  # scripts/_records.py
 
-RUNNERS = ("cute", "cute_no_dropout", "cute_serial", "cute_overlap", "cute_pingpong", "cudnn", "efficient", "triton")
+RUNNERS = ("cute", "cute_drawn", "cute_no_dropout", "cute_serial", "cute_overlap", "cute_pingpong", "cudnn", "efficient", "triton")
 
 
 def _fn(name: str, p: float, causal: bool):
@@ -31,6 +34,16 @@ def _fn(name: str, p: float, causal: bool):
 
     if name == "cute":
         return lambda q, k, v: cute_flash_attention(q, k, v, None, causal, False, dropout_p=p)[0]
+    if name == "cute_drawn":
+        from fa_backend.kernels.triton import keep_bits
+
+        def drawn(q, k, v):
+            budget, keep_bits.KEEP_BITS_BUDGET = keep_bits.KEEP_BITS_BUDGET, 0.0
+            try:
+                return cute_flash_attention(q, k, v, None, causal, False, dropout_p=p)[0]
+            finally:
+                keep_bits.KEEP_BITS_BUDGET = budget
+        return drawn
     if name == "cute_no_dropout":
         return lambda q, k, v: cute_flash_attention(q, k, v, None, causal, False)[0]
     if name in ("cute_serial", "cute_overlap", "cute_pingpong"):  # one forward variant alone, a fresh RNG state a call
@@ -78,6 +91,8 @@ def main() -> None:
                             ms = do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
                         rec["fwd_tflops"] = flops / ms * 1e-9
                         if args.backward:
+                            ms = do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+                            rec["fwd_grad_tflops"] = flops / ms * 1e-9
                             out = fn(q, k, v)
                             dout = torch.randn_like(out)
                             ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
@@ -89,7 +104,8 @@ def main() -> None:
                     row[name] = rec
                     torch.cuda.empty_cache()
                 cells = "  ".join(f"{n} {r.get('fwd_tflops', float('nan')):5.0f}"
-                                  + (f"/{r['bwd_tflops']:4.0f}" if "bwd_tflops" in r else "") for n, r in row.items())
+                                  + (f"/{r['fwd_grad_tflops']:4.0f}/{r['bwd_tflops']:4.0f}" if "bwd_tflops" in r
+                                     else "") for n, r in row.items())
                 best = max((row[n].get("fwd_tflops", 0) for n in ("cudnn", "efficient") if n in row), default=0)
                 ratio = row.get("cute", {}).get("fwd_tflops", 0) / best if best else float("nan")
                 print(f"d={d} causal={int(causal)} s={s:5d}: {cells}  cute/best-peer fwd {ratio:.2f}", flush=True)

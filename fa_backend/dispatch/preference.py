@@ -68,6 +68,7 @@ class FasterPeer:
     no_grad_only: bool = False  # only calls that need no gradients (the evidence is about the forward)
     choices: frozenset[str] = frozenset({"cudnn_attention"})  # PyTorch's own picks the evidence is about
     head_dim_v: int | None = None  # only calls with this V head dim (None: calls whose V head dim is head_dim)
+    unless_keep_bits: bool = False  # not calls whose CuTe forward saves its dropout keep bits (saves_keep_bits)
 
     def applies(self, call: AttentionCall) -> bool:
         return (call.device_type == "cuda" and (self.capabilities is None or call.capability in self.capabilities)
@@ -90,6 +91,7 @@ class FasterPeer:
                 and (self.max_seqlen_k is None or call.seqlen_k <= self.max_seqlen_k)
                 and (self.max_fwd_flops is None or fwd_flops(call) < self.max_fwd_flops)
                 and (self.max_kv_bytes is None or kv_bytes(call) < self.max_kv_bytes)
+                and not (self.unless_keep_bits and saves_keep_bits(call))
                 and (self.choices != CUDNN_ONLY or _cudnn_sdp_usable()))
 
     def reason(self) -> Reason:
@@ -98,6 +100,23 @@ class FasterPeer:
 
 
 CUDNN_ONLY = frozenset({"cudnn_attention"})
+
+
+# The saved-keep-bits backward was timed from 2k tokens (docs/benchmarks.md, "Saved keep bits")
+KEEP_BITS_MIN_SEQLEN = 2048
+
+
+def saves_keep_bits(call: AttentionCall) -> bool:
+    """Whether the CuTe op would save this dropout call's keep bits for its backward (ops/cute_flash.save_keep_bits:
+    gradients, d = dv = 128, no mask, within kernels/triton/keep_bits.KEEP_BITS_BUDGET, no deterministic algorithms),
+    for an MHA call of at least KEEP_BITS_MIN_SEQLEN queries (what was timed)."""
+    from ..kernels.triton.keep_bits import keep_bits_fit
+
+    return (call.dropout_p > 0.0 and call.requires_grad and call.mask_kind == "none" and call.head_dim == 128
+            and call.head_dim_v == 128 and call.heads_q == call.heads_kv and call.seqlen_q >= KEEP_BITS_MIN_SEQLEN
+            and call.scale != 0.0 and not torch.are_deterministic_algorithms_enabled()
+            and keep_bits_fit(call.batch, call.heads_q, call.heads_kv, call.seqlen_q, call.seqlen_k, call.head_dim,
+                              call.head_dim_v, call.dtype.itemsize))
 
 
 def fwd_flops(call: AttentionCall) -> int:
@@ -286,14 +305,18 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                evidence="H200, torch 2.11, bf16, causal GQA, d=64 / 128, seqlen 2k / 8k: cuDNN 1.00-1.24x our CuTe "
                         "forward, 1.05-1.10x our CuTe backward"),
     # Dropout (sixteenth session): the CuTe forward drops in the kernel, at 1.09-1.40x cuDNN's dropout forward; the
-    # backward, the CuTe one at d=128 (0.62-0.69x cuDNN's dropout backward) and the Triton kernels' elsewhere
-    # (0.48-0.51x at d=128), is slower: calls with gradients go to cuDNN (docs/benchmarks.md, "Masks and dropout",
-    # d=128, p=0.1, seqlen 2k-16k: a training step about 0.8x cuDNN's at 2k).
+    # backward that draws the mask again, the CuTe one at d=128 (0.62-0.69x cuDNN's dropout backward) and the Triton
+    # kernels' elsewhere (0.48-0.51x at d=128), is slower: calls with gradients go to cuDNN (docs/benchmarks.md,
+    # "Masks and dropout", d=128, p=0.1, seqlen 2k-16k: a training step about 0.8x cuDNN's at 2k). Except (twenty-
+    # second session) MHA calls from 2k tokens whose forward saves the keep bits (saves_keep_bits): the CuTe backward
+    # that reads them ran 1.03-1.12x cuDNN's dropout backward, a training step 1.03-1.13x cuDNN's (2k-8k; at 16k the
+    # bits exceed the memory budget and the backward draws again).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128, 192, 256}),
-               masks=True, dropout=True, dropout_only=True, grad_only=True, gqa=True,
+               masks=True, dropout=True, dropout_only=True, grad_only=True, gqa=True, unless_keep_bits=True,
                evidence="H200, torch 2.11, d=128, dropout 0.1: cuDNN's dropout backward 1.45-1.61x the CuTe one "
-                        "(1.96-2.08x the Triton one that the other head dims run)"),
+                        "that draws the mask again (1.96-2.08x the Triton one that the other head dims run; calls "
+                        "whose keep bits are saved run ours)"),
     # MLA's head dims, q / k 192 and v 128 (scripts/bench_head_dim_v.py --backward, docs/benchmarks.md "Unequal head
     # dims", bf16, 16 heads, seqlen 2k-16k, seventeenth session): without a causal mask the CuTe kernels run a training
     # step 1.17-1.28x cuDNN's (forward 1.07-1.13x, backward 1.18-1.34x); with one, cuDNN's backward is 1.17-1.27x ours

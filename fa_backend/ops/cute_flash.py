@@ -20,7 +20,10 @@ A bool key mask (attn_mask without a query dim, e.g. key padding) runs in both k
 Dropout (dropout_p > 0 with an rng_state, as fa_backend::triton_flash_fwd takes them) runs in the forward kernel
 (kernels/cute/_dropout.py), which draws the Triton kernels' mask bit for bit; the backward regenerates that mask: at
 d=128 (DROPOUT_BACKWARD) the warp-specialised CuTe backward, whose producer warpgroup draws the bits, elsewhere and
-under deterministic algorithms or with a key mask the Triton backward with the same rng_state. Only dropout_p whose
+under deterministic algorithms or with a key mask the Triton backward with the same rng_state. A d=128 forward
+that will be differentiated (cute_flash_attention decides: save_keep_bits) also saves its keep decisions, one bit
+per score, as its third output, and the CuTe backward loads them instead of drawing them again (the draws had set its
+pace): kernels/triton/keep_bits.py, within its KEEP_BITS_BUDGET. Only dropout_p whose
 16-bit rounding the kernels accept (kernels/triton/_features.dropout_draw: every p in [1/16, 15/16], among others)
 runs here; the cute backend declines the rest with reason `dropout`.
 
@@ -116,47 +119,86 @@ def _words_and_bound(attn_mask: torch.Tensor, b: int, hq: int, sk: int) -> torch
     return torch.cat([words, bound[..., None]], -1).contiguous()
 
 
+def save_keep_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                   attn_mask: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether a dropout forward that will be differentiated saves its keep bits for the CuTe backward: d = dv = 128
+    (DROPOUT_BACKWARD, whose 64-row steps read them), no mask, a nonzero scale, not under deterministic algorithms
+    (whose backward is Triton's), within kernels/triton/keep_bits.KEEP_BITS_BUDGET."""
+    from ..kernels.triton.keep_bits import keep_bits_fit
+
+    if (dropout_p <= 0 or attn_mask is not None or scale == 0.0 or q.dim() != 4 or k.dim() != 4
+            or q.shape[-1] not in DROPOUT_BACKWARD or v.shape[-1] != q.shape[-1]
+            or torch.are_deterministic_algorithms_enabled()):
+        return False
+    return keep_bits_fit(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], v.shape[-1],
+                         q.element_size())
+
+
+def _keep_bits_out(q: torch.Tensor, k: torch.Tensor, keep: bool) -> torch.Tensor:
+    """The third output of cute_flash_fwd: the buffer of the saved keep bits, or an empty one."""
+    from ..kernels.triton.keep_bits import keep_bits_bytes
+
+    size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if keep else 0
+    return torch.empty(size, dtype=torch.uint8, device=q.device)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::cute_flash_fwd", mutates_args=())
 def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                    is_causal: bool = False, bottom_right: bool = False, attn_mask: torch.Tensor | None = None,
-                   dropout_p: float = 0.0,
-                   rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on Hopper; returns out (b, hq, sq, dv) contiguous in q's dtype and the fp32
-    natural-log lse (b, hq, sq) (before dropout). GQA when hq is a multiple of hkv; causal top-left or bottom-right;
-    attn_mask: a bool key mask (True = attend) broadcastable to (b, hq, sq, sk) without a query dim (size 1 or
-    stride 0), e.g. key padding (b, 1, 1, sk); a row that sees no key gets out 0 and lse -inf. dropout_p > 0 needs
-    rng_state (int64 CPU (seed, offset), ops.new_rng_state): the mask fa_backend::triton_flash_fwd draws for it."""
+                   dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
+                   keep_bits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention forward on Hopper; returns out (b, hq, sq, dv) contiguous in q's dtype, the fp32 natural-log lse
+    (b, hq, sq) (before dropout) and the saved keep bits (uint8; empty unless keep_bits). GQA when hq is a multiple
+    of hkv; causal top-left or bottom-right; attn_mask: a bool key mask (True = attend) broadcastable to (b, hq, sq,
+    sk) without a query dim (size 1 or stride 0), e.g. key padding (b, 1, 1, sk); a row that sees no key gets out 0
+    and lse -inf. dropout_p > 0 needs rng_state (int64 CPU (seed, offset), ops.new_rng_state): the mask
+    fa_backend::triton_flash_fwd draws for it. keep_bits (where save_keep_bits holds): also save that mask for the
+    CuTe backward (kernels/triton/keep_bits.py)."""
     check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
+    if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p):
+        raise ValueError("keep_bits=True needs dropout at head dim 128 without a mask, a nonzero scale, no "
+                         "deterministic algorithms and bits within keep_bits.KEEP_BITS_BUDGET (see save_keep_bits)")
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_fwd_ws import flash_fwd_fastest
 
+    bits = _keep_bits_out(q, k, keep_bits)
     bottom_right = bottom_right and is_causal
     fallback = (q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state)
     if scale == 0.0:  # -inf * 0 on masked keys: the kernels need a nonzero scale
-        return _triton_forward(*fallback)
+        return (*_triton_forward(*fallback), bits)
     q, k, v = (_readable(t) for t in (q, k, v))
     if scale is not None and scale < 0:  # the kernels take the row max before scaling: (-q) k^T (-scale), exact
         q, scale = -q, -scale
     words = None if attn_mask is None else key_words(attn_mask, q.shape[0], q.shape[1], k.shape[2])
     dropout = _dropout_args(q, dropout_p, rng_state) if dropout_p > 0 else None
+    if keep_bits:
+        dropout = (*dropout, bits)
     try:
         out, lse = flash_fwd_fastest(q, k, v, scale, is_causal, bottom_right, key_words=words, dropout=dropout)
     except CompileFailedError:  # logged once by the compile cache; the Triton forward keeps the contract
-        return _triton_forward(*fallback)
+        out, lse = _triton_forward(*fallback)
+        if keep_bits:  # the same mask's bits, drawn by a Triton kernel of their own
+            from ..kernels.triton.keep_bits import fill_keep_bits
+
+            fill_keep_bits(bits, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p,
+                           tuple(rng_state.tolist()))
+        return out, lse, bits
     counters.record_run("cute")
-    return out, lse
+    return out, lse, bits
 
 
 @cute_flash_fwd.register_fake
-def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None, dropout_p=0.0, rng_state=None):
+def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None, dropout_p=0.0, rng_state=None,
+      keep_bits=False):
     validate(q, k, v)
-    return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32))
+    return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32),
+            _keep_bits_out(q, k, keep_bits))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
+    q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, _ = inputs
+    out, lse, bits = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state, bits)
     ctx.scale, ctx.is_causal, ctx.bottom_right = scale, is_causal, bottom_right and is_causal
     ctx.dropout_p = dropout_p
 
@@ -187,11 +229,12 @@ KEY_MASK_BACKWARD = frozenset({128, 64, 192, 256})
 
 
 def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask=None, dropout_p=0.0,
-                   rng_state=None):
+                   rng_state=None, keep_bits=None):
     """(dq, dk, dv) from the CuTe backward, or None where it does not apply (scale 0, unequal head dims other than
     flash_bwd_wide's HEAD_DIM_V_PAIRS, a variant that failed to compile, a key mask at a head dim whose backward
     variant has none (96), deterministic mode at d=96 or with a key mask, dropout at a head dim outside
-    DROPOUT_BACKWARD or with a key mask or deterministic: the caller runs the Triton backward). Under torch.use_deterministic_algorithms the
+    DROPOUT_BACKWARD or with a key mask or deterministic: the caller runs the Triton backward). keep_bits: the
+    forward's saved keep bits (empty where it saved none). Under torch.use_deterministic_algorithms the
     warp-specialised kernels add dQ in a fixed order (d=64 / 128 / 192 / 256)."""
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, flash_bwd
@@ -207,7 +250,10 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
     if dropout_p > 0:
         if q.shape[-1] not in DROPOUT_BACKWARD or deterministic or attn_mask is not None:
             return None
-        variant = dict(variant, dropout=_dropout_args(q, dropout_p, rng_state))
+        dropout = _dropout_args(q, dropout_p, rng_state)
+        if keep_bits is not None and keep_bits.numel() > 0:
+            dropout = (*dropout, keep_bits)  # loaded instead of drawn again
+        variant = dict(variant, dropout=dropout)
     if deterministic:
         if not variant.get("warp_specialized") or attn_mask is not None:
             return None  # the deterministic variant is the warp-specialised kernel's, without a key mask
@@ -231,14 +277,16 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
 def cute_flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: torch.Tensor | None, scale: float | None = None, is_causal: bool = False,
                    bottom_right: bool = False, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                   rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   rng_state: torch.Tensor | None = None,
+                   keep_bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of cute_flash_fwd by the CuTe backward, contiguous whatever the inputs' strides
     (what the fake implementation promises); dlse is the gradient of its lse output, if any. The Triton backward
-    where the CuTe one does not apply (see the module docstring). dropout_p and rng_state: the forward's."""
+    where the CuTe one does not apply (see the module docstring). dropout_p, rng_state and keep_bits: the
+    forward's (its saved keep bits, read where not empty)."""
     if dropout_p > 0:
         _check_rng_state(rng_state)
     grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask, dropout_p,
-                           rng_state)
+                           rng_state, keep_bits)
     if grads is None:
         from ..kernels.triton import flash_bwd
 
@@ -255,18 +303,21 @@ def _contiguous_like(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 @cute_flash_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=False, attn_mask=None, dropout_p=0.0,
-      rng_state=None):
+      rng_state=None, keep_bits=None):
     return _contiguous_like(q, k, v)
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, dbits):
     from .triton_flash import triton_flash_bwd
 
-    q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
-    backward = cute_flash_bwd if CUTE_BACKWARD else triton_flash_bwd
-    grads = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right, attn_mask,
-                     ctx.dropout_p, rng_state)
-    return (*grads, None, None, None, None, None, None)
+    q, k, v, out, lse, attn_mask, rng_state, bits = ctx.saved_tensors
+    if CUTE_BACKWARD:
+        grads = cute_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right, attn_mask,
+                               ctx.dropout_p, rng_state, bits)
+    else:
+        grads = triton_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right,
+                                 attn_mask, ctx.dropout_p, rng_state)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 cute_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -278,13 +329,17 @@ def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
                          rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the CuTe forward, differentiable in q, k and v (the CuTe backward, see the module docstring);
     attn_mask: a bool key mask (cute_flash_fwd). With dropout_p > 0 and no rng_state, a fresh one is drawn
-    (ops.new_rng_state: torch's CPU generator, so torch.manual_seed reproduces it)."""
+    (ops.new_rng_state: torch's CPU generator, so torch.manual_seed reproduces it); where the call will be
+    differentiated, its keep bits are saved for the backward (save_keep_bits)."""
     if dropout_p > 0 and rng_state is None:
         from .triton_flash import new_rng_state
 
         rng_state = new_rng_state()
-    return cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask, float(dropout_p),
-                          rng_state if dropout_p > 0 else None)
+    keep = (dropout_p > 0 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            and save_keep_bits(q, k, v, scale, attn_mask, dropout_p))
+    out, lse, _ = cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask, float(dropout_p),
+                                 rng_state if dropout_p > 0 else None, keep)
+    return out, lse
 
 
 __all__ = ["check_cute_inputs", "cute_flash_attention", "cute_flash_bwd", "cute_flash_fwd"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fa_backend.dispatch import AttentionCall, ReasonCode, select
-from fa_backend.dispatch.preference import slower_than_peer
+from fa_backend.dispatch.preference import saves_keep_bits, slower_than_peer
 
 # sm90, bf16, d=128, MHA, no mask: PyTorch picks cuDNN, measured faster than our Triton on the H200
 PLAIN = AttentionCall(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=2, heads_q=8, heads_kv=8,
@@ -50,14 +50,41 @@ def test_dropout_with_gradients_prefers_cudnn_over_cute(d):
     """Dropout: the CuTe forward drops in the kernel, but cuDNN's dropout backward beats the one that follows (the
     CuTe one at d=128, the Triton one elsewhere): calls with gradients go to cuDNN (key masks and GQA too). Calls
     without gradients are not in this rule (the plain-call rules decide them as for dropout-free calls: d=128's does
-    not cover dropout)."""
-    call = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d, is_causal=False, dropout_p=0.1)
+    not cover dropout). (1k tokens: d=128 MHA calls from 2k save their keep bits and run ours, next test.)"""
+    call = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d, is_causal=False, dropout_p=0.1, seqlen_q=1024,
+                               seqlen_k=1024)
     for changes in ({}, dict(heads_kv=2, enable_gqa=True),
                     dict(mask_kind="bool", mask_shape=(2, 1, 1, 2048), mask_dtype=torch.bool)):
         training = dataclasses.replace(call, requires_grad=True, **changes)
         assert "dropout backward 1.45-1.61x the CuTe one" in slower_than_peer("cute", training).message
     if d in (64, 128):
         assert slower_than_peer("cute", call) is None
+
+
+def test_dropout_calls_whose_keep_bits_are_saved_stay_on_cute(monkeypatch):
+    """d=128 MHA dropout calls with gradients from 2k tokens, whose CuTe forward saves the keep bits within the
+    budget, run ours (the backward reading them was measured faster than cuDNN's); shorter ones, GQA, masks, other
+    head dims and calls over the budget keep the cuDNN rule (as deterministic algorithms would: no bits saved)."""
+    from fa_backend.kernels.triton import keep_bits
+
+    training = dataclasses.replace(PLAIN, is_causal=False, dropout_p=0.1, requires_grad=True)
+    for changes in ({}, dict(is_causal=True), dict(seqlen_q=8192, seqlen_k=8192), dict(batch=1, heads_q=1,
+                                                                                        heads_kv=1)):
+        assert slower_than_peer("cute", dataclasses.replace(training, **changes)) is None, changes
+    for changes in (dict(seqlen_q=1024, seqlen_k=1024), dict(seqlen_q=16384, seqlen_k=16384),
+                    dict(heads_kv=2, enable_gqa=True), dict(head_dim=64, head_dim_v=64),
+                    dict(mask_kind="bool", mask_shape=(2, 1, 1, 2048), mask_dtype=torch.bool)):
+        assert "dropout backward" in slower_than_peer("cute", dataclasses.replace(training, **changes)).message
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 0.0)
+    assert "dropout backward" in slower_than_peer("cute", training).message
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 2.0)  # 16k tokens then fit
+    assert slower_than_peer("cute", dataclasses.replace(training, seqlen_q=16384, seqlen_k=16384)) is None
+    assert saves_keep_bits(training)
+    torch.use_deterministic_algorithms(True)  # the op's backward is then Triton's (and PyTorch runs no cuDNN)
+    try:
+        assert not saves_keep_bits(training)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -140,13 +167,15 @@ def test_cudnn_switched_off_means_no_preference():
 ], ids=["dropout", "dropout_and_mask"])
 @pytest.mark.parametrize("grad", [True, False])
 def test_dropout_at_d128_prefers_cudnn(changes, grad):
-    # with gradients cuDNN runs (the dropout backwards that follow our forwards are slower than cuDNN's); without,
-    # the CuTe forward does where the DSL is installed (it drops in the kernel)
+    # with gradients cuDNN runs (the dropout backwards that follow our forwards are slower than cuDNN's), except where
+    # the CuTe forward saves its keep bits (no mask: next to last test); without, the CuTe forward does where the DSL
+    # is installed (it drops in the kernel)
     from fa_backend.dispatch.backends import cute
 
     call = dataclasses.replace(PLAIN, requires_grad=grad, **changes)
     assert "dropout" in slower_than_peer("triton", call).message
-    on_cute = not (grad or cute.DSL_MISSING or "mask_kind" in changes)  # this mask (no mask_dtype): not a key mask
+    assert saves_keep_bits(call) == (grad and "mask_kind" not in changes)
+    on_cute = not (cute.DSL_MISSING or "mask_kind" in changes)  # this mask (no mask_dtype): not a key mask
     assert select(call).backend == ("cute" if on_cute else "torch")
 
 
@@ -169,8 +198,8 @@ def test_eager_router_checks_pytorchs_actual_pick(monkeypatch, pytorch_picks, ou
     from fa_backend.integrations import sdpa
 
     monkeypatch.setattr(sdpa, "pytorch_choice", lambda *a, **k: pytorch_picks)
-    q = torch.empty(2, 8, 2048, 128)
-    call = dataclasses.replace(PLAIN, dropout_p=0.1, is_causal=False, requires_grad=True)
+    q = torch.empty(2, 8, 1024, 128)  # 1k tokens: the cuDNN rule for dropout with gradients (no keep bits saved)
+    call = dataclasses.replace(PLAIN, dropout_p=0.1, is_causal=False, requires_grad=True, seqlen_q=1024, seqlen_k=1024)
     assert sdpa._preferred_kernel_refuses(select(call), call, q, q, q, None, 0.1, False, None, False) is ours_after_all
 
 

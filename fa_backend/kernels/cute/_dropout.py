@@ -22,6 +22,8 @@ from cutlass import Float32, Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ..triton.keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_byte
+
 # Philox-4x32 constants (Salmon et al. 2011; triton.language.random's)
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -60,18 +62,24 @@ def philox4x32(c0: Uint32, c1: Uint32, k0: Uint32, k1: Uint32) -> tuple[Uint32, 
 
 class DropoutState:
     """One consumer thread's dropout constants for one tile: the Philox key, the 16-bit threshold and the counter of
-    its first draw in each of its two rows (key block 0, p = lane % 4), from which a key block's draws follow."""
+    its first draw in each of its two rows (key block 0, p = lane % 4), from which a key block's draws follow; with
+    saved keep bits (see below) also their buffer, the address of its first row's first draw in key tile 0 and
+    whether the tile's rows are within the buffer."""
 
-    def __init__(self, k0: Uint32, k1: Uint32, threshold: Uint32, row_counters: cute.Tensor):
+    def __init__(self, k0: Uint32, k1: Uint32, threshold: Uint32, row_counters: cute.Tensor,
+                 bits: cute.Pointer = None, bits_rows: cute.Pointer = None, bits_store=None):
         self.k0, self.k1, self.threshold, self.row_counters = k0, k1, threshold, row_counters
         self.threshold_high = threshold << Uint32(16)
+        self.bits, self.bits_rows, self.bits_store = bits, bits_rows, bits_store
 
 
 @cute.jit
 def dropout_state(mRng: cute.Tensor, threshold: Int32, bh: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                  row_half0: Int32, row_half1: Int32, lane: Int32) -> DropoutState:
+                  row_half0: Int32, row_half1: Int32, lane: Int32, bits: cute.Pointer = None,
+                  row0: Int32 = None) -> DropoutState:
     """The state for a thread whose rows are row_half0 / row_half1 (query indices) of head bh = batch * heads_q +
-    head; mRng: (seed, rng_offset), int64 in global memory."""
+    head; mRng: (seed, rng_offset), int64 in global memory. bits (the keep-bits variant): the buffer the forward
+    saves its keep decisions in for the backward; row0: the consumer's first row, a multiple of KEEP_ROWS."""
     seed = Int64(mRng[0])
     offset = Int64(mRng[1])
     draws_per_row = Int64((seqlen_k + 31) // 32 * 4)
@@ -79,20 +87,30 @@ def dropout_state(mRng: cute.Tensor, threshold: Int32, bh: Int32, seqlen_q: Int3
     for half in cutlass.range_constexpr(2):
         row = row_half0 if half == 0 else row_half1
         counters[half] = (Int64(bh) * Int64(seqlen_q) + Int64(row)) * draws_per_row + offset + Int64(lane % 4)
-    return DropoutState(Uint32(seed), Uint32(seed >> Int64(32)), Uint32(threshold), counters)
+    bits_rows, bits_store = None, None
+    if cutlass.const_expr(bits is not None):
+        # one address for both rows: row_half1 = row_half0 + 8 is keep_byte's + 2
+        bits_rows = bits + keep_tile(bh, row0 // KEEP_ROWS, Int32(0), seqlen_q, seqlen_k) + Int64(
+            keep_byte(0, lane % 4, row_half0 - row0))
+        # a consumer's 64 rows past seqlen_q would be the next head's tile (a 128-row tile's second half)
+        bits_store = row0 < seqlen_q
+    return DropoutState(Uint32(seed), Uint32(seed >> Int64(32)), Uint32(threshold), counters, bits, bits_rows,
+                        bits_store)
 
 
 @cute.jit
 def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: DropoutState):
-    """Zero the probabilities in acc_s (a wgmma score tile, after the row sums took them) of the keys dropout drops.
-    tScS0: the accumulator's coordinates for thread 0 (static; rows 0 / 8, keys 2p + {0, 1} + 8k less 2p); col0: the
-    tile's first key, a multiple of 32."""
+    """Zero the probabilities in acc_s (a wgmma score tile, after the row sums took them) of the keys dropout drops;
+    with saved bits, also store each draw's keep byte. tScS0: the accumulator's coordinates for thread 0 (static;
+    rows 0 / 8, keys 2p + {0, 1} + 8k less 2p); col0: the tile's first key, a multiple of 32 (of KEEP_KEYS with
+    saved bits, whose key tile it is: the forward's 128-key blocks)."""
     n = cute.size(acc_s)
     block0 = Int64(col0 // 32 * 4)
     for half in cutlass.range_constexpr(2):
         for a in cutlass.range_constexpr(n // 16):  # 32-key blocks: 8 of the thread's values per row each
             counter = state.row_counters[half] + block0 + Int64(4 * a)
             words = philox4x32(Uint32(counter), Uint32(counter >> Int64(32)), state.k0, state.k1)
+            byte = Uint32(0)
             for i in cutlass.range_constexpr(n):
                 row, col = tScS0[i]
                 if cutlass.const_expr(row // 8 % 2 == half and col // 32 == a):
@@ -101,6 +119,42 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
                     keep = (word >= state.threshold_high) if cutlass.const_expr(col % 2 == 1) else (
                         (word & Uint32(HALF_MASK)) >= state.threshold)
                     acc_s[i] = Float32(cutlass.select_(keep, acc_s[i], Float32(0.0)))
+                    if cutlass.const_expr(state.bits is not None):
+                        bit = Uint32(1 << keep_bit(col % 32 // 8, col % 2))
+                        byte = byte | Uint32(cutlass.select_(keep, bit, Uint32(0)))
+            if cutlass.const_expr(state.bits is not None):
+                at = Int64(col0 // KEEP_KEYS) * Int64(KEEP_TILE_BYTES) + Int64(keep_byte(a, 0, 8 * half))
+                dst = cute.make_tensor(state.bits_rows + at, cute.make_layout(1))
+                store = state.bits_store
+                if store:
+                    dst[0] = cutlass.Uint8(byte)
+
+
+# Saved keep bits (d=128 with gradients, within kernels/triton/keep_bits.py's KEEP_BITS_BUDGET, its layout): the
+# forward stores each draw's eight keep decisions as one byte (drop_scores), and the backward's drawing warps load a
+# step's bytes instead of drawing them again (load_backward_bits; ten Philox rounds per draw in two warps set the
+# backward's pace: sixteenth session).
+@cute.jit
+def keep_tile(bh: Int32, row_block: Int32, key_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int64:
+    """Byte offset of tile (bh, row_block, key_block) in the saved bits."""
+    row_blocks = Int64((seqlen_q + KEEP_ROWS - 1) // KEEP_ROWS)
+    key_blocks = Int64((seqlen_k + KEEP_KEYS - 1) // KEEP_KEYS)
+    return ((Int64(bh) * row_blocks + Int64(row_block)) * key_blocks + Int64(key_block)) * Int64(KEEP_TILE_BYTES)
+
+
+@cute.jit
+def zero_unvisited_keep_tiles(bits: cute.Pointer, bh: Int32, row0: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                              n_blocks: Int32, tid: Int32):
+    """A causal forward's consumer (thread tid of 128, rows row0 ... row0 + 63: one tile row of the saved bits):
+    zeros in the tiles of the key blocks it did not visit (n_blocks and after), 8 bytes a thread, so that the whole
+    buffer is defined (the op's output; no backward step reads those tiles)."""
+    if row0 < seqlen_q:
+        tile = keep_tile(bh, row0 // KEEP_ROWS, n_blocks, seqlen_q, seqlen_k)
+        for _ in cutlass.range(n_blocks, (seqlen_k + KEEP_KEYS - 1) // KEEP_KEYS, unroll=1):
+            dst = cute.make_tensor(cute.recast_ptr((bits + tile + Int64(8 * tid)).align(8), dtype=Uint64),
+                                   cute.make_layout(1))
+            dst[0] = Uint64(0)
+            tile = tile + Int64(KEEP_TILE_BYTES)
 
 
 # The backward (flash_bwd_ws): its S^T accumulators hold a thread's two keys r, r + 8 (rows) against queries
@@ -165,6 +219,36 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
                         keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
                         part = part | Uint32(cutlass.select_(keep, Uint32(1) << Uint32(2 * qq + j), Uint32(0)))
                     cute.arch.atomic_or(words_w[2 * x + h], part)
+    cute.arch.mbarrier_arrive(bars + stage)
+
+
+@cute.jit
+def load_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, bits: cute.Pointer, tile: Int64, gt: Int32,
+                       step: Int32):
+    """draw_backward_bits from the forward's saved bits (64-row steps): drawing thread gt's 16 bytes of the step's
+    tile (byte offset `tile` in `bits`) into the words of its four MMA threads, plain stores (each thread owns its
+    words whole), then the arrival on the stage's full barrier. The loads are issued before the wait for the stage."""
+    stage = step % BITS_STAGES
+    # 16-byte aligned (the buffer is; tiles and threads are 16-byte multiples): one vector load
+    src = cute.make_tensor(cute.recast_ptr((bits + tile + Int64(16 * gt)).align(16), dtype=Uint32),
+                           cute.make_layout(4))
+    loaded = src.load()
+    regs = [loaded[i] for i in range(4)]  # bytes 4 i ... 4 i + 3 (queries q of the drawing thread) of word i
+    if step >= BITS_STAGES:
+        cute.arch.mbarrier_wait(bars + BITS_STAGES + stage, (step // BITS_STAGES - 1) % 2)
+    wg, m, lp = gt // 32, (gt % 32) // 16, gt % 16
+    lane0 = (lp // 4) * 8 + lp % 4
+    for x in cutlass.range_constexpr(2):
+        for h in cutlass.range_constexpr(2):
+            # bits 2 q + j of the MMA thread's word: bits keep_bit(2 x + j, h) = s + j of byte q
+            s = keep_bit(2 * x, h)
+            word = Uint32(0)
+            for i in cutlass.range_constexpr(4):
+                v = (regs[i] >> Uint32(s)) & Uint32(0x03030303)  # two bits at 8 b of each byte b
+                v = (v | (v >> Uint32(6))) & Uint32(0x000F000F)
+                v = (v | (v >> Uint32(12))) & Uint32(0xFF)  # ... at 2 b
+                word = word | (v << Uint32(8 * i))
+            sBits[stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, 0] = word
     cute.arch.mbarrier_arrive(bars + stage)
 
 

@@ -24,7 +24,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint8
 from cutlass.cute.runtime import make_ptr
 
 # Read at each call (flash_fwd._run, flash_bwd.flash_bwd): True takes this path.
@@ -105,7 +105,8 @@ class PointerForwardKeyMask:
 class PointerForwardDropout:
     """PointerForward for a dropout variant (flash_fwd_ws, dropout=True): also the words pointer and strides of
     PointerForwardKeyMask (read only by a key-mask variant; any address otherwise), the (seed, rng_offset) int64
-    pair on the device, the 16-bit keep threshold and 1 / (1 - dropout_p). The threshold and scale are constant per
+    pair on the device, the buffer for the saved keep bits (written by keep_bits variants only), the 16-bit keep
+    threshold and 1 / (1 - dropout_p). The threshold and scale are constant per
     dropout_p and the pair's address is spliced in per call, so a fresh RNG state per call marshals nothing anew."""
 
     def __init__(self, kernel: Any):
@@ -113,8 +114,8 @@ class PointerForwardDropout:
 
     @cute.jit
     def __call__(self, pq: cute.Pointer, pk: cute.Pointer, pv: cute.Pointer, po: cute.Pointer, plse: cute.Pointer,
-                 pw: cute.Pointer, prng: cute.Pointer, b: Int32, hq: Int32, hkv: Int32, sq: Int32, sk: Int32, d: Int32,
-                 nw: Int32, qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
+                 pw: cute.Pointer, prng: cute.Pointer, pbits: cute.Pointer, b: Int32, hq: Int32, hkv: Int32, sq: Int32,
+                 sk: Int32, d: Int32, nw: Int32, qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
                  vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
                  ws0: Int64, ws1: Int64, threshold: Int32, scale_log2: Float32, drop_scale: Float32, stream: Any):
         views = _forward_views(self.kernel, pq, pk, pv, po, plse, b, hq, hkv, sq, sk, d, qs0, qs1, qs2, ks0, ks1, ks2,
@@ -123,7 +124,10 @@ class PointerForwardDropout:
         if cutlass.const_expr(self.kernel.key_mask):
             mW = cute.make_tensor(pw, cute.make_layout((b, hq, nw), stride=(ws0, ws1, 1)))
         mRng = cute.make_tensor(prng, cute.make_layout(2))
-        self.kernel(*views, scale_log2, stream, mW, mRng, threshold, drop_scale)
+        mBits = None
+        if cutlass.const_expr(self.kernel.keep_bits):
+            mBits = cute.make_tensor(pbits, cute.make_layout(1))  # its first byte: the kernel computes offsets
+        self.kernel(*views, scale_log2, stream, mW, mRng, threshold, drop_scale, mBits)
 
 
 class PointerBackward:
@@ -173,7 +177,8 @@ class PointerBackwardKeyMask:
 
 class PointerBackwardDropout:
     """PointerBackward for a dropout variant: also a words pointer (unread: the variant takes no key mask), the
-    (seed, offset) int64 pair on the device, the 16-bit keep threshold and 1 / (1 - dropout_p)."""
+    (seed, offset) int64 pair on the device, the forward's saved keep bits (read by keep_bits variants only), the
+    16-bit keep threshold and 1 / (1 - dropout_p)."""
 
     def __init__(self, kernel: Any):
         self.kernel = kernel
@@ -181,7 +186,8 @@ class PointerBackwardDropout:
     @cute.jit
     def __call__(self, pq: cute.Pointer, pk: cute.Pointer, pv: cute.Pointer, pdo: cute.Pointer, plse: cute.Pointer,
                  pdelta: cute.Pointer, pdk: cute.Pointer, pdv: cute.Pointer, pdq: cute.Pointer, pw: cute.Pointer,
-                 prng: cute.Pointer, b: Int32, hq: Int32, hkv: Int32, sq: Int32, sk: Int32, d: Int32, dq1: Int32,
+                 prng: cute.Pointer, pbits: cute.Pointer, b: Int32, hq: Int32, hkv: Int32, sq: Int32, sk: Int32,
+                 d: Int32, dq1: Int32,
                  dq2: Int32, dq3: Int32, qs0: Int64, qs1: Int64, qs2: Int64, ks0: Int64, ks1: Int64, ks2: Int64,
                  vs0: Int64, vs1: Int64, vs2: Int64, os0: Int64, os1: Int64, os2: Int64, ls0: Int64, ls1: Int64,
                  es0: Int64, es1: Int64, dks0: Int64, dks1: Int64, dks2: Int64, dvs0: Int64, dvs1: Int64, dvs2: Int64,
@@ -191,7 +197,10 @@ class PointerBackwardDropout:
                                 dq2, dq3, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, ls0, ls1, es0,
                                 es1, dks0, dks1, dks2, dvs0, dvs1, dvs2, dqs0, dqs1, dqs2)
         mRng = cute.make_tensor(prng, cute.make_layout(2))
-        self.kernel(*views, scale_log2, scale, stream, None, mRng, threshold, drop_scale)
+        mBits = None
+        if cutlass.const_expr(getattr(self.kernel, "keep_bits", False)):
+            mBits = cute.make_tensor(pbits, cute.make_layout(1))  # its first byte: the kernel computes offsets
+        self.kernel(*views, scale_log2, scale, stream, None, mRng, threshold, drop_scale, mBits)
 
 
 def _pointer(t: torch.Tensor | int, dtype: type, align: int) -> Any:
@@ -201,9 +210,10 @@ def _pointer(t: torch.Tensor | int, dtype: type, align: int) -> Any:
 
 def forward_pointer_types(dtype: type, key_mask: bool = False, dropout: bool = False) -> list[tuple[type, int]]:
     """(element type, alignment) of PointerForward's pointers: q, k, v, o, then the fp32 LSE (and, key_mask:
-    PointerForwardKeyMask's int32 words; dropout: PointerForwardDropout's words and int64 (seed, rng_offset))."""
+    PointerForwardKeyMask's int32 words; dropout: PointerForwardDropout's words, int64 (seed, rng_offset) and uint8
+    keep bits)."""
     if dropout:
-        return [(dtype, 16)] * 4 + [(Float32, 4), (Int32, 4), (Int64, 8)]
+        return [(dtype, 16)] * 4 + [(Float32, 4), (Int32, 4), (Int64, 8), (Uint8, 16)]
     return [(dtype, 16)] * 4 + [(Float32, 4)] + ([(Int32, 4)] if key_mask else [])
 
 
@@ -211,7 +221,7 @@ def backward_pointer_types(dtype: type, key_mask: bool = False, dropout: bool = 
     """(element type, alignment) of PointerBackward's pointers (PointerBackwardKeyMask's with key_mask,
     PointerBackwardDropout's with dropout)."""
     if dropout:
-        return backward_pointer_types(dtype, True) + [(Int64, 8)]
+        return backward_pointer_types(dtype, True) + [(Int64, 8), (Uint8, 16)]
     return [(dtype, 16)] * 4 + [(Float32, 4)] * 2 + [(dtype, 16)] * 2 + [(Float32, 16)] + (
         [(Int32, 4)] if key_mask else [])
 

@@ -127,7 +127,8 @@ class FlashBackwardSm90(ForwardVariant):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor, scale_log2: Float32,
                  scale: Float32, stream: Any, mWords: cute.Tensor = None, mRng: cute.Tensor = None,
-                 drop_threshold=None, drop_scale=None):  # the last three: dropout variants' (Int32, Float32)
+                 drop_threshold=None, drop_scale=None,  # dropout variants' (Int32, Float32)
+                 mBits: cute.Tensor = None):  # keep_bits variants: the forward's saved keep bits
         d = self.head_dim
         wgs = self.wgs
         q, k, v, do, dk, dv, dqacc, lse, delta, words = self._views(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc,
@@ -174,6 +175,8 @@ class FlashBackwardSm90(ForwardVariant):
             tma_dk, dk = cpasync.make_tiled_tma_atom(store, dk, one_k, (TILE_N, d))
             tma_dv, dv = cpasync.make_tiled_tma_atom(store, dv, one_k, (TILE_N, self.head_dim_v))
             optional = optional + (None,) * (4 - len(optional)) + (tma_dk, tma_dv)
+        if cutlass.const_expr(getattr(self, "keep_bits", False)):
+            optional = optional + (None,) * (6 - len(optional)) + (mBits,)
         kernel_args = (tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_q, tma_tensor_q, tma_do, tma_tensor_do,
                        lse, delta, dk, dv, dqacc, scale_log2, scale, mma_ss, mma_rs, mma_dq,
                        sK_layout, sQ_layout, sdS_layout, *optional)
@@ -734,7 +737,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
                       wgs: int = 1, pointer_args: bool = False, dq_buffer: bool = False,
                       warp_specialized: bool = False, tile_m: int = TILE_M, key_mask: bool = False,
                       deterministic: bool = False, dropout: bool = False, head_dim_v: int | None = None,
-                      tma_store: bool | None = None) -> Any:
+                      tma_store: bool | None = None, keep_bits: bool = False) -> Any:
     """Compile one variant for symbolic shapes and strides (any batch, heads, seqlens; hq % hkv == 0); `wgs`
     warpgroups per CTA (2 needs head_dim 128: each takes one 64-column half of the dQ block); `pointer_args`: the
     calling convention of _fast_call.PointerBackward; `dq_buffer`: FlashBackwardSm90's (not with dq_atomic);
@@ -748,7 +751,9 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     128 query rows, no key mask, not deterministic; the pointer convention only, _fast_call.PointerBackwardDropout):
     the variant that drops with the forward's mask (kernels/cute/_dropout.py); `head_dim_v`: V's, dO's and dV's head
     dim where it differs from head_dim (flash_bwd_wide's HEAD_DIM_V_PAIRS, no dropout); `tma_store`
-    (warp_specialized only; None: True there): dK and dV through shared memory and TMA stores (suffix "_tmastore").
+    (warp_specialized only; None: True there): dK and dV through shared memory and TMA stores (suffix "_tmastore");
+    `keep_bits` (dropout at head_dim 128, 64 query rows): the keep bits the forward saved instead of drawn ones
+    (_dropout: "Saved keep bits"; suffix "_keepbits").
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -782,6 +787,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     if dropout and (wide or not warp_specialized or key_mask or deterministic or tile_m % 64 or not pointer_args):
         raise ValueError("dropout=True needs warp_specialized=True at head_dim 64 or 128 with 64 or 128 query rows, no "
                          "key mask, deterministic=False and pointer_args=True")
+    if keep_bits and not (dropout and head_dim == 128 and tile_m == TILE_M):
+        raise ValueError(f"keep_bits=True needs dropout=True at head_dim 128 with tile_m={TILE_M}")
     if tma_store and not warp_specialized:
         raise ValueError("tma_store=True needs warp_specialized=True")
     if tma_store is None:
@@ -807,7 +814,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
             from .flash_bwd_ws import FlashBackwardSm90WS
 
             kernel = FlashBackwardSm90WS(_DTYPES[dtype], head_dim, causal, bottom_right, tile_m, key_mask,
-                                         deterministic, dropout, tma_store)
+                                         deterministic, dropout, tma_store, keep_bits)
         else:
             kernel = FlashBackwardSm90(_DTYPES[dtype], head_dim, causal, bottom_right, dq_atomic, wgs, dq_buffer)
         if pointer_args:
@@ -831,6 +838,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
             + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "")
             + ("_deterministic" if deterministic else "") + ("_dropout" if dropout else "")
+            + ("_keepbits" if keep_bits else "")
             + ("_tmastore" if tma_store else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, dim_v, causal, alignment, 0, (TILE_N * (1 if wide else wgs), tile_m), arch)
     return CACHE.get_or_compile(key, build)
@@ -842,7 +850,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               wgs: int = 1, dq_buffer: bool = False,
               warp_specialized: bool = False, tile_m: int = TILE_M,
               key_words: torch.Tensor | None = None, deterministic: bool = False,
-              dropout: tuple[torch.Tensor, int, float] | None = None,
+              dropout: tuple | None = None,
               tma_store: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv;
     dv = d, or flash_bwd_wide's HEAD_DIM_V_PAIRS with warp_specialized and no dropout), given the
@@ -855,7 +863,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only). deterministic (warp_specialized, no
     key_words): the same bits on every run (dQ's fp32 adds in a fixed order). dropout (warp_specialized at d=64 /
     128, no key_words, not deterministic): the forward's (the (seed, offset) pair on q's device, the 16-bit keep
-    threshold, 1 / (1 - dropout_p)), flash_fwd_ws.flash_fwd_ws's argument. tma_store (warp_specialized, where None
+    threshold, 1 / (1 - dropout_p)), flash_fwd_ws.flash_fwd_ws's argument, optionally with the keep bits that forward
+    saved as a fourth element (d=128, tile_m=64: the backward loads them instead of drawing them). tma_store (warp_specialized, where None
     means True): dK and dV through shared memory and TMA stores. The three gradients are contiguous whatever the inputs'
     strides."""
     from cuda.bindings import driver
@@ -880,7 +889,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                  pointer_args=fast, dq_buffer=dq_buffer, warp_specialized=warp_specialized,
                                  tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic,
                                  dropout=dropout is not None,
-                                 head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3], tma_store=tma_store)
+                                 head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3], tma_store=tma_store,
+                                 keep_bits=_keep_bits(dropout) is not None)
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -897,11 +907,17 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if dropout is not None:
         from .flash_fwd import _check_rng
 
-        rng, threshold, drop_scale = dropout
+        rng, threshold, drop_scale = dropout[:3]
         _check_rng(rng, q)
+        bits = _keep_bits(dropout)
+        if bits is not None:
+            check_keep_bits(bits, q, k)
         call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], dropout=True))
         tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
-        call(tensors + (rng, rng), _fast_call.backward_scalars(*tensors, threshold=threshold),
+        # the words pointer is unread (no key mask), the bits pointer unread without saved bits (q: any 16-byte
+        # aligned address)
+        call(tensors + (rng, rng, q if bits is None else bits),
+             _fast_call.backward_scalars(*tensors, threshold=threshold),
              (scale * _LOG2E, scale, drop_scale), stream)
     elif fast:
         call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], side))
@@ -916,3 +932,20 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if dq_atomic:
         return (dqacc * scale).to(q.dtype), dk, dv
     return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, dq_split(tile_m)), dk, dv
+
+
+def _keep_bits(dropout: tuple | None) -> torch.Tensor | None:
+    """The saved keep bits of a dropout argument (its optional fourth element), or None."""
+    return dropout[3] if dropout is not None and len(dropout) > 3 else None
+
+
+def check_keep_bits(bits: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+    """ValueError unless `bits` can hold the saved keep bits of a call with these q and k (keep_bits.keep_bits_bytes:
+    uint8, contiguous, on q's device, 16-byte aligned)."""
+    from ..triton.keep_bits import keep_bits_bytes
+
+    size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if (bits.dtype != torch.uint8 or bits.device != q.device or not bits.is_contiguous() or bits.numel() < size
+            or bits.data_ptr() % 16):
+        raise ValueError(f"keep bits must be uint8, contiguous, 16-byte aligned, on {q.device} and hold {size} bytes, "
+                         f"got {bits.dtype} ({bits.numel()}) on {bits.device}")

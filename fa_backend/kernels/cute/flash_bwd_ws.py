@@ -41,7 +41,8 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from ._bulk import add_release_i32, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_i32  # noqa: E402
 from ._fwd_parts import own_copy  # noqa: E402
 from ._dropout import (  # noqa: E402
-    BITS_STAGES, BITS_WARPS, MMA_THREADS, backward_keep, bits_words, draw_backward_bits, read_backward_bits)
+    BITS_STAGES, BITS_WARPS, MMA_THREADS, backward_keep, bits_words, draw_backward_bits, keep_tile, load_backward_bits,
+    read_backward_bits)
 from ._fwd_parts import select_i32  # noqa: E402
 from ._schedule import longest_first, section_size  # noqa: E402
 from ._tma_store import converted, stmatrix_tile, tma_store_tile  # noqa: E402
@@ -62,7 +63,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
     64 or 80 query rows per step, head_dim 64 with 128."""
 
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, tile_m: int = TILE_M,
-                 key_mask: bool = False, deterministic: bool = False, dropout: bool = False, tma_store: bool = True):
+                 key_mask: bool = False, deterministic: bool = False, dropout: bool = False, tma_store: bool = True,
+                 keep_bits: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right, dq_atomic=False, wgs=2, dq_buffer=True)
         # dK and dV of a warpgroup's keys in the input dtype into its K and V tiles (stmatrix), then one TMA store
         # each, instead of d / 2 two-byte stores per thread and gradient that each touch eight rows (+5-14 % at 2k on
@@ -75,6 +77,11 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # dropout: two producer warps draw each step's keep bits (_dropout.draw_backward_bits), the MMA warpgroups
         # drop P^T for dV and dP^T for dS with them; dV is scaled by 1 / (1 - p) in the epilogue
         self.dropout = dropout
+        # keep_bits: the drawing warps load the forward's saved keep bits (_dropout.load_backward_bits) instead of
+        # drawing them; 64-row steps (the saved tiles' rows)
+        if keep_bits and not (dropout and tile_m == TILE_M):
+            raise ValueError(f"keep_bits=True needs dropout=True and tile_m={TILE_M}")
+        self.keep_bits = keep_bits
         self.key_mask = key_mask  # a bool key mask, packed 32 keys per word, read per step (_key_keep)
         # dQ adds in key-block order: the side tensor (mWords) is then one int32 turn flag per (query block, head,
         # batch), zeroed by the caller (_write_dq)
@@ -104,7 +111,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                scale: Float32, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                mWords: cute.Tensor = None, mRng: cute.Tensor = None, drop_threshold=None, drop_scale=None,
-               tma_dk: cute.CopyAtom = None, tma_dv: cute.CopyAtom = None):  # tma_store: mdK / mdV are their tensors
+               tma_dk: cute.CopyAtom = None, tma_dv: cute.CopyAtom = None,  # tma_store: mdK / mdV are their tensors
+               mBits: cute.Tensor = None):  # keep_bits: the forward's saved bits (their first byte)
         d = self.head_dim
         wgs = self.wgs
         tidx, _, _ = cute.arch.thread_idx()
@@ -134,7 +142,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             n_words = bits_words(self.tile_m)
             sBits = smem.allocate_tensor(cutlass.Uint32, cute.make_layout(
                 (BITS_STAGES, MMA_THREADS, n_words), stride=(MMA_THREADS * n_words, n_words, 1)), byte_alignment=16)
-            drop = (bars_bits, sBits, mRng, drop_threshold, drop_scale)
+            drop = (bars_bits, sBits, mRng, drop_threshold, drop_scale, mBits)
 
         # one elected producer lane arrives per stage (with the expected bytes); a stage is free again once each of
         # the MMA warps has released it (the pipeline lets lane 0 of each warp arrive)
@@ -201,11 +209,16 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
     def _draw_bits(self, drop: tuple, gt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
                    heads_q: Int32, seqlen_q: Int32, seqlen_k: Int32, m_start: Int32, n_m: Int32, steps: Int32):
         """The dropout variant's drawing warps (thread gt of 64): each step's keep bits for the MMA warpgroups."""
-        bars, sBits, mRng, threshold, _ = drop
+        bars, sBits, mRng, threshold, _, mBits = drop
         for step in cutlass.range(steps, unroll=1):
-            draw_backward_bits(sBits, bars, mRng, threshold, gt, n_block * (TILE_N * self.wgs // 32),
-                               batch * heads_q + head_kv * group, step // n_m, seqlen_q, seqlen_k, step,
-                               self._m_block(m_start, n_m, step) * self.tile_m, self.tile_m)
+            if cutlass.const_expr(self.keep_bits):
+                tile = keep_tile(batch * heads_q + head_kv * group + step // n_m, self._m_block(m_start, n_m, step),
+                                 n_block, seqlen_q, seqlen_k)
+                load_backward_bits(sBits, bars, mBits.iterator, tile, gt, step)
+            else:
+                draw_backward_bits(sBits, bars, mRng, threshold, gt, n_block * (TILE_N * self.wgs // 32),
+                                   batch * heads_q + head_kv * group, step // n_m, seqlen_q, seqlen_k, step,
+                                   self._m_block(m_start, n_m, step) * self.tile_m, self.tile_m)
 
     @cute.jit
     def _m_block(self, m_start: Int32, n_m: Int32, step: Int32) -> Int32:

@@ -304,12 +304,13 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
          v: torch.Tensor, scale: float | None, causal: bool, bottom_right: bool,
          key_words: torch.Tensor | None = None,
          head_dims: tuple[int, ...] = HEAD_DIMS,
-         dropout: tuple[torch.Tensor, int, float] | None = None,
+         dropout: tuple | None = None,
          head_dim_pairs: frozenset[tuple[int, int]] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd with the variant compiled by compile_fn(dtype, head_dim, causal, bottom_right); key_words (a
     key-mask variant's packed words, (b, hq, words) int32) go to the kernel after the stream; head_dims: the
     variant's kernel's; dropout (a dropout variant's arguments, which always take the pointer convention): the
-    (seed, rng_offset) int64 pair on q's device, the 16-bit keep threshold and 1 / (1 - dropout_p); head_dim_pairs:
+    (seed, rng_offset) int64 pair on q's device, the 16-bit keep threshold and 1 / (1 - dropout_p), and for
+    keep_bits variants the uint8 buffer of _dropout.keep_bits_bytes they save the keep bits in; head_dim_pairs:
     the (head_dim, head_dim_v) pairs with v's head dim different from q's that compile_fn takes (as head_dim_v=)."""
     from cuda.bindings import driver
 
@@ -329,10 +330,16 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     masked = key_words is not None
     if dropout is not None:
-        rng, threshold, drop_scale = dropout
+        rng, threshold, drop_scale = dropout[:3]
         _check_rng(rng, q)
+        bits = dropout[3] if len(dropout) > 3 else None  # keep_bits variants: the buffer they fill
+        if bits is not None:
+            from .flash_bwd import check_keep_bits
+
+            check_keep_bits(bits, q, k)
         call = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype], dropout=True))
-        call((q, k, v, out, lse, key_words if masked else rng, rng),
+        # unread pointers: the words without a key mask, the bits without keep_bits (q: any 16-byte aligned address)
+        call((q, k, v, out, lse, key_words if masked else rng, rng, q if bits is None else bits),
              _fast_call.scalars(q, k, v, out, lse, key_words, threshold), (scale * _LOG2E, drop_scale), stream)
         return out, lse
     if fast:

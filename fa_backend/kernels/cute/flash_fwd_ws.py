@@ -54,7 +54,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
-from ._dropout import drop_scores, dropout_state  # noqa: E402
+from ._dropout import KEEP_KEYS, drop_scores, dropout_state, zero_unvisited_keep_tiles  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
     ForwardVariant, convert_in_place, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores,
     online_softmax, own_copy, rescale_rows, sdpa_views, select_i32, softmax_scores, store_rows)
@@ -105,6 +105,14 @@ def tile_n(head_dim: int, head_dim_v: int | None = None) -> int:
     return TILE_N if _smem_bytes(TILE_M, TILE_N, head_dim, head_dim_v) <= SMEM_LIMIT else 64
 
 
+def _check_keep_bits(keep_bits: bool, dropout: bool, key_mask: bool, head_dim: int, head_dim_v: int | None) -> None:
+    """ValueError unless a keep_bits variant can save the bits: dropout without a key mask, on blocks as wide as the
+    saved tiles (KEEP_KEYS keys, the backward's CTA)."""
+    if keep_bits and not (dropout and not key_mask and tile_n(head_dim, head_dim_v) == KEEP_KEYS):
+        raise ValueError(f"keep_bits=True needs dropout=True, no key mask and {KEEP_KEYS}-key blocks (head_dim "
+                         f"{head_dim})")
+
+
 def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False,
                      head_dim: int = 128) -> None:
     if consumers not in (2, 3) or (persistent and consumers != 2):
@@ -146,9 +154,12 @@ class FlashForwardSm90WS(ForwardVariant):
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
                  pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
                  key_mask: bool = False, dropout: bool = False, head_dim_v: int | None = None,
-                 tma_store: bool | None = None):
+                 tma_store: bool | None = None, keep_bits: bool = False):
         super().__init__(dtype, head_dim, causal, bottom_right, head_dim_v)
         self.dropout = dropout
+        # keep_bits: each draw's keep byte also goes to a buffer the backward reads (_dropout, "Saved keep bits")
+        _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
+        self.keep_bits = keep_bits
         self.tma_store = _tma_store(tma_store, persistent)
         _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
         self.persistent = persistent
@@ -168,7 +179,8 @@ class FlashForwardSm90WS(ForwardVariant):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  scale_log2: Float32, stream: Any, mWords: cute.Tensor = None, mRng: cute.Tensor = None,
-                 drop_threshold=None, drop_scale=None):  # Int32, Float32 with dropout (unannotated: None otherwise)
+                 drop_threshold=None, drop_scale=None,  # Int32, Float32 with dropout (unannotated: None otherwise)
+                 mBits: cute.Tensor = None):  # keep_bits: the saved bits' buffer (its first byte)
         d, dv = self.head_dim, self.head_dim_v
         q, k, v, o, lse = sdpa_views(mQ, mK, mV, mO, mLSE)
         words = None
@@ -196,7 +208,7 @@ class FlashForwardSm90WS(ForwardVariant):
                     1, 1)
         self.kernel(tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, o, lse, scale_log2,
                     mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout, words, mRng, drop_threshold, drop_scale,
-                    tma_o, tma_tensor_o, sO_layout).launch(
+                    tma_o, tma_tensor_o, sO_layout, mBits).launch(
             grid=grid, block=(self.threads, 1, 1), smem=smem_bytes, stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
@@ -225,7 +237,8 @@ class FlashForwardSm90WS(ForwardVariant):
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, mWords: cute.Tensor, mRng: cute.Tensor,
                drop_threshold, drop_scale,  # Int32, Float32 for dropout variants, None otherwise (unannotated)
-               tma_o: cute.CopyAtom, mO_tma: cute.Tensor, sO_layout: cute.ComposedLayout):  # tma_store, else None
+               tma_o: cute.CopyAtom, mO_tma: cute.Tensor, sO_layout: cute.ComposedLayout,  # tma_store, else None
+               mBits: cute.Tensor):  # keep_bits, else None
         tidx, _, _ = cute.arch.thread_idx()
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         seqlen_k = mK.shape[0]
@@ -295,7 +308,8 @@ class FlashForwardSm90WS(ForwardVariant):
                 if wg == 0:  # consumer 0 takes the first turn; the turns then go round, across tiles too
                     cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * WG_THREADS)
             args = (mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, pipe_k, pipe_v, mO, mLSE, scale_log2, wg,
-                    tidx % WG_THREADS, mWords, (mRng, drop_threshold, drop_scale), (tma_o, mO_tma, sO_layout, raw_q))
+                    tidx % WG_THREADS, mWords, (mRng, drop_threshold, drop_scale, mBits),
+                    (tma_o, mO_tma, sO_layout, raw_q))
             if cutlass.const_expr(self.persistent):
                 first, _, _ = cute.arch.block_idx()
                 step, _, _ = cute.arch.grid_dim()
@@ -408,8 +422,8 @@ class FlashForwardSm90WS(ForwardVariant):
                  offset: Int32, state_k: Any, state_v: Any, mWords: cute.Tensor,
                  drop_args: tuple, store_args: tuple) -> tuple[Any, Any]:
         """One consumer warpgroup, one tile: its 64 query rows against every visited key block, then the epilogue.
-        drop_args: (the (seed, rng_offset) tensor, the 16-bit keep threshold, 1 / (1 - dropout_p)) of dropout
-        variants; store_args: (O's TMA store atom, its TMA tensor, O's shared-memory layout, the Q stages' bytes) of
+        drop_args: (the (seed, rng_offset) tensor, the 16-bit keep threshold, 1 / (1 - dropout_p), the saved keep
+        bits' buffer or None) of dropout variants; store_args: (O's TMA store atom, its TMA tensor, O's shared-memory layout, the Q stages' bytes) of
         tma_store variants. Returns the advanced pipeline states."""
         dv = self.head_dim_v
         thr_qk, thr_pv = mma_qk.get_slice(wg_tidx), mma_pv.get_slice(wg_tidx)
@@ -434,9 +448,12 @@ class FlashForwardSm90WS(ForwardVariant):
 
         drop, out_scale = None, None
         if cutlass.const_expr(self.dropout):
-            mRng, drop_threshold, out_scale = drop_args
+            mRng, drop_threshold, out_scale, mBits = drop_args
+            bits = None
+            if cutlass.const_expr(self.keep_bits):
+                bits = mBits.iterator
             drop = dropout_state(mRng, drop_threshold, batch * mO.shape[2] + head, mO.shape[0], seqlen_k,
-                                 row0 + tScS[0][0], row0 + tScS[2][0], wg_tidx % 32)
+                                 row0 + tScS[0][0], row0 + tScS[2][0], wg_tidx % 32, bits, row0)
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
         t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
         cute.arch.mbarrier_wait(bar_q, q_phase)
@@ -449,6 +466,9 @@ class FlashForwardSm90WS(ForwardVariant):
             # every GEMM that reads Q has been waited for: the producer may load the next tile's Q while this
             # warpgroup stores its rows
             cute.arch.mbarrier_arrive(bar_q_free)
+        if cutlass.const_expr(self.keep_bits and self.causal):  # the blocks past the diagonal: their tiles zeroed
+            zero_unvisited_keep_tiles(mBits.iterator, batch * mO.shape[2] + head, row0, mO.shape[0], seqlen_k,
+                                      n_blocks, wg_tidx)
 
         if cutlass.const_expr(self.tma_store):
             finish_rows(acc_o, row_max, row_sum, tOcO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
@@ -670,7 +690,7 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
                          pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
                          persistent: bool = False, key_mask: bool = False, dropout: bool = False,
-                         head_dim_v: int | None = None, tma_store: bool | None = None) -> Any:
+                         head_dim_v: int | None = None, tma_store: bool | None = None, keep_bits: bool = False) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
@@ -684,15 +704,17 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     mask), pointer convention only (_fast_call.PointerForwardDropout; suffix "_dropout"); `head_dim_v`: V's and O's
     head dim where it differs from head_dim ((head_dim, head_dim_v) in HEAD_DIM_V_PAIRS; the cache key's dv);
     `tma_store`: O through shared memory and one TMA store per consumer (suffix "_tmastore"; None: every variant but
-    the persistent ones)."""
+    the persistent ones); `keep_bits` (dropout, 128-key blocks): the variant that also saves its keep decisions for
+    the backward (_dropout, "Saved keep bits"; suffix "_keepbits")."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
+    _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
     tma_store = _tma_store(tma_store, persistent)
     name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout, head_dim_v,
-                                tma_store)
+                                tma_store, keep_bits)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers, persistent=persistent, key_mask=key_mask,
-                                              dropout=dropout, tma_store=tma_store),
+                                              dropout=dropout, tma_store=tma_store, keep_bits=keep_bits),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
                             key_mask=key_mask, head_dims=HEAD_DIMS, dropout=dropout, head_dim_v=head_dim_v,
                             head_dim_pairs=HEAD_DIM_V_PAIRS)
@@ -700,10 +722,12 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
 
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
                    key_mask: bool = False, head_dim: int = 128, dropout: bool = False,
-                   head_dim_v: int | None = None, tma_store: bool = False) -> tuple[str, tuple[int, ...]]:
+                   head_dim_v: int | None = None, tma_store: bool = False,
+                   keep_bits: bool = False) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
-              + ("_keymask" if key_mask else "") + ("_dropout" if dropout else "") + ("_tmastore" if tma_store else ""))
+              + ("_keymask" if key_mask else "") + ("_dropout" if dropout else "") + ("_keepbits" if keep_bits else "")
+              + ("_tmastore" if tma_store else ""))
     return KERNEL_NAME + suffix, (WG_M * consumers, tile_n(head_dim, head_dim_v), KV_STAGES)
 
 
@@ -767,7 +791,7 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
 
 def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                       causal: bool = False, bottom_right: bool = False, key_words: torch.Tensor | None = None,
-                      dropout: tuple[torch.Tensor, int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      dropout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd_ws with the fastest variant for q's and v's head dims and `causal` (fastest_kwargs)."""
     known = q.dim() == 4 and v.dim() == 4 and ((q.shape[-1], bool(causal)) in FASTEST if v.shape[-1] == q.shape[-1]
                                                else (q.shape[-1], v.shape[-1], bool(causal)) in HEAD_DIM_V_FASTEST)
@@ -778,7 +802,7 @@ def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
                  consumers: int = CONSUMERS, persistent: bool = False, key_words: torch.Tensor | None = None,
-                 dropout: tuple[torch.Tensor, int, float] | None = None,
+                 dropout: tuple | None = None,
                  tma_store: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv) (dv =
     d, or (d, dv) in HEAD_DIM_V_PAIRS): returns out (b, hq, sq, dv) in q's dtype and the fp32 natural-log LSE
@@ -789,9 +813,11 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     j % 32 of word j // 32 of row (batch, head), 1 = attend), (b, hq, ceil(seqlen_k / 32)) with any strides
     (0 where broadcast: _mask_bounds.row_bits' words expanded): the key-mask variant; `dropout`: (the (seed,
     rng_offset) int64 pair on q's device, the 16-bit keep threshold round(dropout_p * 2**16), 1 / (1 - dropout_p)):
-    the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout); `tma_store`: O through
+    the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout), with a fourth element, a
+    uint8 buffer of _dropout.keep_bits_bytes (128-key blocks), the variant that also saves the mask there for the
+    backward (flash_bwd.flash_bwd's dropout argument with it); `tma_store`: O through
     shared memory and a TMA store (None: unless persistent; False: from registers)."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
                                   persistent=persistent, key_mask=key_words is not None, dropout=dropout is not None,
-                                  tma_store=tma_store),
+                                  tma_store=tma_store, keep_bits=dropout is not None and len(dropout) > 3),
                 q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)

@@ -80,6 +80,18 @@ def test_dropout_with_a_key_mask(d):
                                                                                     **feats))
 
 
+def _assert_kernel_grads_within_bar(grads, q, k, v, dout, p, rng, causal, bottom_right):
+    """A kernel's (dq, dk, dv) against the float64 reference with the kernels' mask for this RNG state, 2x rule."""
+    feats = dict(is_causal=causal, bottom_right=bottom_right, dropout_keep=_keep(q, k, p, rng), dropout_p=p)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    truth = torch.autograd.grad(attention_ref(*ref_leaves, **feats), ref_leaves, dout.double())
+    base = torch.autograd.grad(attention_ref(*pt_leaves, **feats), pt_leaves, dout)
+    for name, ours, same, true in zip(("dq", "dk", "dv"), grads, base, truth):
+        assert not ours.isnan().any(), name
+        assert_within_bar(name, ours, same, true)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 300, 333), (2, 2, 1, 1000, 1100)])
@@ -98,14 +110,120 @@ def test_dropout_backward_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq
     dout = torch.randn_like(out)
     grads = flash_bwd(dout, q, k, v, out, lse, causal=causal, bottom_right=bottom_right, wgs=2, warp_specialized=True,
                       dropout=dropout)
-    feats = dict(is_causal=causal, bottom_right=bottom_right, dropout_keep=_keep(q, k, p, rng), dropout_p=p)
+    _assert_kernel_grads_within_bar(grads, q, k, v, dout, p, rng, causal, bottom_right)
+
+
+SAVED_SHAPES = [(2, 4, 4, 256, 256), (1, 8, 2, 300, 333), (2, 2, 1, 1000, 1100), (1, 2, 2, 100, 700)]
+
+
+def _visible(q, k, causal, bottom_right):
+    """(sq, sk) bool: the scores a causal mask leaves (all without one)."""
+    sq, sk = q.shape[2], k.shape[2]
+    rows = torch.arange(sq, device="cuda")[:, None] + (sk - sq if bottom_right else 0)
+    return torch.arange(sk, device="cuda")[None, :] <= rows if causal else torch.ones(sq, sk, dtype=torch.bool,
+                                                                                     device="cuda")
+
+
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SAVED_SHAPES)
+def test_forward_saves_the_mask_it_draws(causal, bottom_right, b, hq, hkv, sq, sk):
+    """The forward that saves its keep bits (kernels/triton/keep_bits.py) into a poisoned buffer: out and lse bit
+    for bit those of the forward that does not; the bits are the kernels' mask on every visible score, and without a
+    causal mask (every tile visited) the whole buffer is what fill_keep_bits writes for the same RNG state."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
+    from fa_backend.kernels.triton.keep_bits import fill_keep_bits, keep_bits_bytes, unpack_keep_bits
+    from fa_backend.ops import new_rng_state
+
+    p = 0.17
+    q, k, v = _qkv(b, hq, hkv, sq, sk, 128, torch.bfloat16)
+    rng = new_rng_state()
+    dropout = _kernel_dropout(p, rng)
+    bits = torch.full((keep_bits_bytes(b, hq, sq, sk),), 0xA5, dtype=torch.uint8, device="cuda")
+    out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=(*dropout, bits))
+    plain_out, plain_lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=dropout)
+    assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
+    seen = _visible(q, k, causal, bottom_right).expand(b, hq, sq, sk)
+    assert torch.equal(unpack_keep_bits(bits, b, hq, sq, sk)[seen], _keep(q, k, p, rng)[seen])
+    if not causal:
+        assert torch.equal(bits, fill_keep_bits(torch.zeros_like(bits), b, hq, sq, sk, p, tuple(rng.tolist())))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SAVED_SHAPES)
+def test_backward_on_saved_bits(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
+    """The backward's keep_bits variant, whose drawing warps load the forward's saved bytes instead of drawing: dK
+    and dV bit for bit those of the variant that draws (the same mask, the same sums in each CTA), dQ (added by
+    several CTAs in any order) and all three within the 2x bar of the float64 reference with the kernels' mask."""
+    from fa_backend.kernels.cute.flash_bwd import flash_bwd
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
+    from fa_backend.kernels.triton.keep_bits import keep_bits_bytes
+    from fa_backend.ops import new_rng_state
+
+    p = 0.17
+    q, k, v = _qkv(b, hq, hkv, sq, sk, 128, dtype)
+    rng = new_rng_state()
+    dropout = _kernel_dropout(p, rng)
+    bits = torch.empty(keep_bits_bytes(b, hq, sq, sk), dtype=torch.uint8, device="cuda")
+    out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=(*dropout, bits))
+    dout = torch.randn_like(out)
+    args = dict(causal=causal, bottom_right=bottom_right, wgs=2, warp_specialized=True)
+    grads = flash_bwd(dout, q, k, v, out, lse, dropout=(*dropout, bits), **args)
+    drawn = flash_bwd(dout, q, k, v, out, lse, dropout=dropout, **args)
+    assert torch.equal(grads[1], drawn[1]) and torch.equal(grads[2], drawn[2])
+    _assert_kernel_grads_within_bar(grads, q, k, v, dout, p, rng, causal, bottom_right)
+
+
+def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
+    """cute_flash_attention saves the keep bits for calls that will be differentiated (within KEEP_BITS_BUDGET), not
+    for calls without gradients; the gradients on saved bits are those on drawn ones (dK and dV bit for bit)."""
+    from fa_backend.kernels.cute import flash_bwd
+    from fa_backend.kernels.triton import keep_bits
+    from fa_backend.ops import cute_flash, cute_flash_attention, new_rng_state
+
+    kinds = []
+    real = flash_bwd.flash_bwd
+    monkeypatch.setattr(flash_bwd, "flash_bwd", lambda *a, **kw: kinds.append(len(kw["dropout"])) or real(*a, **kw))
+    saved = []
+    real_fwd = cute_flash._keep_bits_out
+    monkeypatch.setattr(cute_flash, "_keep_bits_out", lambda q, k, keep: saved.append(keep) or real_fwd(q, k, keep))
+    q, k, v = _qkv(2, 8, 2, 700, 900, 128, torch.bfloat16, grad=True)
+    rng = new_rng_state()
+    with torch.no_grad():
+        cute_flash_attention(q, k, v, None, True, dropout_p=0.2, rng_state=rng)
+    runs = []
+    for budget in (1.0, 0.0):
+        monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", budget)
+        out = cute_flash_attention(q, k, v, None, True, dropout_p=0.2, rng_state=rng)[0]
+        runs.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    assert saved == [False, True, False] and kinds == [4, 3]
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+    # dQ: fp32 adds from several CTAs in either order, then one rounding to bf16 (a flip of its last bit at most)
+    torch.testing.assert_close(runs[0][0].float(), runs[1][0].float(), atol=1e-3, rtol=2**-6)
+
+
+def test_op_fills_the_bits_when_the_forward_falls_back(monkeypatch):
+    """A keep_bits forward whose CuTe variant failed to compile runs the Triton forward and fills the bits with the
+    same mask (fill_keep_bits): the CuTe backward on them meets the 2x bar."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+    from fa_backend.kernels.cute._compile_cache import CompileFailedError
+    from fa_backend.kernels.cute.flash_fwd import variant_key
+    from fa_backend.ops import cute_flash_attention, new_rng_state
+
+    def fail(q, *args, **kwargs):
+        raise CompileFailedError(variant_key("test", (128, 128, 2), q.dtype, 128, False, False), "test")
+
+    monkeypatch.setattr(flash_fwd_ws, "flash_fwd_fastest", fail)
+    p, rng = 0.2, new_rng_state()
+    q, k, v = _qkv(1, 4, 4, 384, 512, 128, torch.bfloat16, grad=True)
+    fa_backend.reset_stats()
+    out = cute_flash_attention(q, k, v, None, False, dropout_p=p, rng_state=rng)[0]
+    assert fa_backend.stats()["runs"] == {"triton": 1}
+    feats = dict(dropout_keep=_keep(q, k, p, rng), dropout_p=p)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    truth = torch.autograd.grad(attention_ref(*ref_leaves, **feats), ref_leaves, dout.double())
-    base = torch.autograd.grad(attention_ref(*pt_leaves, **feats), pt_leaves, dout)
-    for name, ours, same, true in zip(("dq", "dk", "dv"), grads, base, truth):
-        assert not ours.isnan().any(), name
-        assert_within_bar(name, ours, same, true)
+    ref, pt = attention_ref(*ref_leaves, **feats), attention_ref(*pt_leaves, **feats)
+    assert_grads_within_bar(out, (q, k, v), pt, pt_leaves, ref, ref_leaves)
 
 
 def test_the_mask_is_the_triton_forwards():
@@ -147,7 +265,8 @@ def test_op_forward_and_gradients_within_bar(d, causal, monkeypatch):
     ref, pt = attention_ref(*ref_leaves, **feats), attention_ref(*pt_leaves, **feats)
     assert_within_bar("out", out, pt, ref)
     assert_grads_within_bar(out, (q, k, v), pt, pt_leaves, ref, ref_leaves)
-    assert [kw.get("dropout") is not None for kw in cute_runs] == ([True] if d == 128 else [])
+    # at d=128 the forward saved its keep bits and the backward read them (the dropout argument's fourth element)
+    assert [len(kw["dropout"]) for kw in cute_runs] == ([4] if d == 128 else [])
 
 
 def test_op_is_reproducible_under_manual_seed():
@@ -179,17 +298,26 @@ def clean():
     fa_backend.disable()
 
 
-def test_routed_dropout_call_without_gradients_runs_cute_and_with_them_cudnn(clean):
-    """SDPA with dropout_p=0.1 at d=128: without gradients the CuTe forward runs it; with gradients cuDNN does (its
-    dropout backward beats the Triton one that would follow ours: dispatch/preference.py)."""
-    q, k, v = _qkv(4, 16, 16, 2048, 2048, 128, torch.bfloat16)
-    with fa_backend.enabled():
-        F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-        assert fa_backend.stats()["runs"] == {"cute": 1}
+def test_routed_dropout_calls_run_cute_where_the_backward_reads_saved_bits(clean, monkeypatch):
+    """SDPA with dropout_p=0.1 at d=128: without gradients the CuTe forward runs it; with gradients the CuTe kernels
+    where the forward saves its keep bits (MHA from 2k tokens within the memory budget: the backward reading them beat
+    cuDNN's), cuDNN otherwise (1k tokens, a zero budget: dispatch/preference.py)."""
+    from fa_backend.kernels.triton import keep_bits
+
+    def runs(s, grad):
+        q, k, v = _qkv(4, 16, 16, s, s, 128, torch.bfloat16, grad=grad)
         fa_backend.reset_stats()
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        F.scaled_dot_product_attention(qg, kg, vg, dropout_p=0.1).sum().backward()
-    assert fa_backend.stats()["runs"] == {"torch": 1}
+        with fa_backend.enabled():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+            if grad:
+                out.sum().backward()
+        return fa_backend.stats()["runs"]
+
+    assert runs(2048, False) == {"cute": 1}
+    assert runs(2048, True) == {"cute": 1}
+    assert runs(1024, True) == {"torch": 1}
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 0.0)
+    assert runs(2048, True) == {"torch": 1}
 
 
 def test_opcheck_with_dropout():
@@ -197,3 +325,4 @@ def test_opcheck_with_dropout():
 
     q, k, v = _qkv(1, 4, 2, 300, 300, 128, torch.bfloat16, grad=True)
     torch.library.opcheck(cute_flash_fwd, (q, k, v, None, True, False, None, 0.25, new_rng_state()))
+    torch.library.opcheck(cute_flash_fwd, (q, k, v, None, True, False, None, 0.25, new_rng_state(), True))

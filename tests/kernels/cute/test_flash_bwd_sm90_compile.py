@@ -463,6 +463,33 @@ def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, causal, botto
         assert "mul.wide.u32" not in plain
 
 
+@needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, causal):
+    """The dropout backward on the forward's saved keep bits (keep_bits, kernels/triton/keep_bits.py): no Philox draw
+    left (no wide multiply), one 16-byte load of a step's bytes per drawing thread, the same register split, no
+    spills or C75xx serialisation, the exp2s still if-converted."""
+    from fa_backend.kernels.cute import flash_bwd
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, pointer_args=True, dropout=True, keep_bits=True).__ptx__
+    assert "mul.wide.u32" not in ptx
+    drawn = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path / "drawn"), wgs=2,
+                                        warp_specialized=True, pointer_args=True, dropout=True).__ptx__
+    assert ptx.count("ld.global.v4.b32") == drawn.count("ld.global.v4.b32") + 1
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", "24"), ("inc", "240")]
+    _assert_asynchronous_and_if_converted(ptx, tmp_path)
+
+
+def test_keep_bits_needs_the_dropout_variant_with_64_row_steps():
+    from fa_backend.kernels.cute import flash_bwd
+
+    for kw in (dict(dropout=False), dict(tile_m=128)):
+        args = dict(wgs=2, warp_specialized=True, pointer_args=True, dropout=True, keep_bits=True) | kw
+        with pytest.raises(ValueError, match="keep_bits=True needs"):
+            flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, **args)
+
+
 def test_dropout_backward_refuses_what_it_does_not_take():
     from fa_backend.kernels.cute import flash_bwd
 

@@ -370,6 +370,35 @@ def test_dropout_variants_compile_without_spills(tmp_path, d, causal):
         assert "mul.wide.u32" not in plain
 
 
+@needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+def test_keep_bits_variant_stores_a_byte_per_draw(tmp_path, causal):
+    """The d=128 dropout forward that saves its keep bits for the backward (keep_bits, kernels/triton/keep_bits.py):
+    one byte store per draw, eight per thread and block (two rows x four 32-key blocks) at each place a block's
+    probabilities are made (the first block and the loop, the causal build's masked loop too), no local memory, no
+    spills."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    kw = flash_fwd_ws.fastest_kwargs(128, causal, dropout=True)
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), dropout=True,
+                                            pointer_args=True, keep_bits=True, **kw).__ptx__
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    sites = 3 if causal else 2
+    assert len(re.findall(r"st\.global(?:\.\w+)*\.[ub]8", ptx)) == 8 * sites
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.findall(r"C75\d\d", report), report
+
+
+def test_keep_bits_needs_dropout_on_128_key_blocks():
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    for d, dropout in ((128, False), (256, True)):
+        with pytest.raises(ValueError, match="keep_bits=True needs"):
+            flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, dropout=dropout, pointer_args=True,
+                                              keep_bits=True)
+
+
 def test_dropout_variants_take_the_pointer_convention_only(tmp_path):
     from fa_backend.kernels.cute import flash_fwd_ws
 

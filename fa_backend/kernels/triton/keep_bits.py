@@ -1,0 +1,117 @@
+"""Saved dropout keep bits: their layout, a Triton kernel that fills them from the RNG state, and an unpacker.
+
+A dropout forward on the CuTe kernels that will be differentiated saves its keep decisions, one bit per score, for the
+CuTe backward, which then loads them instead of drawing them again (kernels/cute/_dropout.py, "Saved keep bits").
+The mask is the Triton kernels' (_common._dropout_keep, DROP_HALVES): key j = 32a + 8w + 2p + h of query row i of
+head bh reads half h of word w of the Philox-4x32 draw at counter (bh * seqlen_q + i) * 4 * ceil(seqlen_k / 32) +
+4a + p + rng_offset, so one draw decides eight keys, and its eight decisions make one byte here.
+
+The buffer is a sequence of tiles of KEEP_ROWS queries x KEEP_KEYS keys (the backward's step x its CTA's keys),
+KEEP_TILE_BYTES each: tile (bh, R, C) at ((bh * ceil(seqlen_q / KEEP_ROWS) + R) * ceil(seqlen_k / KEEP_KEYS) + C) *
+KEEP_TILE_BYTES. Within a tile the draw of tile row i, 32-key block a and p is byte keep_byte(a, p, i): the 16 bytes
+at 16 g belong to the backward's drawing thread g = 16 a + 4 p + (i % 8) // 2, one byte per row of the 16 it serves,
+so that thread loads its step's bits with one 16-byte read. Bit keep_bit(w, h) of the byte keeps key 32a + 8w + 2p +
+h: each of the four words that thread assembles for the MMA threads (two bits per query) then takes two neighbouring
+bits of each byte. Rows past seqlen_q and keys past seqlen_k of the last tiles hold draws of their own (unread).
+
+`fill_keep_bits` writes the whole buffer from the RNG state (where the CuTe forward did not run: a compile failure, a
+zero scale); the CuTe forward writes the tiles it visits (every tile a backward step reads). `unpack_keep_bits` turns a
+buffer back into the (b, hq, sq, sk) bool mask (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._features import DROP_HALVES, dropout_draw
+
+KEEP_ROWS, KEEP_KEYS = 64, 128
+KEEP_TILE_BYTES = KEEP_ROWS * KEEP_KEYS // 8
+
+# Memory: the bits are saved only while they take at most KEEP_BITS_BUDGET times the bytes of q, k, v and out together
+# (1.0: up to 8k tokens at d=128 with as many keys as queries and heads of K as of Q); 0 turns saving off (every
+# backward then draws the mask again). Read at each call (ops/cute_flash.save_keep_bits, dispatch/preference.py).
+KEEP_BITS_BUDGET = 1.0
+
+
+def keep_bits_bytes(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> int:
+    """Bytes of the saved keep bits of one call: one bit per score, rounded up to whole tiles."""
+    return batch * heads_q * -(-seqlen_q // KEEP_ROWS) * -(-seqlen_k // KEEP_KEYS) * KEEP_TILE_BYTES
+
+
+def keep_bits_fit(batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                  head_dim_v: int, itemsize: int) -> bool:
+    """Whether a call's keep bits are within KEEP_BITS_BUDGET times its q, k, v and out bytes."""
+    inputs = (batch * heads_q * seqlen_q * (head_dim + head_dim_v)
+              + batch * heads_kv * seqlen_k * (head_dim + head_dim_v)) * itemsize
+    return keep_bits_bytes(batch, heads_q, seqlen_q, seqlen_k) <= KEEP_BITS_BUDGET * inputs
+
+
+def keep_byte(a, p, row):
+    """Byte offset within a tile of the draw of tile row `row`, 32-key block a, p (ints, tensors or DSL integers)."""
+    return 16 * (16 * a + 4 * p + row % 8 // 2) + 2 * (row // 8) + row % 2
+
+
+def keep_bit(w, h):
+    """Bit of a draw's byte that keeps its key 32a + 8w + 2p + h."""
+    return 2 * (2 * (w // 2) + h) + w % 2
+
+
+@triton.jit
+def _halves_bits(word, thr, W: tl.constexpr):
+    """The keep bits of word W's two halves (h = 0: the low 16 bits) at their positions keep_bit(W, h)."""
+    lo = ((word & 0xFFFF) >= thr).to(tl.int32)
+    hi = ((word >> 16) >= thr).to(tl.int32)
+    return (lo << (2 * (2 * (W // 2)) + W % 2)) | (hi << (2 * (2 * (W // 2) + 1) + W % 2))
+
+
+@triton.jit
+def _keep_bits_kernel(BITS, seed, rng_offset, drop_threshold, SEQ_Q, SEQ_K, ROW_BLOCKS, KEY_BLOCKS,
+                      TILE_BYTES: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1)
+    bh = tl.program_id(2)
+    t = tl.arange(0, TILE_BYTES)
+    g, qq = t // 16, t % 16
+    a, p, rq = g // 16, (g // 4) % 4, g % 4  # the byte's 32-key block, p, and its row's (i % 8) // 2
+    row = r * 64 + 8 * (qq // 2) + 2 * rq + qq % 2
+    counter = ((bh.to(tl.int64) * SEQ_Q + row) * (((SEQ_K + 31) // 32) * 4) + (4 * (4 * c + a) + p)
+               + rng_offset)
+    r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    thr = tl.full([], drop_threshold, tl.int64).to(tl.uint32)
+    byte = _halves_bits(r0, thr, 0) | _halves_bits(r1, thr, 1) | _halves_bits(r2, thr, 2) | _halves_bits(r3, thr, 3)
+    tile = ((bh.to(tl.int64) * ROW_BLOCKS + r) * KEY_BLOCKS + c) * TILE_BYTES
+    tl.store(BITS + tile + t, byte.to(tl.uint8))
+
+
+def fill_keep_bits(bits: torch.Tensor, b: int, hq: int, sq: int, sk: int, dropout_p: float,
+                   rng: tuple[int, int]) -> torch.Tensor:
+    """Write the keep bits of this call's mask (the RNG state (seed, offset), 16-bit draws) into `bits`, a uint8
+    buffer of at least keep_bits_bytes(b, hq, sq, sk); returns it."""
+    draw, threshold = dropout_draw(dropout_p)
+    if draw != DROP_HALVES:
+        raise ValueError(f"dropout_p={dropout_p} needs 32-bit draws; saved keep bits hold 16-bit ones")
+    size = keep_bits_bytes(b, hq, sq, sk)
+    if bits.dtype != torch.uint8 or not bits.is_contiguous() or bits.numel() < size:
+        raise ValueError(f"keep bits must be a contiguous uint8 buffer of at least {size} bytes, got {bits.dtype} "
+                         f"({bits.numel()})")
+    if size:
+        rows, keys = -(-sq // KEEP_ROWS), -(-sk // KEEP_KEYS)
+        _keep_bits_kernel[(keys, rows, b * hq)](bits, int(rng[0]), int(rng[1]), threshold, sq, sk, rows, keys,
+                                                TILE_BYTES=KEEP_TILE_BYTES)
+    return bits
+
+
+def unpack_keep_bits(bits: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> torch.Tensor:
+    """The (b, hq, sq, sk) bool keep mask a buffer of saved keep bits holds."""
+    rows, keys = -(-sq // KEEP_ROWS), -(-sk // KEEP_KEYS)
+    tiles = bits[:keep_bits_bytes(b, hq, sq, sk)].view(b * hq, rows, keys, KEEP_TILE_BYTES).to(torch.int32)
+    i = torch.arange(KEEP_ROWS, device=bits.device)[:, None]
+    j = torch.arange(KEEP_KEYS, device=bits.device)[None, :]
+    a, w, p, h = j // 32, j % 32 // 8, j % 8 // 2, j % 2
+    byte = keep_byte(a, p, i).expand(KEEP_ROWS, KEEP_KEYS)
+    keep = (tiles[..., byte] >> keep_bit(w, h)) & 1  # (bh, R, C, row, key)
+    keep = keep.permute(0, 1, 3, 2, 4).reshape(b, hq, rows * KEEP_ROWS, keys * KEEP_KEYS)
+    return keep[:, :, :sq, :sk].bool()

@@ -1,0 +1,72 @@
+"""Saved dropout keep bits (kernels/triton/keep_bits.py): the layout's byte map, the Triton kernel that fills a
+buffer from the RNG state against the kernels' own mask (dropout_keep_mask), and which calls save them
+(ops.cute_flash.save_keep_bits). The CuTe forward's bytes and the CuTe backward that reads them are checked on the
+H200 (tests/kernels/cute/test_dropout_gpu.py).
+
+Runs on CUDA when present, otherwise in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa_backend.kernels.triton import dropout_keep_mask, keep_bits
+from fa_backend.kernels.triton.keep_bits import (
+    KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, fill_keep_bits, keep_bit, keep_bits_bytes, keep_byte, unpack_keep_bits)
+from tests.conftest import DEVICE
+
+
+def test_each_draw_of_a_tile_has_a_byte_of_its_own():
+    """(row, 32-key block, p) -> byte is a bijection onto the tile's bytes, each drawing thread's 16 bytes are its
+    16 rows (rows r with the same (r % 8) // 2, every r // 8 and r % 2), and (w, h) -> bit onto a byte's bits."""
+    draws = [(r, a, p) for r in range(KEEP_ROWS) for a in range(KEEP_KEYS // 32) for p in range(4)]
+    assert sorted(keep_byte(a, p, r) for r, a, p in draws) == list(range(KEEP_TILE_BYTES))
+    for r, a, p in draws:
+        assert keep_byte(a, p, r) // 16 == 16 * a + 4 * p + r % 8 // 2
+    assert sorted(keep_bit(w, h) for w in range(4) for h in range(2)) == list(range(8))
+
+
+@pytest.mark.parametrize("b,hq,sq,sk", [(1, 2, 70, 200), (2, 1, 64, 128), (1, 1, 5, 33), (1, 3, 129, 300)])
+@pytest.mark.parametrize("p", [0.25, 0.1])
+def test_filled_bits_are_the_kernels_mask(b, hq, sq, sk, p):
+    """The buffer fill_keep_bits writes holds, bit for bit, the mask the forward and backward kernels draw for the
+    same RNG state (ragged tiles included), and another RNG state gives other bits."""
+    rng = (int(torch.randint(0, 2**62, ())), 16 * int(torch.randint(0, 2**20, ())))
+    bits = torch.empty(keep_bits_bytes(b, hq, sq, sk), dtype=torch.uint8, device=DEVICE)
+    fill_keep_bits(bits, b, hq, sq, sk, p, rng)
+    keep = unpack_keep_bits(bits, b, hq, sq, sk)
+    assert torch.equal(keep, dropout_keep_mask(b, hq, sq, sk, p, rng, DEVICE))
+    other = fill_keep_bits(torch.empty_like(bits), b, hq, sq, sk, p, (rng[0] + 1, rng[1]))
+    assert not torch.equal(unpack_keep_bits(other, b, hq, sq, sk), keep)
+
+
+def test_fill_refuses_what_it_cannot_hold():
+    bits = torch.empty(keep_bits_bytes(1, 1, 64, 128) - 1, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="at least 1024 bytes"):
+        fill_keep_bits(bits, 1, 1, 64, 128, 0.1, (1, 0))
+    with pytest.raises(ValueError, match="32-bit draws"):
+        fill_keep_bits(torch.empty(1024, dtype=torch.uint8, device=DEVICE), 1, 1, 64, 128, 0.01, (1, 0))
+
+
+def test_which_calls_save_keep_bits(monkeypatch):
+    """d = dv = 128 dropout without a mask, a nonzero scale or deterministic algorithms, while one bit per score is
+    within KEEP_BITS_BUDGET times q, k, v and out (at 1.0: 8k tokens at d=128 for MHA, 5k with GQA 4:1)."""
+    from fa_backend.ops import cute_flash
+
+    def call(sq=1024, sk=1024, d=128, dv=128, hkv=4, p=0.1, mask=None, scale=None):
+        q, k, v = (torch.empty(2, h, s, e, dtype=torch.bfloat16) for h, s, e in ((4, sq, d), (hkv, sk, d), (hkv, sk, dv)))
+        return cute_flash.save_keep_bits(q, k, v, scale, mask, p)
+
+    assert call() and call(sq=8192, sk=8192) and call(sq=100, sk=300)
+    assert not call(sq=8192, sk=8192 + 128)  # over the budget
+    assert call(sq=5120, sk=5120, hkv=1) and not call(sq=5248, sk=5248, hkv=1)
+    assert not call(p=0.0) and not call(d=64, dv=64) and not call(dv=64) and not call(scale=0.0)
+    assert not call(mask=torch.ones(1, 1, 1, 1024, dtype=torch.bool))
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 0.0)
+    assert not call()
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 1.0)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not call()
+    finally:
+        torch.use_deterministic_algorithms(False)
