@@ -6,7 +6,7 @@ draws cost), all in one process.
         [--runners ...] [--json FILE]
 
 cute: the op (its variant: flash_fwd_ws.fastest_kwargs; with --backward at d=128 its forward saves the keep bits
-within kernels/triton/keep_bits.KEEP_BITS_BUDGET and the backward reads them); cute_drawn: the op with the budget 0 (the
+within kernels/keep_bits.KEEP_BITS_BUDGET and the backward reads them); cute_drawn: the op with the budget 0 (the
 backward draws the mask again); cute_serial / cute_overlap / cute_pingpong: one forward variant alone (forward
 only: the kernel has no autograd). With --backward, fwd_grad_tflops: the forward with gradients enabled (what a
 training step's forward runs: ours then saves the bits).
@@ -35,7 +35,7 @@ def _fn(name: str, p: float, causal: bool):
     if name == "cute":
         return lambda q, k, v: cute_flash_attention(q, k, v, None, causal, False, dropout_p=p)[0]
     if name == "cute_drawn":
-        from fa_backend.kernels.triton import keep_bits
+        from fa_backend.kernels import keep_bits
 
         def drawn(q, k, v):
             budget, keep_bits.KEEP_BITS_BUDGET = keep_bits.KEEP_BITS_BUDGET, 0.0

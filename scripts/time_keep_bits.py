@@ -3,7 +3,7 @@ directly, in one process:
 
     python3 scripts/time_keep_bits.py [--seqlens 2048 8192] [--causal no yes] [--json FILE]
 
-forward: without dropout / with dropout / with dropout saving the bits (kernels/triton/keep_bits.py); backward:
+forward: without dropout / with dropout / with dropout saving the bits (kernels/keep_bits.py); backward:
 without dropout / drawing the mask / reading the saved bits. bf16, batch = 16384 / seqlen, 16 heads, p = 0.1;
 TFLOP/s = 4 b h s^2 d (halved when causal), 2.5x for the backward; triton.testing.do_bench medians.
 """
@@ -25,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
-    from fa_backend.kernels.triton.keep_bits import keep_bits_bytes
+    from fa_backend.kernels.keep_bits import keep_bits_bytes
     from fa_backend.ops import new_rng_state
     from fa_backend.ops.cute_flash import _dropout_args
 

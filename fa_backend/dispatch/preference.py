@@ -108,9 +108,9 @@ KEEP_BITS_MIN_SEQLEN = 2048
 
 def saves_keep_bits(call: AttentionCall) -> bool:
     """Whether the CuTe op would save this dropout call's keep bits for its backward (ops/cute_flash.save_keep_bits:
-    gradients, d = dv = 128, no mask, within kernels/triton/keep_bits.KEEP_BITS_BUDGET, no deterministic algorithms),
+    gradients, d = dv = 128, no mask, within kernels/keep_bits.KEEP_BITS_BUDGET, no deterministic algorithms),
     for an MHA call of at least KEEP_BITS_MIN_SEQLEN queries (what was timed)."""
-    from ..kernels.triton.keep_bits import keep_bits_fit
+    from ..kernels.keep_bits import keep_bits_fit
 
     return (call.dropout_p > 0.0 and call.requires_grad and call.mask_kind == "none" and call.head_dim == 128
             and call.head_dim_v == 128 and call.heads_q == call.heads_kv and call.seqlen_q >= KEEP_BITS_MIN_SEQLEN

@@ -35,6 +35,7 @@ from ..dispatch.reasons import ReasonCode
 from ..dispatch.select import Decision, faster_peer, select
 from ..dispatch.state import _LOCAL as _LOCAL_STATE
 from ..dispatch.state import ROUTER_TYPES, ROUTING, allowed_backends, routing_active
+from ..kernels import keep_bits as _keep_bits
 from . import mha as _mha
 from . import modules as _modules
 
@@ -178,6 +179,7 @@ def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
            _C._get_mem_efficient_sdp_enabled(), _C._get_flash_sdp_enabled(),
            _C._get_deterministic_algorithms(), _C._get_deterministic_algorithms_warn_only(),  # cuDNN's availability
            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+           _keep_bits.KEEP_BITS_BUDGET,  # dropout training calls: whether the CuTe forward saves its keep bits
            (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # cheaper; implies the next but for
            or (q.stride()[-1:] == _UNIT and k.stride()[-1:] == _UNIT and v.stride()[-1:] == _UNIT))  # a size-1 dim
     entry = _CACHE.get(key)

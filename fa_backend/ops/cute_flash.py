@@ -23,7 +23,7 @@ d=128 (DROPOUT_BACKWARD) the warp-specialised CuTe backward, whose producer warp
 under deterministic algorithms or with a key mask the Triton backward with the same rng_state. A d=128 forward
 that will be differentiated (cute_flash_attention decides: save_keep_bits) also saves its keep decisions, one bit
 per score, as its third output, and the CuTe backward loads them instead of drawing them again (the draws had set its
-pace): kernels/triton/keep_bits.py, within its KEEP_BITS_BUDGET. Only dropout_p whose
+pace): kernels/keep_bits.py, within its KEEP_BITS_BUDGET. Only dropout_p whose
 16-bit rounding the kernels accept (kernels/triton/_features.dropout_draw: every p in [1/16, 15/16], among others)
 runs here; the cute backend declines the rest with reason `dropout`.
 
@@ -123,8 +123,8 @@ def save_keep_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    attn_mask: torch.Tensor | None, dropout_p: float) -> bool:
     """Whether a dropout forward that will be differentiated saves its keep bits for the CuTe backward: d = dv = 128
     (DROPOUT_BACKWARD, whose 64-row steps read them), no mask, a nonzero scale, not under deterministic algorithms
-    (whose backward is Triton's), within kernels/triton/keep_bits.KEEP_BITS_BUDGET."""
-    from ..kernels.triton.keep_bits import keep_bits_fit
+    (whose backward is Triton's), within kernels/keep_bits.KEEP_BITS_BUDGET."""
+    from ..kernels.keep_bits import keep_bits_fit
 
     if (dropout_p <= 0 or attn_mask is not None or scale == 0.0 or q.dim() != 4 or k.dim() != 4
             or q.shape[-1] not in DROPOUT_BACKWARD or v.shape[-1] != q.shape[-1]
@@ -136,7 +136,7 @@ def save_keep_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def _keep_bits_out(q: torch.Tensor, k: torch.Tensor, keep: bool) -> torch.Tensor:
     """The third output of cute_flash_fwd: the buffer of the saved keep bits, or an empty one."""
-    from ..kernels.triton.keep_bits import keep_bits_bytes
+    from ..kernels.keep_bits import keep_bits_bytes
 
     size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if keep else 0
     return torch.empty(size, dtype=torch.uint8, device=q.device)
@@ -153,7 +153,7 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     sk) without a query dim (size 1 or stride 0), e.g. key padding (b, 1, 1, sk); a row that sees no key gets out 0
     and lse -inf. dropout_p > 0 needs rng_state (int64 CPU (seed, offset), ops.new_rng_state): the mask
     fa_backend::triton_flash_fwd draws for it. keep_bits (where save_keep_bits holds): also save that mask for the
-    CuTe backward (kernels/triton/keep_bits.py)."""
+    CuTe backward (kernels/keep_bits.py)."""
     check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
     if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p):
         raise ValueError("keep_bits=True needs dropout at head dim 128 without a mask, a nonzero scale, no "

@@ -65,7 +65,7 @@ def test_dropout_calls_whose_keep_bits_are_saved_stay_on_cute(monkeypatch):
     """d=128 MHA dropout calls with gradients from 2k tokens, whose CuTe forward saves the keep bits within the
     budget, run ours (the backward reading them was measured faster than cuDNN's); shorter ones, GQA, masks, other
     head dims and calls over the budget keep the cuDNN rule (as deterministic algorithms would: no bits saved)."""
-    from fa_backend.kernels.triton import keep_bits
+    from fa_backend.kernels import keep_bits
 
     training = dataclasses.replace(PLAIN, is_causal=False, dropout_p=0.1, requires_grad=True)
     for changes in ({}, dict(is_causal=True), dict(seqlen_q=8192, seqlen_k=8192), dict(batch=1, heads_q=1,

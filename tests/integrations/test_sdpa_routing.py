@@ -147,6 +147,23 @@ def test_counts_survive_dropped_decisions(monkeypatch):
     assert fa_backend.stats()["runs"] == {}
 
 
+def test_a_new_keep_bits_budget_is_decided_anew(monkeypatch):
+    # The eager decision cache keys on the keep-bits budget: dropout training calls route by whether the CuTe forward
+    # would save its keep bits (dispatch/preference.saves_keep_bits), which the budget decides.
+    from fa_backend.integrations import sdpa
+    from fa_backend.kernels import keep_bits
+
+    decided = []
+    real = sdpa.select
+    monkeypatch.setattr(sdpa, "select", lambda *a, **k: decided.append(1) or real(*a, **k))
+    q = torch.randn(1, 2, 24, 16, dtype=torch.float32, device=DEVICE)
+    with fa_backend.enabled():
+        for budget in (1.0, 1.0, 0.0, 0.0, 1.0):
+            monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", budget)
+            F.scaled_dot_product_attention(q, q, q)
+    assert len(decided) == 2  # 1.0, then 0.0; back at 1.0 the first decision is still cached
+
+
 def test_cpu_calls_routed_to_pytorch_go_through_sdpa():
     # The direct efficient-kernel runner is for CUDA calls only; on CPU it saved no host time.
     q = torch.randn(1, 2, 16, 16, dtype=torch.float32)

@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..triton.keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_byte
+from ..keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_byte
 
 # Philox-4x32 constants (Salmon et al. 2011; triton.language.random's)
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57
@@ -130,7 +130,7 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
                     dst[0] = cutlass.Uint8(byte)
 
 
-# Saved keep bits (d=128 with gradients, within kernels/triton/keep_bits.py's KEEP_BITS_BUDGET, its layout): the
+# Saved keep bits (d=128 with gradients, within kernels/keep_bits.py's KEEP_BITS_BUDGET, its layout): the
 # forward stores each draw's eight keep decisions as one byte (drop_scores), and the backward's drawing warps load a
 # step's bytes instead of drawing them again (load_backward_bits; ten Philox rounds per draw in two warps set the
 # backward's pace: sixteenth session).

@@ -942,7 +942,7 @@ def _keep_bits(dropout: tuple | None) -> torch.Tensor | None:
 def check_keep_bits(bits: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
     """ValueError unless `bits` can hold the saved keep bits of a call with these q and k (keep_bits.keep_bits_bytes:
     uint8, contiguous, on q's device, 16-byte aligned)."""
-    from ..triton.keep_bits import keep_bits_bytes
+    from ..keep_bits import keep_bits_bytes
 
     size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if (bits.dtype != torch.uint8 or bits.device != q.device or not bits.is_contiguous() or bits.numel() < size

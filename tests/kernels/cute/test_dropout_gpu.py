@@ -127,11 +127,12 @@ def _visible(q, k, causal, bottom_right):
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SAVED_SHAPES)
 def test_forward_saves_the_mask_it_draws(causal, bottom_right, b, hq, hkv, sq, sk):
-    """The forward that saves its keep bits (kernels/triton/keep_bits.py) into a poisoned buffer: out and lse bit
+    """The forward that saves its keep bits (kernels/keep_bits.py) into a poisoned buffer: out and lse bit
     for bit those of the forward that does not; the bits are the kernels' mask on every visible score, and without a
     causal mask (every tile visited) the whole buffer is what fill_keep_bits writes for the same RNG state."""
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
-    from fa_backend.kernels.triton.keep_bits import fill_keep_bits, keep_bits_bytes, unpack_keep_bits
+    from fa_backend.kernels.keep_bits import keep_bits_bytes
+    from fa_backend.kernels.triton.keep_bits import fill_keep_bits, unpack_keep_bits
     from fa_backend.ops import new_rng_state
 
     p = 0.17
@@ -157,7 +158,7 @@ def test_backward_on_saved_bits(dtype, causal, bottom_right, b, hq, hkv, sq, sk)
     several CTAs in any order) and all three within the 2x bar of the float64 reference with the kernels' mask."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
-    from fa_backend.kernels.triton.keep_bits import keep_bits_bytes
+    from fa_backend.kernels.keep_bits import keep_bits_bytes
     from fa_backend.ops import new_rng_state
 
     p = 0.17
@@ -178,7 +179,7 @@ def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
     """cute_flash_attention saves the keep bits for calls that will be differentiated (within KEEP_BITS_BUDGET), not
     for calls without gradients; the gradients on saved bits are those on drawn ones (dK and dV bit for bit)."""
     from fa_backend.kernels.cute import flash_bwd
-    from fa_backend.kernels.triton import keep_bits
+    from fa_backend.kernels import keep_bits
     from fa_backend.ops import cute_flash, cute_flash_attention, new_rng_state
 
     kinds = []
@@ -302,7 +303,7 @@ def test_routed_dropout_calls_run_cute_where_the_backward_reads_saved_bits(clean
     """SDPA with dropout_p=0.1 at d=128: without gradients the CuTe forward runs it; with gradients the CuTe kernels
     where the forward saves its keep bits (MHA from 2k tokens within the memory budget: the backward reading them beat
     cuDNN's), cuDNN otherwise (1k tokens, a zero budget: dispatch/preference.py)."""
-    from fa_backend.kernels.triton import keep_bits
+    from fa_backend.kernels import keep_bits
 
     def runs(s, grad):
         q, k, v = _qkv(4, 16, 16, s, s, 128, torch.bfloat16, grad=grad)

@@ -466,7 +466,7 @@ def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, causal, botto
 @needs_ptxas
 @pytest.mark.parametrize("causal", [False, True])
 def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, causal):
-    """The dropout backward on the forward's saved keep bits (keep_bits, kernels/triton/keep_bits.py): no Philox draw
+    """The dropout backward on the forward's saved keep bits (keep_bits, kernels/keep_bits.py): no Philox draw
     left (no wide multiply), one 16-byte load of a step's bytes per drawing thread, the same register split, no
     spills or C75xx serialisation, the exp2s still if-converted."""
     from fa_backend.kernels.cute import flash_bwd

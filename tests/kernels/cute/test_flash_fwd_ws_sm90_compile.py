@@ -373,7 +373,7 @@ def test_dropout_variants_compile_without_spills(tmp_path, d, causal):
 @needs_ptxas
 @pytest.mark.parametrize("causal", [False, True])
 def test_keep_bits_variant_stores_a_byte_per_draw(tmp_path, causal):
-    """The d=128 dropout forward that saves its keep bits for the backward (keep_bits, kernels/triton/keep_bits.py):
+    """The d=128 dropout forward that saves its keep bits for the backward (keep_bits, kernels/keep_bits.py):
     one byte store per draw, eight per thread and block (two rows x four 32-key blocks) at each place a block's
     probabilities are made (the first block and the loop, the causal build's masked loop too), no local memory, no
     spills."""

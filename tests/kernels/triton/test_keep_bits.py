@@ -1,5 +1,5 @@
-"""Saved dropout keep bits (kernels/triton/keep_bits.py): the layout's byte map, the Triton kernel that fills a
-buffer from the RNG state against the kernels' own mask (dropout_keep_mask), and which calls save them
+"""Saved dropout keep bits (kernels/keep_bits.py; kernels/triton/keep_bits.py): the layout's byte map, the Triton kernel
+that fills a buffer from the RNG state against the kernels' own mask (dropout_keep_mask), and which calls save them
 (ops.cute_flash.save_keep_bits). The CuTe forward's bytes and the CuTe backward that reads them are checked on the
 H200 (tests/kernels/cute/test_dropout_gpu.py).
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa_backend.kernels.triton import dropout_keep_mask, keep_bits
-from fa_backend.kernels.triton.keep_bits import (
-    KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, fill_keep_bits, keep_bit, keep_bits_bytes, keep_byte, unpack_keep_bits)
+from fa_backend.kernels import keep_bits
+from fa_backend.kernels.triton import dropout_keep_mask
+from fa_backend.kernels.keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_bits_bytes, keep_byte
+from fa_backend.kernels.triton.keep_bits import fill_keep_bits, unpack_keep_bits
 from tests.conftest import DEVICE
 
 
