@@ -15,7 +15,8 @@ own buffer, dS in two alternating tiles). What moves out of the MMA warpgroups i
   on), adds it to the chunked fp32 buffer with one bulk reduce-add, waits for that read and arrives on a second
   mbarrier that frees the buffer;
 - dropout variant (d=128, 64-row steps): warps 2 and 3 of the producer warpgroup draw each step's keep bits into
-  shared memory (_dropout.draw_backward_bits), which the MMA warpgroups read once per step;
+  shared memory (_dropout.draw_backward_bits; the keep_bits variant loads the forward's saved ones instead:
+  load_backward_bits), which the MMA warpgroups read once per step;
 - warpgroups 1 and 2, the MMA warpgroups (setmaxnreg 240; ptxas allocates the code after setmaxnreg.inc with that
   budget: docs/cute.md), synchronise with each other once per step (a named barrier of their 256 threads after the
   dS stores, which also publishes step + 1's LSE / delta rows) and never with the producer warpgroup;
