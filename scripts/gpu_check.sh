@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile]
+#   bash scripts/gpu_check.sh [tests] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -116,6 +116,17 @@ if [[ " $steps " == *" cute_bwd "* ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_cute.py --backward ${CUTE_BWD_ARGS:-} --json "$OUT/bench_cute_bwd.json" \
     > "$OUT/bench_cute_bwd.log" 2>&1 || status=1
   grep -v -i warn "$OUT/bench_cute_bwd.log" | tail -n 20
+fi
+if [[ " $steps " == *" dropout "* ]]; then
+  # dropout on the CuTe kernels (saved keep bits: kernels/keep_bits.py): its GPU tests and routing test, then the
+  # kernels with and without saved bits (time_keep_bits.py) and the op against cuDNN (bench_dropout.py --backward)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_dropout_gpu.py -q -p no:cacheprovider \
+    -n ${CUTE_WORKERS:-14} > "$OUT/dropout_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/dropout_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/dropout_tests.log" | head -20
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/time_keep_bits.py --json "$OUT/keep_bits.json" 2>&1 | grep -v -i warn \
+    || status=1
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_dropout.py --dims 128 --backward --runners cute cudnn \
+    --json "$OUT/bench_dropout.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" cute_profile "* ]]; then
   # Nsight Compute on one CuTe backward launch (scripts/profile_cute_bwd.py; PROFILE_ARGS e.g. "--causal --d 64"), or
