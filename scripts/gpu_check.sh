@@ -120,8 +120,8 @@ fi
 if [[ " $steps " == *" dropout "* ]]; then
   # dropout on the CuTe kernels (saved keep bits: kernels/keep_bits.py): its GPU tests and routing test, then the
   # kernels with and without saved bits (time_keep_bits.py) and the op against cuDNN (bench_dropout.py --backward)
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_dropout_gpu.py -q -p no:cacheprovider \
-    -n ${CUTE_WORKERS:-14} > "$OUT/dropout_tests.log" 2>&1 || status=1
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_dropout_gpu.py tests/integrations/test_routing_gpu.py \
+    -q -p no:cacheprovider -n ${CUTE_WORKERS:-14} > "$OUT/dropout_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/dropout_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/dropout_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/time_keep_bits.py --json "$OUT/keep_bits.json" 2>&1 | grep -v -i warn \
     || status=1

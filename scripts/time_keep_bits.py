@@ -1,7 +1,7 @@
 """What saving the dropout keep bits costs the CuTe forward and gives the CuTe backward (d=128), kernels called
 directly, in one process:
 
-    python3 scripts/time_keep_bits.py [--seqlens 2048 8192] [--causal no yes] [--json FILE]
+    python3 scripts/time_keep_bits.py [--seqlens 2048 8192] [--causal no yes] [--directions fwd bwd] [--json FILE]
 
 forward: without dropout / with dropout / with dropout saving the bits (kernels/keep_bits.py); backward:
 without dropout / drawing the mask / reading the saved bits. bf16, batch = 16384 / seqlen, 16 heads, p = 0.1;
@@ -21,6 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
+    parser.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--json")
     args = parser.parse_args()
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
@@ -53,6 +54,8 @@ def main() -> None:
             }
             row = []
             for (direction, name), fn in cells.items():
+                if direction not in args.directions:
+                    continue
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 tflops = (2.5 if direction == "bwd" else 1) * flops / ms * 1e-9
                 records.append(dict(direction=direction, case=name, causal=causal, seqlen=s, batch=b, heads=h, d=d,
