@@ -3,13 +3,14 @@ efficient backend's and our Triton forward's with the same dropout_p, plus the C
 draws cost), all in one process.
 
     python3 scripts/bench_dropout.py [--dims 128 64] [--seqlens 2048 8192] [--causal no yes] [--p 0.1] [--backward]
-        [--runners ...] [--json FILE]
+        [--runners ...] [--keep-bits-budget X] [--json FILE]
 
 cute: the op (its variant: flash_fwd_ws.fastest_kwargs; with --backward at d=128 its forward saves the keep bits
 within kernels/keep_bits.KEEP_BITS_BUDGET and the backward reads them); cute_drawn: the op with the budget 0 (the
 backward draws the mask again); cute_serial / cute_overlap / cute_pingpong: one forward variant alone (forward
 only: the kernel has no autograd). With --backward, fwd_grad_tflops: the forward with gradients enabled (what a
-training step's forward runs: ours then saves the bits).
+training step's forward runs: ours then saves the bits). --keep-bits-budget: kernels/keep_bits.KEEP_BITS_BUDGET for
+the run (2.0 saves the bits at 16k tokens too).
 
 bf16, batch = 16384 / seqlen, heads = 2048 / d; TFLOP/s: 4 b h s^2 d forward (halved when causal), 2.5x that
 backward; triton.testing.do_bench medians. Each call draws a fresh RNG state, as SDPA calls do.
@@ -72,8 +73,13 @@ def main() -> None:
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--keep-bits-budget", type=float)
     parser.add_argument("--json")
     args = parser.parse_args()
+    from fa_backend.kernels import keep_bits
+
+    if args.keep_bits_budget is not None:
+        keep_bits.KEEP_BITS_BUDGET = args.keep_bits_budget
     records = []
     for d in args.dims:
         for causal in (c == "yes" for c in args.causal):
@@ -84,7 +90,8 @@ def main() -> None:
                            for _ in range(3))
                 row = {}
                 for name in args.runners:
-                    rec = dict(runner=name, d=d, causal=causal, seqlen=s, batch=b, heads=h, p=args.p)
+                    rec = dict(runner=name, d=d, causal=causal, seqlen=s, batch=b, heads=h, p=args.p,
+                               keep_bits_budget=keep_bits.KEEP_BITS_BUDGET)
                     try:
                         fn = _fn(name, args.p, causal)
                         with torch.no_grad():

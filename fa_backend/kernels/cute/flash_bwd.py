@@ -600,16 +600,19 @@ class FlashBackwardSm90(ForwardVariant):
 
     @cute.jit
     def _ds_only(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32,
-                 tScS0: cute.Tensor = None):
-        """In place: acc_dp := dS^T = P^T (dP^T - delta) from _p_only's P^T. tScS0 (thread 0's coordinates): delta
-        read once per distinct column, from one base address (_column_rows)."""
+                 tScS0: cute.Tensor = None, dp_scale: Float32 = None):
+        """In place: acc_dp := dS^T = P^T (dP^T - delta) from _p_only's P^T, or P^T (dp_scale dP^T - delta) given
+        dp_scale (dropout's 1 / (1 - p)). tScS0 (thread 0's coordinates): delta read once per distinct column, from
+        one base address (_column_rows)."""
         if cutlass.const_expr(tScS0 is not None):
             delta = self._column_rows(sRows, 1, stage, tScS, tScS0, cute.size(acc_s) // 2)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_dp[i] = acc_s[i] * (acc_dp[i] - delta[(i % 2) + 2 * (i // 4)])
+                dp = acc_dp[i] if cutlass.const_expr(dp_scale is None) else acc_dp[i] * dp_scale
+                acc_dp[i] = acc_s[i] * (dp - delta[(i % 2) + 2 * (i // 4)])
         else:
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-                acc_dp[i] = acc_s[i] * (acc_dp[i] - sRows[1, tScS[i][1], stage])
+                dp = acc_dp[i] if cutlass.const_expr(dp_scale is None) else acc_dp[i] * dp_scale
+                acc_dp[i] = acc_s[i] * (dp - sRows[1, tScS[i][1], stage])
 
     @cute.jit
     def _column_rows(self, sRows: cute.Tensor, which: cutlass.Constexpr, stage: Int32, tScS: cute.Tensor,

@@ -92,11 +92,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         self.tile_m = tile_m
         # 64-row steps (with dropout too, its keep selects after dP^T is waited for: 967 -> 735 SASS instructions per
         # step of the keep-bits variant, +7-10 % on the H200): P^T unpredicated (hidden scores to -inf, then every
-        # exp2) with the LSE and delta read once per column from one base address, dS^T before dV is issued (FA4's
-        # order). Predicated,
-        # ptxas recomputed each read's address under its score's predicate and reloaded the scale from the constant
-        # bank (686 SASS instructions per step and thread at d=128 against 546 so); unpredicated in FA3's order it
-        # serialised the wgmmas for registers (C7512), as it still does at d=64's 128-row steps
+        # exp2) with the LSE and delta read once per column from one base address. Predicated, ptxas recomputed each
+        # read's address under its score's predicate and reloaded the scale from the constant bank (686 SASS
+        # instructions per step and thread at d=128 against 546 so); unpredicated at d=64's 128-row steps it
+        # serialised the wgmmas for registers (C7512)
         self.column_reads = tile_m == TILE_M
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
         self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
@@ -406,19 +405,15 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                   key0: Int32, row_loader, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
                   m_start: Int32, n_m: Int32, steps: Int32, wg: Int32, mWords: cute.Tensor = None,
                   drop: tuple = None):
-        """The MMA warpgroup's steps with each GEMM waited for only where its result is read (FA3's order); wgmma
-        groups retire in commit order, so `wait_group(1)` leaves exactly the last group in flight:
-        S^T | dP^T -> P^T (dP^T in flight) | dV -> dS^T (dV in flight) | dQ | dK -> the dQ block to shared
-        memory (dK in flight until the next step's scores have been waited for; only then is the step's Q / dO
-        stage released, dK's Q^T being its last reader).
-        With 80-row steps the scores' accumulators grow to 80 registers, and ptxas serialised every wgmma for want
-        of registers (C7512) while P^T (dV's operand) or step - 1's dS^T (dK's) stayed live beside them; so there,
-        with 128 rows and with 64 rows and column_reads (`lean`, FA4's order), dS^T is computed before dV is issued,
-        and dK is waited for at the end of its step. With 128
-        rows (d=64) dV is also waited for before the dQ GEMM: with dV, dQ and dK in flight together ptxas spilled
+        """The MMA warpgroup's steps (FA4's order; wgmma groups retire in commit order): S^T | dP^T -> P^T (dP^T in
+        flight) -> dS^T -> dV -> dS^T to shared memory -> dQ | dK -> the dQ block to shared memory, dK waited for at
+        the end of its step (only then is the step's Q / dO stage released, dK's Q^T being its last reader).
+        FA3's order (dV issued before dS^T is computed, step - 1's dK in flight into the next step) kept P^T or
+        dS^T live beside the scores' accumulators, and ptxas serialised every wgmma for want of registers (C7512)
+        with 80- and 128-row steps, and with 64 rows once the reads were unpredicated (column_reads). With 128 rows
+        (d=64) dV is also waited for before the dQ GEMM: with dV, dQ and dK in flight together ptxas spilled
         104-132 bytes, with dV retired first 20-24 (compile checks; without the dQ or the dK GEMM, none)."""
         wgs = self.wgs
-        lean = self.tile_m != TILE_M or self.column_reads
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
         released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
@@ -448,11 +443,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             warpgroup.commit_group()
             _gemm(mma_ss, acc_dp, tSrV, tSrdO[None, None, None, stage])
             warpgroup.commit_group()
-            warpgroup.wait_group(1)  # S^T, and step - 1's dK before it
-            if cutlass.const_expr(not lean):
-                if step > 0:
-                    pipe.consumer_release(released)  # step - 1's GEMMs are all done with its Q / dO stage
-                    released.advance()
+            warpgroup.wait_group(1)  # S^T
             if cutlass.const_expr(self.dropout):
                 read_backward_bits(drop[1], drop[0], step, wg * THREADS + wt, bits)
             self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep, tScS0=tScS0,
@@ -463,38 +454,23 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 if (step + 1) % n_m == 0 and step + 1 < steps:
                     self._key_keep(mWords[None, head_kv * group + (step + 1) // n_m, batch], tScS, key0, seqlen_k,
                                    keep)
-            if cutlass.const_expr(lean):
-                warpgroup.wait_group(0)  # dP^T
-                if cutlass.const_expr(self.dropout):
-                    # dS the gradient of the undropped P^T: P^T (Z dP^T / (1 - p) - delta)
-                    for i in cutlass.range_constexpr(cute.size(acc_dp)):
-                        acc_dp[i] = cutlass.select_(backward_keep(bits, *tScS0[i]), acc_dp[i] * drop[4],
-                                                    Float32(0.0))
-                self._ds_only(acc_s, acc_dp, tScS, sRows, rows, tScS0 if self.column_reads else None)
-                if cutlass.const_expr(self.dropout):  # dV takes the dropped P^T (scaled in the epilogue)
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        r_p[i] = self.dtype(cutlass.select_(backward_keep(bits, *tScS0[i]), acc_s[i], Float32(0.0)))
-                else:
-                    r_p.store(acc_s.load().to(self.dtype))
-                r_ds.store(acc_dp.load().to(self.dtype))
-                self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
-            elif cutlass.const_expr(self.dropout):
-                # dV takes the dropped P^T (scaled in the epilogue), dS the gradient of the undropped one,
-                # P^T (Z dP^T / (1 - p) - delta)
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    r_p[i] = self.dtype(cutlass.select_(backward_keep(bits, *tScS0[i]), acc_s[i], Float32(0.0)))
-                self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
-                warpgroup.wait_group(1)  # dP^T
+            warpgroup.wait_group(0)  # dP^T
+            if cutlass.const_expr(self.dropout):
+                # dS is the gradient of the undropped P^T, P^T (Z dP^T / (1 - p) - delta): the keep select here, the
+                # scale in _ds_only's subtraction (one FFMA per score)
                 for i in cutlass.range_constexpr(cute.size(acc_dp)):
-                    dp = cutlass.select_(backward_keep(bits, *tScS0[i]), acc_dp[i] * drop[4], Float32(0.0))
-                    acc_dp[i] = acc_s[i] * (dp - sRows[1, tScS[i][1], rows])
-                r_ds.store(acc_dp.load().to(self.dtype))
-            else:
-                r_p.store(acc_s.load().to(self.dtype))
-                self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
-                warpgroup.wait_group(1)  # dP^T
-                self._ds_only(acc_s, acc_dp, tScS, sRows, rows)
-                r_ds.store(acc_dp.load().to(self.dtype))
+                    acc_dp[i] = cutlass.select_(backward_keep(bits, *tScS0[i]), acc_dp[i], Float32(0.0))
+            self._ds_only(acc_s, acc_dp, tScS, sRows, rows, tScS0 if self.column_reads else None,
+                          dp_scale=drop[4] if self.dropout else None)
+            if cutlass.const_expr(self.dropout):
+                # dV takes the dropped P^T (scaled in the epilogue): selected in fp32, in place (P^T has no later
+                # reader), so that the conversion packs pairs (a select per bf16 value cost a SEL, an F2FP and half
+                # a PRMT more per score)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[i] = cutlass.select_(backward_keep(bits, *tScS0[i]), acc_s[i], Float32(0.0))
+            r_p.store(acc_s.load().to(self.dtype))
+            r_ds.store(acc_dp.load().to(self.dtype))
+            self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
 
             # dS to this step's pair of dS tiles and step + 1's rows to the other slot, then the MMA warpgroups'
             # one barrier per step: both dS tiles are in (each warpgroup's dQ GEMM reads both), the rows are
@@ -530,8 +506,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 sdQ[self._dq_slot(wt, i, 0, wg)] = acc_dq[i]
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(bar_dq)
-            if cutlass.const_expr(lean):
-                warpgroup.wait_group(0)  # dK
-                pipe.consumer_release(released)
-                released.advance()
+            warpgroup.wait_group(0)  # dK
+            pipe.consumer_release(released)
+            released.advance()
         warpgroup.wait_group(0)  # the last dK, before the epilogue reads acc_dk
