@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import _interpreter
+
+    _interpreter.install()
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter computes bf16 tl.dot wrongly (seen with triton 3.6-3.7): bf16 runs on GPU only.
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
