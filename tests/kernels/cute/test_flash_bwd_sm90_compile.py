@@ -106,7 +106,7 @@ def test_two_warpgroups_compile_for_sm90a(tmp_path, causal, bottom_right, dq_buf
 
 
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
-def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right):
+def test_warp_specialized_compiles_for_sm90a(shared_ptx, causal, bottom_right):
     """flash_bwd_ws: 384 threads, the producer warpgroup at 24 registers and the MMA warpgroups at 240; the same
     GEMMs as the two-warpgroup kernel; one CTA barrier (setup) and three barriers of the MMA warpgroups' 256 threads
     (setup, one per step, one before the epilogue overwrites K and V), then one of each warpgroup's 128 threads;
@@ -115,8 +115,8 @@ def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right):
     stmatrix into the K / V tiles and TMA stores (d / 64 boxes each), no 16-bit global store."""
     from fa_backend.kernels.cute import flash_bwd, flash_bwd_ws
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, bottom_right, wgs=2,
+                     warp_specialized=True)
     n, m, d = flash_bwd.TILE_N, flash_bwd.TILE_M, 128
     assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [
@@ -138,13 +138,12 @@ def test_warp_specialized_compiles_for_sm90a(tmp_path, causal, bottom_right):
 
 
 @needs_ptxas
-def test_warp_specialized_registers_fit(tmp_path):
+def test_warp_specialized_registers_fit(tmp_path, shared_ptx):
     """ptxas allocates the MMA warpgroups' code with the budget setmaxnreg.inc gives them: 168 registers for the
     384-thread launch, no spills, every wgmma group asynchronous."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, True, False, wgs=2, warp_specialized=True)
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
@@ -152,13 +151,13 @@ def test_warp_specialized_registers_fit(tmp_path):
 
 
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
-def test_tile80_compiles_for_sm90a(tmp_path, causal, bottom_right):
+def test_tile80_compiles_for_sm90a(shared_ptx, causal, bottom_right):
     """flash_bwd_ws with 80 query rows per step (tile_m=80): S^T / dP^T and the transposed dQ GEMM on m64n80k16
     (d / 16 each, and TILE_N * wgs / 16 for dQ^T = K^T dS^T), dV / dK on m64n128k16 over K = 80 (5 each)."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, tile_m=80).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, bottom_right, wgs=2,
+                     warp_specialized=True, tile_m=80)
     n, d = flash_bwd.TILE_N, 128
     assert len(_wgmma_lines(ptx, "m64n80k16.f32.bf16.bf16")) == 2 * d // 16 + 2 * n // 16
     assert len(_wgmma_lines(ptx, f"m64n{d}k16.f32.bf16.bf16")) == 2 * 80 // 16
@@ -167,28 +166,28 @@ def test_tile80_compiles_for_sm90a(tmp_path, causal, bottom_right):
 
 
 @needs_ptxas
-def test_tile80_keeps_wgmma_asynchronous(tmp_path):
+def test_tile80_keeps_wgmma_asynchronous(tmp_path, shared_ptx):
     """With 80-row steps the scores' accumulators take 80 registers: in the 64-row order (dV issued before dS^T,
     dK in flight into the next step) ptxas serialised every wgmma (C7512); the lean order it uses keeps them
     asynchronous. ptxas still spills a few registers (12-28 bytes: docs/perf-log.md), so only the C75xx notes
     are checked."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, False, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, tile_m=80).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, False, False, wgs=2, warp_specialized=True,
+                     tile_m=80)
     report = ptxas_report(ptx, tmp_path)
     assert not re.findall(r"C75\d\d", report), report
 
 
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
-def test_tile128_d64_compiles_for_sm90a(tmp_path, causal, bottom_right):
+def test_tile128_d64_compiles_for_sm90a(shared_ptx, causal, bottom_right):
     """flash_bwd_ws at d=64 with 128 query rows per step (FA4's d=64 tile): S^T / dP^T on m64n128k16 (d / 16
     each); dV / dK over K = 128 queries and each warpgroup's 64 rows of the dQ block over both key tiles, all on
     m64n64k16; dV waited for before the dQ GEMM (six wait points per step)."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 64, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, tile_m=128).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 64, causal, bottom_right, wgs=2,
+                     warp_specialized=True, tile_m=128)
     n, d = flash_bwd.TILE_N, 64
     assert len(_wgmma_lines(ptx, "m64n128k16.f32.bf16.bf16")) == 2 * d // 16
     assert len(_wgmma_lines(ptx, "m64n64k16.f32.bf16.bf16")) == 2 * 128 // 16 + 2 * n // 16
@@ -197,12 +196,12 @@ def test_tile128_d64_compiles_for_sm90a(tmp_path, causal, bottom_right):
 
 
 @needs_ptxas
-def test_tile128_d64_keeps_wgmma_asynchronous(tmp_path):
+def test_tile128_d64_keeps_wgmma_asynchronous(tmp_path, shared_ptx):
     """No C75xx serialisation at 128 rows (ptxas spills 20-24 bytes here: docs/perf-log.md)."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 64, False, False, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, tile_m=128).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 64, False, False, wgs=2, warp_specialized=True,
+                     tile_m=128)
     report = ptxas_report(ptx, tmp_path)
     assert not re.findall(r"C75\d\d", report), report
 
@@ -259,7 +258,7 @@ def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, dq_buffer):
 
 @needs_ptxas
 @pytest.mark.parametrize("causal", [False, True])
-def test_64_row_steps_read_each_columns_rows_once(tmp_path, causal):
+def test_64_row_steps_read_each_columns_rows_once(tmp_path, shared_ptx, causal):
     """The op's d=128 backward (64-row steps, FlashBackwardSm90WS.column_reads): the step's LSE and delta are read
     once per query column of the thread from one base address (LLVM then loads each adjacent pair of columns' LSE
     and delta, 16 bytes, with one ld.shared.v4: 8 per step), hidden scores go to -inf before an unpredicated exp2
@@ -268,8 +267,7 @@ def test_64_row_steps_read_each_columns_rows_once(tmp_path, causal):
     step against 546.)"""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, False, wgs=2, warp_specialized=True)
     assert ptx.count("ld.shared.v4.b32") == 8
     selects = re.findall(r"selp\.f32\s+%r\d+, (?:%r\d+, 0fFF800000|0fFF800000, %r\d+), %p\d+;", ptx)
     assert len(selects) == ptx.count("ex2.approx") == 32

@@ -323,7 +323,7 @@ def test_persistent_variant_compiles_without_spills(tmp_path, mode):
 
 @needs_ptxas
 @pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, False), (96, True)])
-def test_key_mask_variants_compile_without_spills(tmp_path, d, causal):
+def test_key_mask_variants_compile_without_spills(tmp_path, shared_ptx, d, causal):
     """The op's variant (FASTEST) with a bool key mask: four 32-bit word loads per key block and a bit test per
     score (behind a uniform all-open branch), in the registers the variant already had: no spills, no local
     memory; the variant without a mask does not read words (its PTX is the verified one)."""
@@ -334,8 +334,7 @@ def test_key_mask_variants_compile_without_spills(tmp_path, d, causal):
                                             pointer_args=True, **kw).__ptx__
     assert "ld.local" not in ptx and "st.local" not in ptx
     if (d, causal) == (128, False):  # once (a compile costs seconds in CI): the words are read, and only when masked
-        plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path / "plain"),
-                                                  pointer_args=True, **kw).__ptx__
+        plain = shared_ptx(flash_fwd_ws.compile_flash_fwd_ws, torch.bfloat16, d, causal, False, pointer_args=True, **kw)
         assert ptx.count("ld.global.b32") > plain.count("ld.global.b32")
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
@@ -346,7 +345,7 @@ def test_key_mask_variants_compile_without_spills(tmp_path, d, causal):
 # three variants (a compile costs seconds in CI): ping-pong at d=128 (also the plain check), DROPOUT_FASTEST's ping-pong
 # at d=64, overlap on 64-key blocks at d=256 (the H200 tests run every head dim)
 @pytest.mark.parametrize("d,causal", [(128, False), (64, True), (256, True)])
-def test_dropout_variants_compile_without_spills(tmp_path, d, causal):
+def test_dropout_variants_compile_without_spills(tmp_path, shared_ptx, d, causal):
     """The op's dropout variant (fastest_kwargs: FASTEST, ping-pong at d=64): one Philox-4x32-10 draw per row and
     32-key block at each of the two places a block's probabilities are made (the first block and the loop; once in
     the serial loop): at least 10 wide multiplies per draw (of its 20, the first round's c2 = 0 product folds away
@@ -365,8 +364,7 @@ def test_dropout_variants_compile_without_spills(tmp_path, d, causal):
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.findall(r"C75\d\d", report), report
     if (d, causal) == (128, False):
-        plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path / "plain"),
-                                                  pointer_args=True, **kw).__ptx__
+        plain = shared_ptx(flash_fwd_ws.compile_flash_fwd_ws, torch.bfloat16, d, causal, False, pointer_args=True, **kw)
         assert "mul.wide.u32" not in plain
 
 
