@@ -1,7 +1,7 @@
-"""Triton's CPU interpreter without three pieces of redundant per-op work (CPU suite time).
+"""Triton's CPU interpreter without four pieces of redundant per-op work (CPU suite time).
 
 Under TRITON_INTERPRET=1 every tl operation of every program of a grid runs Python-level frontend code,
-and the kernels' CPU tests spend most of their time there. Three parts of that work are repeated without
+and the kernels' CPU tests spend most of their time there. Four parts of that work are done without
 effect; this module skips the repetitions and leaves everything else to Triton:
 
 1. Every launch (GridExecutor.__call__) patches the builtins of the triton.language modules its kernel's
@@ -18,12 +18,18 @@ effect; this module skips the repetitions and leaves everything else to Triton:
 3. InterpreterBuilder.get_block_ty(dtype, shape) builds a new tl.block_type for every block_type.to_ir():
    one shared instance per (dtype, shape). Nothing assigns to a block_type's attributes after __init__,
    and block_type.__eq__ compares values, so sharing instances changes no result.
+4. Every tl.tensor's shape is a tl.tuple, and tl.tuple.__init__ builds its tuple_type (a constexpr_type per
+   dimension and the type's name string) at once, although that type is rarely read: built when first read
+   instead, from the same values (a tuple's values change only in tuple._setitem, which reads and then sets the
+   type itself; element types are set in their __init__ only). A type passed to __init__ is kept as before. The
+   one difference: a tuple holding a value without a type (which the original rejects when building it) would
+   only fail where its type is read; on every path where Triton's interpreter does not raise, results are equal.
 
 Kernel outputs are bitwise those of the unmodified interpreter (checked on the forward and backward of a causal
 GQA call with a padded head dim, the same with attn_mask, window, softcap and ALiBi, with dropout, with TMA tiles
-and atomic dQ, on a varlen call with window and softcap, and on a KV-cache decode). Installed by tests/conftest.py on CPU runs, for the Triton version
-whose interpreter this was read against (3.6; CI pins triton==3.6.0); with any other version the interpreter
-runs unchanged.
+and atomic dQ, on a varlen call with window and softcap, and on a KV-cache decode). Installed by tests/conftest.py
+on CPU runs, for the Triton version whose interpreter this was read against (3.6; CI pins triton==3.6.0); with any
+other version the interpreter runs unchanged.
 """
 
 from __future__ import annotations
@@ -87,9 +93,31 @@ def install() -> bool:
         except TypeError:  # unhashable (pointer types)
             return orig_block_ty(self, dtype, shape)
 
+    def tuple_init(self, args, type=None):
+        self.values = [i for i in args]
+        if isinstance(type, tl.core.tuple_type):
+            self.type = type
+        elif type is not None:  # as the original: a list / tuple of types
+            self.type = tl.core.tuple_type(type)
+
+    class LazyTupleType:
+        """tl.tuple.type, from the values when first read; a non-data descriptor, so the instance's own attribute
+        (set by __init__ when a type is given, by _setitem, or by the first read) takes precedence."""
+
+        def __get__(self, obj, objtype=None):
+            if obj is None:
+                return self
+            try:
+                obj.type = result = tl.core._type_for_tuple_values(obj.values)
+            except AttributeError as e:  # not as AttributeError: tuple.__getattr__ would look "type" up again
+                raise TypeError(f"tl.tuple of a value without a type: {e}") from e
+            return result
+
     interpreter._patch_lang = patch_lang
     interpreter.GridExecutor.__call__ = grid_call
     interpreter._get_np_dtype = get_np_dtype
     interpreter.InterpreterBuilder.get_block_ty = get_block_ty
+    tl.core.tuple.__init__ = tuple_init
+    tl.core.tuple.type = LazyTupleType()
     interpreter._fa_backend_shortcuts = True
     return True
