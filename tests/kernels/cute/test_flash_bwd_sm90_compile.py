@@ -443,15 +443,15 @@ def test_wide_head_dims_refuse_other_variants():
 
 @needs_ptxas
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
-def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, causal, bottom_right):
+def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, shared_ptx, causal, bottom_right):
     """The op's dropout backward (d=128, 64-row steps; ops.cute_flash.DROPOUT_BACKWARD): the registers split as
     without dropout (24 for the producer warpgroup, whose drawing warps run one Philox draw per loop iteration, 20
     wide multiplies; 240 for the MMA warpgroups: the CTA's pool of 384 x 168 holds no more), no spills, no C75xx
     serialisation, the exp2s still if-converted; the variant without dropout draws nothing."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path), wgs=2,
-                                      warp_specialized=True, pointer_args=True, dropout=True).__ptx__
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, bottom_right, wgs=2,
+                     warp_specialized=True, pointer_args=True, dropout=True)
     assert ptx.count("mul.wide.u32") == 20
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", "24"), ("inc", "240")]
     _assert_asynchronous_and_if_converted(ptx, tmp_path)
@@ -463,7 +463,7 @@ def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, causal, botto
 
 @needs_ptxas
 @pytest.mark.parametrize("causal", [False, True])
-def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, causal):
+def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, shared_ptx, causal):
     """The dropout backward on the forward's saved keep bits (keep_bits, kernels/keep_bits.py): no Philox draw
     left (no wide multiply), one 16-byte load of a step's bytes per drawing thread, the same register split, no
     spills or C75xx serialisation, the exp2s still if-converted."""
@@ -472,8 +472,8 @@ def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, causal):
     ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
                                       warp_specialized=True, pointer_args=True, dropout=True, keep_bits=True).__ptx__
     assert "mul.wide.u32" not in ptx
-    drawn = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path / "drawn"), wgs=2,
-                                        warp_specialized=True, pointer_args=True, dropout=True).__ptx__
+    drawn = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, False, wgs=2, warp_specialized=True,
+                       pointer_args=True, dropout=True)  # non-causal: the dropout test's variant, compiled once
     assert ptx.count("ld.global.v4.b32") == drawn.count("ld.global.v4.b32") + 1
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", "24"), ("inc", "240")]
     _assert_asynchronous_and_if_converted(ptx, tmp_path)
