@@ -27,9 +27,10 @@ effect; this module skips the repetitions and leaves everything else to Triton:
 
 Kernel outputs are bitwise those of the unmodified interpreter (checked on the forward and backward of a causal
 GQA call with a padded head dim, the same with attn_mask, window, softcap and ALiBi, with dropout, with TMA tiles
-and atomic dQ, on a varlen call with window and softcap, and on a KV-cache decode). Installed by tests/conftest.py
-on CPU runs, for the Triton version whose interpreter this was read against (3.6; CI pins triton==3.6.0); with any
-other version the interpreter runs unchanged.
+and atomic dQ, on a varlen call with window and softcap, and on a KV-cache decode; tests/test_interpreter_shortcuts.py
+checks one such call on every CPU run). Installed by tests/conftest.py on CPU runs, for the Triton version whose
+interpreter this was read against (3.6; CI pins triton==3.6.0); with any other version the interpreter runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def install() -> bool:
     def patch_lang(fn):
         global _patched
         langs = {id(v) for v in fn.__globals__.values()} & lang_ids  # the modules Triton's _patch_lang patches
-        if _patched and langs <= _patched:
+        # a helper that sees no language module goes to Triton's _patch_lang too (which asserts there, as before)
+        if langs and _patched and langs <= _patched:
             return interpreter._LangPatchScope()  # records nothing: nothing to restore
         scope = orig_patch_lang(fn)
         if _patched is not None:
