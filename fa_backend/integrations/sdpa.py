@@ -173,7 +173,10 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 def _eager_decision(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Routed:
     cast = _autocast_dtype(q) if _ANY_AUTOCAST is None or _ANY_AUTOCAST() else None
     allowed = _LOCAL_STATE.allowed  # allowed_backends(), without the call
-    mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.requires_grad)
+    # the mask's strides too: a key mask expanded over the queries (stride 0) and a materialised one of the same
+    # shape are different calls to the cute backend (a key mask, or a mask it refuses)
+    mask_key = None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.shape, attn_mask.stride(),
+                                               attn_mask.requires_grad)
     key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape,
            v.shape, mask_key, dropout_p, is_causal, enable_gqa, allowed, cast, _C._get_cudnn_sdp_enabled(),
            _C._get_mem_efficient_sdp_enabled(), _C._get_flash_sdp_enabled(),

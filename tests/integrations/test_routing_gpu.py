@@ -217,3 +217,17 @@ def test_tiny_odd_head_module_takes_pytorchs_own_path(training):
         out = m(x, x, x, need_weights=False)[0]
     assert torch.equal(out, ref)
     assert fa_backend.stats()["runs"] == {"torch": 1}
+
+
+def test_a_materialised_mask_after_a_key_mask_of_its_shape_is_routed_anew():
+    # A bool key mask expanded over the queries runs where key masks run (cute on sm90 with the DSL); a materialised
+    # mask of the same shape that varies along the queries must be decided anew (the eager cache keys on the mask's
+    # strides): it runs a backend that takes it and equals PyTorch's result, it does not raise in the cute op.
+    q, k, v = _qkv(b=2, h=8, s=1024, d=128)
+    keys = torch.rand(2, 1, 1, 1024, device="cuda") > 0.3
+    expanded = keys.expand(2, 1, 1024, 1024)
+    full = torch.rand(2, 1, 1024, 1024, device="cuda") > 0.3
+    with fa_backend.enabled():
+        outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for mask in (expanded, full)]
+    for out, mask in zip(outs, (expanded, full)):  # PyTorch's own bf16 result, routing off
+        assert (out.float() - F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float()).abs().max() < 2e-2

@@ -164,6 +164,25 @@ def test_a_new_keep_bits_budget_is_decided_anew(monkeypatch):
     assert len(decided) == 2  # 1.0, then 0.0; back at 1.0 the first decision is still cached
 
 
+def test_masks_of_one_shape_with_other_strides_are_decided_anew(monkeypatch):
+    # A bool key mask expanded over the queries (stride 0: the cute backend's key mask) and a materialised mask of
+    # the same shape that varies along the queries (which it refuses) must not share a cached decision: reusing the
+    # first made the second call raise in the cute op instead of running another backend.
+    from fa_backend.integrations import sdpa
+
+    decided = []
+    real = sdpa.select
+    monkeypatch.setattr(sdpa, "select", lambda *a, **k: decided.append(a[0].mask_key_only) or real(*a, **k))
+    q = torch.randn(1, 2, 24, 16, dtype=torch.float32, device=DEVICE)
+    keys = torch.rand(1, 1, 1, 24, device=DEVICE) > 0.3
+    expanded, full = keys.expand(1, 1, 24, 24), torch.rand(1, 1, 24, 24, device=DEVICE) > 0.3
+    with fa_backend.enabled():
+        for mask in (expanded, full, expanded, full):
+            out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q, attn_mask=mask.clone()), atol=1e-5)
+    assert decided == [True, False]
+
+
 def test_cpu_calls_routed_to_pytorch_go_through_sdpa():
     # The direct efficient-kernel runner is for CUDA calls only; on CPU it saved no host time.
     q = torch.randn(1, 2, 16, 16, dtype=torch.float32)
