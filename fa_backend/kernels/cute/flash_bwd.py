@@ -787,9 +787,9 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
         raise ValueError("key_mask=True needs warp_specialized=True")
     if deterministic and (not warp_specialized or key_mask):
         raise ValueError("deterministic=True needs warp_specialized=True and no key mask")
-    if dropout and (wide or not warp_specialized or key_mask or deterministic or tile_m % 64 or not pointer_args):
-        raise ValueError("dropout=True needs warp_specialized=True at head_dim 64 or 128 with 64 or 128 query rows, no "
-                         "key mask, deterministic=False and pointer_args=True")
+    if dropout and (wide or not warp_specialized or key_mask or deterministic or tile_m != TILE_M or not pointer_args):
+        raise ValueError(f"dropout=True needs warp_specialized=True at head_dim 64 or 128 with tile_m={TILE_M}, no key "
+                         "mask, deterministic=False and pointer_args=True")
     if keep_bits and not (dropout and head_dim == 128 and tile_m == TILE_M):
         raise ValueError(f"keep_bits=True needs dropout=True at head_dim 128 with tile_m={TILE_M}")
     if tma_store and not warp_specialized:
@@ -865,7 +865,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     = 80 (d=128) and 128 (d=64), and flash_bwd_wide's at d=192 / 256 (the op's there). key_words: the forward's
     packed key mask (flash_fwd_ws.flash_fwd_ws; warp_specialized only). deterministic (warp_specialized, no
     key_words): the same bits on every run (dQ's fp32 adds in a fixed order). dropout (warp_specialized at d=64 /
-    128, no key_words, not deterministic): the forward's (the (seed, offset) pair on q's device, the 16-bit keep
+    128 with tile_m=64, no key_words, not deterministic): the forward's (the (seed, offset) pair on q's device, the 16-bit keep
     threshold, 1 / (1 - dropout_p)), flash_fwd_ws.flash_fwd_ws's argument, optionally with the keep bits that forward
     saved as a fourth element (d=128, tile_m=64: the backward loads them instead of drawing them). tma_store (warp_specialized, where None
     means True): dK and dV through shared memory and TMA stores. The three gradients are contiguous whatever the inputs'

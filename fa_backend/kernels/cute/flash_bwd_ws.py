@@ -73,8 +73,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         self.tma_store = tma_store
         if key_mask and deterministic:
             raise ValueError("deterministic=True does not take a key mask (a CTA that skips its steps takes no turn)")
-        if dropout and (key_mask or deterministic or tile_m % 64):
-            raise ValueError("dropout=True takes no key mask, no deterministic order and 64 or 128 query rows per step")
+        # 64-row steps only: the 128-row form (d=64's tile) took the keep bits into neither dS nor dV until the
+        # twenty-third session, spills 16-20 bytes, and has never run on a GPU (the op routes d=64 dropout elsewhere)
+        if dropout and (key_mask or deterministic or tile_m != TILE_M):
+            raise ValueError(f"dropout=True takes no key mask, no deterministic order and {TILE_M} query rows per step")
         # dropout: two producer warps draw each step's keep bits (_dropout.draw_backward_bits), the MMA warpgroups
         # drop P^T for dV and dP^T for dS with them; dV is scaled by 1 / (1 - p) in the epilogue
         self.dropout = dropout

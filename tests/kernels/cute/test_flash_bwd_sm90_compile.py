@@ -482,16 +482,17 @@ def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, shared_ptx, causal
 def test_keep_bits_needs_the_dropout_variant_with_64_row_steps():
     from fa_backend.kernels.cute import flash_bwd
 
-    for kw in (dict(dropout=False), dict(tile_m=128)):
+    for kw, match in ((dict(dropout=False), "keep_bits=True needs"), (dict(tile_m=128), "dropout=True needs")):
         args = dict(wgs=2, warp_specialized=True, pointer_args=True, dropout=True, keep_bits=True) | kw
-        with pytest.raises(ValueError, match="keep_bits=True needs"):
+        with pytest.raises(ValueError, match=match):
             flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, **args)
 
 
 def test_dropout_backward_refuses_what_it_does_not_take():
     from fa_backend.kernels.cute import flash_bwd
 
-    for kw in (dict(key_mask=True), dict(deterministic=True), dict(tile_m=80), dict(pointer_args=False)):
+    for kw in (dict(key_mask=True), dict(deterministic=True), dict(tile_m=80), dict(tile_m=128),
+               dict(pointer_args=False)):
         args = dict(wgs=2, warp_specialized=True, pointer_args=True, dropout=True) | kw
         with pytest.raises(ValueError, match="dropout=True needs"):
             flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, **args)
