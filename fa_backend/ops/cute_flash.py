@@ -27,6 +27,12 @@ pace): kernels/keep_bits.py, within its KEEP_BITS_BUDGET. Only dropout_p whose
 16-bit rounding the kernels accept (kernels/triton/_features.dropout_draw: every p in [1/16, 15/16], among others)
 runs here; the cute backend declines the rest with reason `dropout`.
 
+cute_flash_attention, the entry point the dispatcher calls, runs the op under torch.compile and for tensor
+subclasses; for plain tensors in eager mode it calls the same forward and backward functions through an
+autograd.Function twin (_EagerCuteFlash), without the torch.library dispatch and custom-op autograd layers (their
+host time: the op's forward 269 / 386 us per call without / with gradients on the H200's host, cuDNN's SDPA 98 /
+128; CPU machine, kernels stubbed: op 79 / 171 us, twin 39 / 69).
+
 The op never fails on what it accepts: inputs TMA cannot read (strides, offsets) are copied to contiguous
 tensors first, and a variant that fails to compile runs the Triton forward instead (logged once by the
 compile cache; the dispatcher then reports `compile_failed` for that variant).
@@ -41,6 +47,7 @@ from ..dispatch.backends.cute import CuteBackend
 from ..dispatch.call import AttentionCall, is_tma_aligned, validate
 from ..dispatch.reasons import BackendUnsupportedError, ReasonCode
 from ._library import NAMESPACE
+from .triton_flash import _plain
 
 
 def check_cute_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
@@ -154,6 +161,11 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     and lse -inf. dropout_p > 0 needs rng_state (int64 CPU (seed, offset), ops.new_rng_state): the mask
     fa_backend::triton_flash_fwd draws for it. keep_bits (where save_keep_bits holds): also save that mask for the
     CuTe backward (kernels/keep_bits.py)."""
+    return _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits)
+
+
+def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits):
+    """cute_flash_fwd's implementation (the op's and its eager twin's): (out, lse, bits)."""
     check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
     if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p):
         raise ValueError("keep_bits=True needs dropout at head dim 128 without a mask, a nonzero scale, no "
@@ -195,16 +207,21 @@ def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None, 
             _keep_bits_out(q, k, keep_bits))
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, out, lse, bits) -> None:
+    """What the backward reads, saved by the op's setup_context and its eager twin's forward."""
     q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, _ = inputs
-    out, lse, bits = output
-    # no zero gradients for outputs the caller did not use: the keep bits (uint8, one bit per score: autograd
-    # filled 67 MB of zeros per 2k training call, 21 us on the H200) and, usually, lse
-    ctx.mark_non_differentiable(bits)
-    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state, bits)
     ctx.scale, ctx.is_causal, ctx.bottom_right = scale, is_causal, bottom_right and is_causal
     ctx.dropout_p = dropout_p
+    # no zero gradients for outputs the caller did not use: the keep bits (uint8, one bit per score: autograd
+    # filled 67 MB of zeros per 2k training call, 21 us on the H200) and, usually, lse
+    ctx.set_materialize_grads(False)
+
+
+def _setup_context(ctx, inputs, output):
+    out, lse, bits = output
+    ctx.mark_non_differentiable(bits)
+    _save(ctx, inputs, out, lse, bits)
 
 
 # Read at each backward: True runs the CuTe backward where it applies (see the module docstring).
@@ -287,6 +304,13 @@ def cute_flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     (what the fake implementation promises); dlse is the gradient of its lse output, if any. The Triton backward
     where the CuTe one does not apply (see the module docstring). dropout_p, rng_state and keep_bits: the
     forward's (its saved keep bits, read where not empty)."""
+    return _cute_gradients(dout, q, k, v, out, lse, dlse, scale, is_causal, bottom_right, attn_mask, dropout_p,
+                           rng_state, keep_bits)
+
+
+def _cute_gradients(dout, q, k, v, out, lse, dlse, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state,
+                    keep_bits):
+    """cute_flash_bwd's implementation (the op's and its eager twin's): (dq, dk, dv)."""
     if dropout_p > 0:
         _check_rng_state(rng_state)
     grads = _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right, attn_mask, dropout_p,
@@ -311,19 +335,24 @@ def _(dout, q, k, v, out, lse, dlse, scale=None, is_causal=False, bottom_right=F
     return _contiguous_like(q, k, v)
 
 
-def _backward(ctx, dout, dlse, dbits):
+def _gradients(ctx, dout, dlse, cute_bwd) -> tuple:
+    """The autograd formula of the op (cute_bwd: the cute_flash_bwd op) and of its eager twin (_cute_gradients)."""
     from .triton_flash import triton_flash_bwd
 
     q, k, v, out, lse, attn_mask, rng_state, bits = ctx.saved_tensors
     if dout is None:  # only lse was differentiated (dlse is None where only out was: the kernels take None)
         dout = torch.zeros_like(out)
     if CUTE_BACKWARD:
-        grads = cute_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right, attn_mask,
-                               ctx.dropout_p, rng_state, bits)
+        grads = cute_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right, attn_mask,
+                         ctx.dropout_p, rng_state, bits)
     else:
         grads = triton_flash_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.is_causal, ctx.bottom_right,
                                  attn_mask, ctx.dropout_p, rng_state)
     return (*grads, None, None, None, None, None, None, None)
+
+
+def _backward(ctx, dout, dlse, dbits):
+    return _gradients(ctx, dout, dlse, cute_flash_bwd)
 
 
 cute_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -341,11 +370,34 @@ def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         from .triton_flash import new_rng_state
 
         rng_state = new_rng_state()
-    keep = (dropout_p > 0 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            and save_keep_bits(q, k, v, scale, attn_mask, dropout_p))
-    out, lse, _ = cute_flash_fwd(q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask, float(dropout_p),
-                                 rng_state if dropout_p > 0 else None, keep)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    keep = dropout_p > 0 and grad and save_keep_bits(q, k, v, scale, attn_mask, dropout_p)
+    args = (q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask, float(dropout_p),
+            rng_state if dropout_p > 0 else None, keep)
+    if torch.compiler.is_compiling() or not _plain(q, k, v, attn_mask):
+        out, lse, _ = cute_flash_fwd(*args)
+    elif not grad:
+        out, lse, _ = _cute_forward(*args)  # nothing to differentiate: no autograd.Function layer
+    else:
+        out, lse = _EagerCuteFlash.apply(*args)
     return out, lse
+
+
+class _EagerCuteFlash(torch.autograd.Function):
+    """cute_flash_fwd's eager twin for plain tensors: the same checks, kernels, counters and gradients (bitwise),
+    without the torch.library dispatch and custom-op autograd layers (on the H200's host the op's forward took
+    269 us per call without gradients and 386 us with them, cuDNN's SDPA 98 / 128: scripts/profile_op_kernels.py).
+    The keep bits stay in the context, not an output: no gradient of theirs is ever materialised."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # cute_flash_fwd's arguments
+        out, lse, bits = _cute_forward(*inputs)
+        _save(ctx, inputs, out, lse, bits)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _gradients(ctx, dout, dlse, _cute_gradients)
 
 
 __all__ = ["check_cute_inputs", "cute_flash_attention", "cute_flash_bwd", "cute_flash_fwd"]

@@ -372,3 +372,48 @@ def test_routed_d192_call_runs_cute_with_gradients_and_cudnn_without(clean, cute
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != 16)
     assert fa_backend.stats()["runs"] == {"torch": 1}
     assert not q.grad.isnan().any()
+
+
+@pytest.mark.parametrize("case", ["causal", "key_mask", "dropout_keep_bits", "gqa_lse"])
+def test_eager_twin_matches_the_op_bit_for_bit(case):
+    """cute_flash_attention on plain tensors in eager mode runs the op's autograd.Function twin (no
+    fa_backend::cute_flash_fwd / _bwd dispatch): the same out, lse, dK and dV, bit for bit, as the op with its
+    registered autograd (dQ within a bf16 ulp: its adds' order varies run to run); with dropout the same rng_state,
+    and the twin's backward reads the saved keep bits too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fa_backend.ops import cute_flash, new_rng_state
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    hkv = 2 if case == "gqa_lse" else 4
+    q, k, v = _qkv(2, 4, hkv, 1000, 1000, 128, grad=True)
+    mask = torch.rand(2, 1, 1, 1000, device="cuda") > 0.3 if case == "key_mask" else None
+    p = 0.1 if case == "dropout_keep_bits" else 0.0
+    rng = new_rng_state() if p else None
+    causal = case != "key_mask"
+    keep = bool(p) and cute_flash.save_keep_bits(q, k, v, None, mask, p)
+    assert keep == (case == "dropout_keep_bits")
+    dout = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    dlse = torch.randn(2, 4, 1000, device="cuda") if case == "gqa_lse" else None
+
+    out, lse, _ = cute_flash.cute_flash_fwd(q, k, v, None, causal, False, mask, p, rng, keep)
+    grads = torch.autograd.grad((out, lse) if dlse is not None else out, (q, k, v),
+                                (dout, dlse) if dlse is not None else dout)
+    ops = Ops()
+    with ops:
+        out2, lse2 = cute_flash.cute_flash_attention(q, k, v, None, causal, False, mask, p, rng)
+        grads2 = torch.autograd.grad((out2, lse2) if dlse is not None else out2, (q, k, v),
+                                     (dout, dlse) if dlse is not None else dout)
+    assert not [n for n in ops.names if n.startswith("fa_backend.cute_flash")], ops.names
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert torch.equal(grads[1], grads2[1]) and torch.equal(grads[2], grads2[2])
+    # dQ: fp32 block adds from several CTAs in no fixed order, then rounded: at most one bf16 ulp apart
+    torch.testing.assert_close(grads2[0], grads[0], rtol=2**-7, atol=1e-5)
