@@ -164,9 +164,11 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits)
 
 
-def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits):
-    """cute_flash_fwd's implementation (the op's and its eager twin's): (out, lse, bits)."""
-    check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
+def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits, check=True):
+    """cute_flash_fwd's implementation (the op's and its eager twin's): (out, lse, bits). check=False: the caller
+    ran check_cute_inputs (the twin, in grad mode: inside its autograd.Function the call would not require grad)."""
+    if check:
+        check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
     if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p):
         raise ValueError("keep_bits=True needs dropout at head dim 128 without a mask, a nonzero scale, no "
                          "deterministic algorithms and bits within keep_bits.KEEP_BITS_BUDGET (see save_keep_bits)")
@@ -379,6 +381,7 @@ def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     elif not grad:
         out, lse, _ = _cute_forward(*args)  # nothing to differentiate: no autograd.Function layer
     else:
+        check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
         out, lse = _EagerCuteFlash.apply(*args)
     return out, lse
 
@@ -390,8 +393,8 @@ class _EagerCuteFlash(torch.autograd.Function):
     The keep bits stay in the context, not an output: no gradient of theirs is ever materialised."""
 
     @staticmethod
-    def forward(ctx, *inputs):  # cute_flash_fwd's arguments
-        out, lse, bits = _cute_forward(*inputs)
+    def forward(ctx, *inputs):  # cute_flash_fwd's arguments, checked by the caller in grad mode
+        out, lse, bits = _cute_forward(*inputs, check=False)
         _save(ctx, inputs, out, lse, bits)
         return out, lse
 

@@ -56,3 +56,23 @@ def test_differentiating_lse_alone_still_runs_the_backward():
     assert ("aten.zeros_like.default", [(out.dtype, tuple(out.shape))]) in ops.calls
     assert [c[0] for c in ops.calls].count("fa_backend.cute_flash_bwd.default") == 1
     assert [g.shape for g in grads] == [t.shape for t in inputs]
+
+
+def test_the_eager_twin_checks_its_inputs_in_grad_mode(monkeypatch):
+    """cute_flash_attention's eager twin (plain tensors, eager mode) checks a call that requires grad before its
+    autograd.Function runs, where grad mode is still on (inside, the call would not require grad: reasons such as
+    `grad` would be lost), and checks once."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def check(q, k, v, *args):
+        seen.append(torch.is_grad_enabled() and q.requires_grad)
+        raise Stop
+
+    monkeypatch.setattr(cute_flash, "check_cute_inputs", check)
+    q, k, v = (torch.randn(1, 2, 256, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with pytest.raises(Stop):
+        cute_flash.cute_flash_attention(q, k, v, None, True)
+    assert seen == [True]
