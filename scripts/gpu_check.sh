@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout]
+#   bash scripts/gpu_check.sh [tests] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -127,6 +127,19 @@ if [[ " $steps " == *" dropout "* ]]; then
     || status=1
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_dropout.py --dims 128 --backward --runners cute cudnn \
     --json "$OUT/bench_dropout.json" 2>&1 | grep -v -i warn || status=1
+fi
+if [[ " $steps " == *" op "* ]]; then
+  # the CuTe op and its eager twin (ops/cute_flash.py): the op's GPU tests with dropout and routing, then the op
+  # against cuDNN with dropout (bench_dropout.py --backward) and where a 2k training call's time goes
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/ops/test_cute_flash_gpu.py tests/ops/test_cute_head_dim_v_gpu.py \
+    tests/kernels/cute/test_dropout_gpu.py tests/integrations/test_routing_gpu.py -q -p no:cacheprovider \
+    -n ${CUTE_WORKERS:-14} > "$OUT/op_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/op_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/op_tests.log" | head -20
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_dropout.py --dims 128 --backward --runners cute cudnn \
+    --json "$OUT/bench_dropout.json" 2>&1 | grep -v -i warn || status=1
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/profile_op_kernels.py --seqlens 2048 --causal yes no \
+    > "$OUT/profile_op_kernels.log" 2>&1 || status=1
+  grep -E "^s=|host" "$OUT/profile_op_kernels.log"
 fi
 if [[ " $steps " == *" cute_profile "* ]]; then
   # Nsight Compute on one CuTe backward launch (scripts/profile_cute_bwd.py; PROFILE_ARGS e.g. "--causal --d 64"), or
