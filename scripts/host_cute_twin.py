@@ -1,6 +1,7 @@
 """Host time per forward call of the CuTe op's Python paths, on any machine (no GPU: the kernel, the input check and
 the layout copy are stubbed, so what is timed is the path around them): `fa_backend::cute_flash_fwd` through
-torch.library (with its registered autograd) against cute_flash_attention's eager twin, with and without gradients.
+torch.library (with its registered autograd) against cute_flash_attention's eager twin, with and without gradients,
+and a forward + backward (torch.autograd.grad; the backward kernel stubbed too).
 
     python3 scripts/host_cute_twin.py [--rounds 5] [--n 500]
 
@@ -28,7 +29,13 @@ def main() -> None:
         return (torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype),
                 torch.empty(q.shape[:-1], dtype=torch.float32))
 
+    def stub_backward(dout, q, k, v, out, lse, *args, **kwargs):
+        return tuple(torch.empty_like(t) for t in (q, k, v))
+
+    import fa_backend.kernels.cute.flash_bwd as bwd_module
+
     fwd_ws.flash_fwd_fastest = stub_kernel
+    bwd_module.flash_bwd = stub_backward
     cute_flash.check_cute_inputs = lambda *a, **k: None
     cute_flash._readable = lambda t: t
     q, k, v = (torch.randn(1, 2, 64, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -41,10 +48,18 @@ def main() -> None:
         with torch.set_grad_enabled(grad):
             return cute_flash.cute_flash_attention(q, k, v, None, True, False)[0]
 
+    dout = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16)
+
+    def op_step(_):
+        return torch.autograd.grad(op(True), (q, k, v), dout)
+
+    def twin_step(_):
+        return torch.autograd.grad(twin(True), (q, k, v), dout)
+
     times: dict = {}
     for _ in range(args.rounds):
-        for name, fn in (("op", op), ("twin", twin)):
-            for grad in (False, True):
+        for name, fn in (("op", op), ("twin", twin), ("op fwd+bwd", op_step), ("twin fwd+bwd", twin_step)):
+            for grad in ((False, True) if "bwd" not in name else (True,)):
                 for _ in range(20):
                     fn(grad)
                 t = time.perf_counter()
@@ -52,7 +67,7 @@ def main() -> None:
                     fn(grad)
                 times.setdefault((name, grad), []).append((time.perf_counter() - t) / args.n * 1e6)
     for (name, grad), us in times.items():
-        print(f"{name:4s} grad={grad!s:5s}: median {statistics.median(us):6.1f} us, min {min(us):6.1f} us per call")
+        print(f"{name:12s} grad={grad!s:5s}: median {statistics.median(us):6.1f} us, min {min(us):6.1f} us per call")
 
 
 if __name__ == "__main__":
