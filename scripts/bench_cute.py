@@ -90,6 +90,8 @@ def main() -> None:
         "cute_ws_overlap_persistent": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, overlap=True, persistent=True),
         "cute_ws_pingpong_persistent": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, pingpong=True,
                                                                        persistent=True),
+        "cute_ws_3wg_pingpong_persistent": lambda q, k, v, c: flash_fwd_ws(q, k, v, causal=c, consumers=3,
+                                                                           pingpong=True, persistent=True),
         "triton": lambda q, k, v, c: fa_backend.attention(q, k, v, is_causal=c),
     }
     if args.runners:

@@ -20,12 +20,13 @@ warp scheduling) the consumers take turns issuing their GEMMs, round robin throu
 that one warpgroup's GEMMs run while the others compute their softmax. consumers=3: 192 query rows per CTA, four
 warpgroups (FA3 / FA4's tile at d=64). With causal masking the query tiles run longest
 first (the grid's last tiles first). persistent=True: at most PERSISTENT_CTAS CTAs, each walking tiles bid, bid +
-grid, ... (the producer reloads Q once the consumers arrive on a "Q free" barrier after their last GEMM of a tile; the
-K/V pipeline states and ping-pong turns carry across tiles): passes the GPU tests, slower than one CTA per tile at
-d=128 on the H200 (docs/perf-log.md), so the op does not use it.
+grid, ... with two Q tiles in turn (the producer loads tile t + 1's Q, then its K / V, while the consumers run tile t;
+a Q tile is handed back on its "free" barrier once the consumers' O store has read it; the K/V pipeline states and
+ping-pong turns carry across tiles): passes the GPU tests, within 2 % of one CTA per tile at 2k and slower at 8k on
+the H200 (docs/perf-log.md), so the op does not use it; not at d=256 or 192 / 128 (two Q tiles do not fit).
 Epilogue: LSE (natural log, fp32) from registers; O / l in the input dtype through each consumer's Q stage
-(stmatrix) and one TMA store per consumer (tma_store, the default; persistent variants store O from registers,
-rows past seqlen_q skipped); rows that see no key get O = 0 and LSE = -inf.
+(stmatrix) and one TMA store per consumer (tma_store, the default; False: from registers, rows past seqlen_q
+skipped); rows that see no key get O = 0 and LSE = -inf.
 
 Inputs as flash_fwd (SDPA layout, any 16-byte aligned strides with a unit head_dim stride, GQA by
 h // (hq // hkv), top-left or bottom-right causal), head dims 64, 96, 128 and (two consumers, 64-key blocks:
@@ -93,9 +94,10 @@ PINGPONG_BARRIER = 1  # named barriers 1 .. consumers (0 is __syncthreads'): one
 PERSISTENT_CTAS = 132  # persistent variants: CTAs launched at most (one per SM of an H100 / H200, 1 CTA per SM)
 
 
-def _smem_bytes(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int) -> int:
-    """Shared memory of a 16-bit variant: the Q tile, KV_STAGES K and V stages, alignment padding and barriers."""
-    return 2 * (tile_m * head_dim + KV_STAGES * tile_n * (head_dim + head_dim_v)) + 4 * 1024
+def _smem_bytes(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, q_buffers: int = 1) -> int:
+    """Shared memory of a 16-bit variant: q_buffers Q tiles (2 for persistent variants), KV_STAGES K and V stages,
+    alignment padding and barriers."""
+    return 2 * (q_buffers * tile_m * head_dim + KV_STAGES * tile_n * (head_dim + head_dim_v)) + 4 * 1024
 
 
 def tile_n(head_dim: int, head_dim_v: int | None = None) -> int:
@@ -115,19 +117,26 @@ def _check_keep_bits(keep_bits: bool, dropout: bool, key_mask: bool, head_dim: i
 
 def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False,
                      head_dim: int = 128) -> None:
-    if consumers not in (2, 3) or (persistent and consumers != 2):
+    if consumers not in (2, 3):
         raise ValueError(f"consumers={consumers} with overlap={overlap}, pingpong={pingpong}, persistent={persistent} "
-                         "(supported: 2 consumers, or 3 not persistent)")
+                         "(supported: 2 or 3)")
     if consumers == 3 and head_dim > 128:  # 128 registers per thread cannot hold O (96-128 of them) and S
         raise ValueError(f"consumers=3 at head_dim={head_dim} (supported: head_dim <= 128)")
 
 
-def _tma_store(tma_store: bool | None, persistent: bool) -> bool:
-    """Whether a variant stores O by TMA: `tma_store`, or where None (the default) every variant but the persistent
-    ones; ValueError for both (the next tile's Q would land where the O rows wait for their store)."""
-    if tma_store and persistent:
-        raise ValueError("tma_store=True with persistent=True (supported: one or the other)")
-    return not persistent if tma_store is None else tma_store
+def _check_persistent(persistent: bool, consumers: int, head_dim: int, head_dim_v: int | None) -> None:
+    """ValueError where a persistent variant's two Q tiles and the K / V stages exceed an sm90 CTA's shared memory
+    (d=256, MLA's 192 / 128)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if persistent and _smem_bytes(WG_M * consumers, tile_n(head_dim, dv), head_dim, dv, 2) > SMEM_LIMIT:
+        raise ValueError(f"persistent=True at head_dim={head_dim}, head_dim_v={dv}: two Q tiles do not fit in "
+                         "shared memory")
+
+
+def _tma_store(tma_store: bool | None) -> bool:
+    """Whether a variant stores O by TMA: `tma_store`, True where None (the default; a persistent variant stores
+    through the Q tile of the tile it finishes while its producer loads the next tile's Q into the other one)."""
+    return True if tma_store is None else tma_store
 
 
 class FlashForwardSm90WS(ForwardVariant):
@@ -144,7 +153,7 @@ class FlashForwardSm90WS(ForwardVariant):
     without spills; the overlap ones only since the probabilities are converted in program order
     (_fwd_parts.convert_in_place: LLVM had sunk the conversion past the next S issue, 556 bytes of spills with the TMA
     store). At d=96 / 128 three consumers spill (128-1156 bytes), and with dropout 40 bytes.
-    tma_store (the default except for persistent variants, which cannot take it): the epilogue writes a consumer's
+    tma_store (the default): the epilogue writes a consumer's
     O rows in the input dtype into its own Q stage (stmatrix; no GEMM of that consumer reads Q any more) and one of
     its warps stores them with one TMA copy (rows past seqlen_q clipped by the copy), instead of 64 two-byte
     stores per thread at d=128 that each touch eight rows (False: that register epilogue; the TMA store is +7-19 % at
@@ -160,8 +169,9 @@ class FlashForwardSm90WS(ForwardVariant):
         # keep_bits: each draw's keep byte also goes to a buffer the backward reads (_dropout, "Saved keep bits")
         _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
         self.keep_bits = keep_bits
-        self.tma_store = _tma_store(tma_store, persistent)
+        self.tma_store = _tma_store(tma_store)
         _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
+        _check_persistent(persistent, consumers, head_dim, head_dim_v)
         self.persistent = persistent
         self.key_mask = key_mask
         self.overlap = overlap or pingpong
@@ -172,7 +182,11 @@ class FlashForwardSm90WS(ForwardVariant):
         # causal tiles longest first over the heads of an L2 section (_schedule) where it was measured faster than
         # each head's tiles in turn (H200, bf16, 2k / 8k tokens): d=128 two consumers (overlap +1 / +3 %) and d=64
         # three (ping-pong -1 / +4 %); not d=64 with two (overlap -5 / -5 %), other head dims not timed
-        self.longest_first = causal and not persistent and (head_dim, consumers) in ((128, 2), (64, 3))
+        # (persistent CTAs walk that order with a static stride: each takes the longest tiles left in turn)
+        self.longest_first = causal and (head_dim, consumers) in ((128, 2), (64, 3))
+        # persistent: two Q tiles, so that the producer loads tile t + 1's Q (and then its K / V) while the consumers
+        # run tile t and then store its O through tile t's own Q tile (handed back once the store has read it)
+        self.q_buffers = 2 if persistent else 1
         self.threads = WG_THREADS * (1 + consumers)
         self.consumer_regs = CONSUMER_REGS if consumers == 2 else CONSUMER_REGS_3
 
@@ -187,8 +201,9 @@ class FlashForwardSm90WS(ForwardVariant):
         if cutlass.const_expr(self.key_mask):  # (b, hq, words) -> (words, h, b)
             words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
         mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, self.tile_n, d, dv)
-        # staged smem layouts: Q has one stage per consumer (its 64 rows), K and V KV_STAGES each
-        sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype, self.consumers)
+        # staged smem layouts: Q has one stage per consumer (its 64 rows) and Q tile, K and V KV_STAGES each
+        sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype,
+                                            self.consumers * self.q_buffers)
         sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype, KV_STAGES)
         sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, dv, self.tile_n), self.dtype, KV_STAGES)
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -201,7 +216,7 @@ class FlashForwardSm90WS(ForwardVariant):
             sO_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, n, dv), self.dtype, 1)
             tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o,
                                                               cute.slice_(sO_layout, (None, None, 0)), (WG_M, dv))
-        smem_bytes = _smem_bytes(self.tile_m, n, d, dv)
+        smem_bytes = _smem_bytes(self.tile_m, n, d, dv, self.q_buffers)
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         if cutlass.const_expr(self.persistent):  # one CTA per SM, each walking tiles bid, bid + grid, ...
             grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
@@ -244,10 +259,11 @@ class FlashForwardSm90WS(ForwardVariant):
         seqlen_k = mK.shape[0]
 
         smem = SmemAllocator()
-        bar_q = smem.allocate_array(cutlass.Int64, 1)  # Q has landed
+        bar_q = smem.allocate_array(cutlass.Int64, self.q_buffers)  # Q has landed (per Q tile)
         bar_q_free = bar_q
         if cutlass.const_expr(self.persistent):
-            bar_q_free = smem.allocate_array(cutlass.Int64, 1)  # the consumers are done reading Q
+            # per Q tile: the consumers are done with it (their GEMMs, and with tma_store their O rows' store)
+            bar_q_free = smem.allocate_array(cutlass.Int64, self.q_buffers)
         bars_k = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)  # full and empty barrier per K stage
         bars_v = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)
         # 1024-byte alignment: the 128B swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
@@ -273,9 +289,12 @@ class FlashForwardSm90WS(ForwardVariant):
                                                   tx_count=self.tile_n * self.head_dim_v * self.dtype.width // 8,
                                                   barrier_storage=bars_v, defer_sync=True)
         if tidx == 0:
-            cute.arch.mbarrier_init(bar_q, 1)
-            if cutlass.const_expr(self.persistent):
-                cute.arch.mbarrier_init(bar_q_free, self.consumers * WG_THREADS)
+            for b in cutlass.range_constexpr(self.q_buffers):
+                cute.arch.mbarrier_init(bar_q + b, 1)
+                if cutlass.const_expr(self.persistent):
+                    # tma_store: one lane per consumer, once its O store has read the tile; else every consumer
+                    # thread after its last GEMM
+                    cute.arch.mbarrier_init(bar_q_free + b, self.consumers * (1 if self.tma_store else WG_THREADS))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
 
@@ -292,13 +311,15 @@ class FlashForwardSm90WS(ForwardVariant):
                     first, _, _ = cute.arch.block_idx()
                     step, _, _ = cute.arch.grid_dim()
                     for j in cutlass.range(first, self._n_tiles(mQ), step, unroll=1):
-                        if j != first:  # the consumers are done with the previous tile's Q
-                            cute.arch.mbarrier_wait(bar_q_free, ((j - first) // step - 1) % 2)
-                        state_k, state_v = self._produce_tile(j, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q,
-                                                              pipe_k, pipe_v, state_k, state_v, mWords)
+                        t = (j - first) // step  # this CTA's tile count; Q tile t % 2
+                        if t >= 2:  # the consumers are done with tile t - 2, the last one in this Q tile
+                            cute.arch.mbarrier_wait(bar_q_free + t % 2, (t // 2 - 1) % 2)
+                        state_k, state_v = self._produce_tile(j, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+                                                              bar_q + t % 2, pipe_k, pipe_v, state_k, state_v, mWords,
+                                                              t % 2)
                 else:
                     self._produce_tile(Int32(0), tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v,
-                                       state_k, state_v, mWords)
+                                       state_k, state_v, mWords, 0)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = warpgroup_idx - 1
@@ -314,10 +335,11 @@ class FlashForwardSm90WS(ForwardVariant):
                 first, _, _ = cute.arch.block_idx()
                 step, _, _ = cute.arch.grid_dim()
                 for j in cutlass.range(first, self._n_tiles(mQ), step, unroll=1):
-                    state_k, state_v = self._consume_tile(j, ((j - first) // step) % 2, *args, mQ, seqlen_k,
-                                                          state_k, state_v)
+                    t = (j - first) // step
+                    state_k, state_v = self._consume_tile(j, t % 2, (t // 2) % 2, *args, mQ, seqlen_k, state_k,
+                                                          state_v)
             else:
-                self._consume_tile(Int32(0), 0, *args, mQ, seqlen_k, state_k, state_v)
+                self._consume_tile(Int32(0), 0, 0, *args, mQ, seqlen_k, state_k, state_v)
 
     @cute.jit
     def _n_tiles(self, mQ: cute.Tensor) -> Int32:
@@ -328,29 +350,32 @@ class FlashForwardSm90WS(ForwardVariant):
     def _produce_tile(self, j: Int32, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                       tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                       bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, state_k: Any, state_v: Any,
-                      mWords: cute.Tensor) -> tuple[Any, Any]:
-        """The producer's loads of tile j (_tile); returns the advanced pipeline states."""
+                      mWords: cute.Tensor, buf: Int32) -> tuple[Any, Any]:
+        """The producer's loads of tile j (_tile) into Q tile `buf`, on its barrier bar_q; returns the advanced
+        pipeline states."""
         m_block, head, batch = self._tile(j, mQ.shape[0], mQ, mK.shape[0])
         key_row = None
         if cutlass.const_expr(self.key_mask):
             key_row = mWords[None, head, batch]
         n_blocks, _, _ = self._block_range(m_block, mQ.shape[0], mK.shape[0], key_row)
         return self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, bar_q, pipe_k, pipe_v, m_block, head, batch,
-                             n_blocks, state_k, state_v)
+                             n_blocks, state_k, state_v, buf)
 
     @cute.jit
-    def _consume_tile(self, j: Int32, q_phase: Int32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
+    def _consume_tile(self, j: Int32, buf: Int32, q_phase: Int32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
                       sK: cute.Tensor, sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, pipe_k: Any,
                       pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
                       mWords: cute.Tensor, drop_args: tuple, store_args: tuple, mQ: cute.Tensor, seqlen_k: Int32,
                       state_k: Any, state_v: Any) -> tuple[Any, Any]:
-        """One consumer warpgroup's work on tile j (_tile); returns the advanced pipeline states."""
+        """One consumer warpgroup's work on tile j (_tile), whose Q is in Q tile `buf` (its barriers' phase q_phase);
+        returns the advanced pipeline states."""
         m_block, head, batch = self._tile(j, mQ.shape[0], mQ, seqlen_k)
         key_row = None
         if cutlass.const_expr(self.key_mask):
             key_row = mWords[None, head, batch]
         n_blocks, n_masked, offset = self._block_range(m_block, mQ.shape[0], seqlen_k, key_row)
-        return self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q, bar_q_free, q_phase, pipe_k, pipe_v, mO, mLSE,
+        return self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q + buf, bar_q_free + buf, buf, q_phase, pipe_k, pipe_v,
+                             mO, mLSE,
                              scale_log2, wg, wg_tidx, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset,
                              state_k, state_v, mWords, drop_args, store_args)
 
@@ -385,9 +410,9 @@ class FlashForwardSm90WS(ForwardVariant):
     def _produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                  tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  bar_q: cute.Pointer, pipe_k: Any, pipe_v: Any, m_block: Int32, head: Int32, batch: Int32,
-                 n_blocks: Int32, state_k: Any, state_v: Any) -> tuple[Any, Any]:
-        """The producer warp, one tile: Q's two halves on bar_q, then K and V of each key block, last block first.
-        Returns the advanced pipeline states."""
+                 n_blocks: Int32, state_k: Any, state_v: Any, buf: Int32) -> tuple[Any, Any]:
+        """The producer warp, one tile: Q's 64-row parts into Q tile `buf` on bar_q, then K and V of each key block,
+        last block first. Returns the advanced pipeline states."""
         d = self.head_dim
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         one_cta = cute.make_layout(1)
@@ -401,7 +426,8 @@ class FlashForwardSm90WS(ForwardVariant):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar_q, self.tile_m * d * self.dtype.width // 8)
         for half in cutlass.range_constexpr(self.consumers):
-            cute.copy(tma_q, tQgQ[None, m_block * self.consumers + half], tQsQ[None, half], tma_bar_ptr=bar_q)
+            cute.copy(tma_q, tQgQ[None, m_block * self.consumers + half], tQsQ[None, buf * self.consumers + half],
+                      tma_bar_ptr=bar_q)
         for i in cutlass.range(n_blocks, unroll=1):
             n_block = n_blocks - 1 - i
             pipe_k.producer_acquire(state_k)  # waits until the consumers freed the stage, then expects its bytes
@@ -416,12 +442,13 @@ class FlashForwardSm90WS(ForwardVariant):
 
     @cute.jit
     def _consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
-                 sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, q_phase: Int32, pipe_k: Any,
+                 sV: cute.Tensor, bar_q: cute.Pointer, bar_q_free: cute.Pointer, buf: Int32, q_phase: Int32, pipe_k: Any,
                  pipe_v: Any, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, wg: Int32, wg_tidx: Int32,
                  m_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32, n_blocks: Int32, n_masked: Int32,
                  offset: Int32, state_k: Any, state_v: Any, mWords: cute.Tensor,
                  drop_args: tuple, store_args: tuple) -> tuple[Any, Any]:
-        """One consumer warpgroup, one tile: its 64 query rows against every visited key block, then the epilogue.
+        """One consumer warpgroup, one tile: its 64 query rows (in Q tile `buf`, landed on bar_q; bar_q_free: the
+        tile's barrier for the producer, persistent variants) against every visited key block, then the epilogue.
         drop_args: (the (seed, rng_offset) tensor, the 16-bit keep threshold, 1 / (1 - dropout_p), the saved keep
         bits' buffer or None) of dropout variants; store_args: (O's TMA store atom, its TMA tensor, O's shared-memory layout, the Q stages' bytes) of
         tma_store variants. Returns the advanced pipeline states."""
@@ -459,12 +486,12 @@ class FlashForwardSm90WS(ForwardVariant):
         cute.arch.mbarrier_wait(bar_q, q_phase)
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         blocks = self._blocks_overlapped if cutlass.const_expr(self.overlap) else self._blocks
-        state_k, state_v = blocks(mma_qk, mma_pv, tSrQ[None, None, None, wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p,
+        state_k, state_v = blocks(mma_qk, mma_pv, tSrQ[None, None, None, buf * self.consumers + wg], tSrK, tOrV, tScS, acc_s, acc_o, r_p, t_p,
                                   row_max, row_sum, pipe_k, pipe_v, row0, seqlen_k, offset, scale_log2, n_blocks,
                                   n_masked, wg, state_k, state_v, key_row, drop)
-        if cutlass.const_expr(self.persistent):
-            # every GEMM that reads Q has been waited for: the producer may load the next tile's Q while this
-            # warpgroup stores its rows
+        if cutlass.const_expr(self.persistent and not self.tma_store):
+            # every GEMM that reads Q has been waited for: the producer may load tile t + 2's Q while this warpgroup
+            # stores its rows (tma_store: once their store has read the tile, _store_o)
             cute.arch.mbarrier_arrive(bar_q_free)
         if cutlass.const_expr(self.keep_bits and self.causal):  # the blocks past the diagonal: their tiles zeroed
             zero_unvisited_keep_tiles(mBits.iterator, batch * mO.shape[2] + head, row0, mO.shape[0], seqlen_k,
@@ -472,7 +499,7 @@ class FlashForwardSm90WS(ForwardVariant):
 
         if cutlass.const_expr(self.tma_store):
             finish_rows(acc_o, row_max, row_sum, tOcO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
-            self._store_o(mma_pv, acc_o, store_args, m_block, head, batch, wg, wg_tidx)
+            self._store_o(mma_pv, acc_o, store_args, m_block, head, batch, wg, wg_tidx, buf, bar_q_free)
         else:
             gO = cute.local_tile(mO[None, None, head, batch], (WG_M, dv), (m_block * self.consumers + wg, 0))
             store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32,
@@ -481,17 +508,19 @@ class FlashForwardSm90WS(ForwardVariant):
 
     @cute.jit
     def _store_o(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, store_args: tuple, m_block: Int32, head: Int32,
-                 batch: Int32, wg: Int32, wg_tidx: Int32):
-        """tma_store epilogue: consumer wg's finished O rows (acc_o, O / l) in the input dtype into its own Q stage by
-        stmatrix, then one TMA store of the 64 rows by its first warp, waited for until it has read them (the CTA
-        must not exit, releasing the memory, before)."""
+                 batch: Int32, wg: Int32, wg_tidx: Int32, buf: Int32, bar_q_free: cute.Pointer):
+        """tma_store epilogue: consumer wg's finished O rows (acc_o, O / l) in the input dtype into its own stage of
+        Q tile `buf` by stmatrix, then one TMA store of the 64 rows by its first warp, waited for until it has read
+        them (the CTA must not exit, releasing the memory, before; persistent variants then hand the Q tile back to
+        the producer: one arrival on bar_q_free)."""
         tma_o, mO_tma, sO_layout, raw_q = store_args
         r_o = converted(acc_o, self.dtype)
         # O's (64, dv) rows in the layout its TMA atom reads, one per Q stage (WG_M * d values apart: a static stride,
         # so the copies know the 1024-byte alignment of consumer wg's)
         stages = cute.append(cute.slice_(sO_layout.outer, (None, None, 0)),
-                             cute.make_layout(self.consumers, stride=WG_M * self.head_dim))
-        sO = cute.make_tensor(cute.recast_ptr(raw_q, sO_layout.inner, dtype=self.dtype), stages)[None, None, wg]
+                             cute.make_layout(self.consumers * self.q_buffers, stride=WG_M * self.head_dim))
+        sO = cute.make_tensor(cute.recast_ptr(raw_q, sO_layout.inner, dtype=self.dtype), stages)[
+            None, None, buf * self.consumers + wg]
         stmatrix_tile(mma_pv, r_o, sO, self.dtype, wg_tidx)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores are seen by the TMA unit (the async proxy)
         cute.arch.barrier(barrier_id=PINGPONG_BARRIER + self.consumers + wg, number_of_threads=WG_THREADS)
@@ -500,6 +529,9 @@ class FlashForwardSm90WS(ForwardVariant):
             tma_store_tile(tma_o, sO, gO, m_block * self.consumers + wg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(self.persistent):
+                with cute.arch.elect_one():  # the lane that issued the store (elect.sync: the same leader)
+                    cute.arch.mbarrier_arrive(bar_q_free)
 
     @cute.jit
     def _issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, t_p: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
@@ -703,13 +735,14 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     the scale); `dropout`: the variant that also drops scores (_dropout: 16-bit Philox draws, the Triton kernels'
     mask), pointer convention only (_fast_call.PointerForwardDropout; suffix "_dropout"); `head_dim_v`: V's and O's
     head dim where it differs from head_dim ((head_dim, head_dim_v) in HEAD_DIM_V_PAIRS; the cache key's dv);
-    `tma_store`: O through shared memory and one TMA store per consumer (suffix "_tmastore"; None: every variant but
-    the persistent ones); `keep_bits` (dropout, 128-key blocks): the variant that also saves its keep decisions for
+    `tma_store`: O through shared memory and one TMA store per consumer (suffix "_tmastore"; None: True, the
+    default); `keep_bits` (dropout, 128-key blocks): the variant that also saves its keep decisions for
     the backward (_dropout, "Saved keep bits"; suffix "_keepbits")."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
     _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
-    tma_store = _tma_store(tma_store, persistent)
+    _check_persistent(persistent, consumers, head_dim, head_dim_v)
+    tma_store = _tma_store(tma_store)
     name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout, head_dim_v,
                                 tma_store, keep_bits)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
@@ -783,7 +816,7 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
     kw = fastest_kwargs(head_dim, causal, dropout, head_dim_v)
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
                                 kw.get("persistent", False), key_mask, head_dim, dropout, head_dim_v,
-                                _tma_store(kw.get("tma_store"), kw.get("persistent", False)))
+                                _tma_store(kw.get("tma_store")))
     pointers = _fast_call.ENABLED or dropout
     return variant_key(name + ("_ptrargs" if pointers else ""), tile, dtype, head_dim, causal, bottom_right,
                        head_dim_v=head_dim_v)
@@ -816,7 +849,7 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout), with a fourth element, a
     uint8 buffer of _dropout.keep_bits_bytes (128-key blocks), the variant that also saves the mask there for the
     backward (flash_bwd.flash_bwd's dropout argument with it); `tma_store`: O through
-    shared memory and a TMA store (None: unless persistent; False: from registers)."""
+    shared memory and a TMA store (None: the default, True; False: from registers)."""
     return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
                                   persistent=persistent, key_mask=key_words is not None, dropout=dropout is not None,
                                   tma_store=tma_store, keep_bits=dropout is not None and len(dropout) > 3),

@@ -124,12 +124,18 @@ def test_longest_first_order_over_several_l2_sections(d, bottom_right, b, hq, hk
 # more tiles than PERSISTENT_CTAS: each CTA walks 2-3 tiles (256 / 360 tiles); the second shape's bottom-right
 # causal tiles past the keys visit no key block (no GEMM turn in either consumer)
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 16, 4, 1000, 1100), (3, 20, 20, 700, 300)])
-@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong"])
+@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong", "pingpong3", "overlap_registers"])
 def test_persistent_walks_several_tiles_per_cta(d, causal, bottom_right, b, hq, hkv, sq, sk, mode):
+    """Persistent CTAs over 2-3 tiles each: two Q tiles in turn (the O rows stored through the tile's own, by TMA;
+    `overlap_registers`: from registers), three ping-pong consumers too."""
     from fa_backend.kernels.cute.flash_fwd_ws import PERSISTENT_CTAS, flash_fwd_ws
 
     assert b * hq * -(-sq // 128) > PERSISTENT_CTAS
-    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong", persistent=True)
+    if mode == "pingpong3" and d != 64:
+        pytest.skip("three persistent consumers: d=64 (at d=128 two 192-row Q tiles do not fit in shared memory)")
+    run = functools.partial(flash_fwd_ws, overlap=mode.startswith("overlap"), pingpong=mode.startswith("pingpong"),
+                            consumers=3 if mode == "pingpong3" else 2, persistent=True,
+                            tma_store=False if mode == "overlap_registers" else None)
     check_forward(run, torch.bfloat16, d, causal, bottom_right, b, hq, hkv, sq, sk)
 
 

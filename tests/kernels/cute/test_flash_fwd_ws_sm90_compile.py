@@ -206,8 +206,6 @@ def test_three_consumers_take_turns_without_spills(tmp_path):
     assert len(re.findall(r"setp\.\w+\.s32\s+%p\d+, %r\d+, -?\d+;", ptx)) < 64
     report = ptxas_report(ptx, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
-    with pytest.raises(ValueError, match="consumers=3"):
-        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, True, consumers=3, pingpong=True, persistent=True)
 
 
 @pytest.mark.parametrize("d,dv,kw", [(128, 128, dict(pingpong=True)), (64, 64, dict(consumers=3, pingpong=True)),
@@ -231,8 +229,6 @@ def test_tma_store_epilogue(tmp_path, d, dv, kw):
         plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, False, "sm_90a",
                                                   str(tmp_path / "registers"), tma_store=False, **kw).__ptx__
         assert len(re.findall(r"st\.global\S*\.b16", plain)) == dv // 2
-    with pytest.raises(ValueError, match="tma_store=True with persistent=True"):
-        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, overlap=True, persistent=True, tma_store=True)
 
 
 def test_variants_are_compiled_once_under_their_own_name():
@@ -301,24 +297,35 @@ def test_block_range_visits_what_is_visible_and_masks_only_where_needed(d):
         assert hidden == list(range(n_blocks - n_masked, n_blocks)), (causal, bottom_right, m_block, sq, sk)
 
 
-@pytest.mark.parametrize("mode", ["overlap", "pingpong"])
-def test_persistent_variant_compiles_without_spills(tmp_path, mode):
-    # the persistent variants: one more mbarrier (the consumers free Q for the next tile's load), the tile loop in
-    # both roles, the same registers (ptxas caps 384 threads at 168) and no local memory
+@pytest.mark.parametrize("d,kw", [(128, dict(overlap=True)), (128, dict(pingpong=True)),
+                                  (64, dict(consumers=3, pingpong=True))])
+def test_persistent_variant_compiles_without_spills(tmp_path, d, kw):
+    # the persistent variants: two Q tiles, each with its own "landed" and "free" mbarriers (the consumers hand a Q
+    # tile back once their O rows' TMA store has read it), the tile loop in both roles, no local memory
     from fa_backend.kernels.cute import flash_fwd_ws
 
-    kw = {mode: True}
     (tmp_path / "p").mkdir()
     (tmp_path / "n").mkdir()
-    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path / "p"),
+    ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, True, False, "sm_90a", str(tmp_path / "p"),
                                             persistent=True, **kw).__ptx__
-    plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, True, False, "sm_90a", str(tmp_path / "n"),
+    plain = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, True, False, "sm_90a", str(tmp_path / "n"),
                                               **kw).__ptx__
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert ptx.count("mbarrier.init") == plain.count("mbarrier.init") + 1
+    assert ptx.count("mbarrier.init") == plain.count("mbarrier.init") + 3
     assert "%nctaid.x" in ptx and "%nctaid.x" not in plain  # the tile stride is the grid size
-    with pytest.raises(ValueError, match="persistent"):
-        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 64, False, consumers=3, persistent=True)
+    # the O rows go out through the Q tile by TMA in both (the persistent form used to store from registers)
+    assert re.findall(r"st\.global\S*\.b16", ptx) == []
+    stores = "cp.async.bulk.tensor.4d.global.shared::cta"
+    assert ptx.count(stores) == plain.count(stores) > 0
+
+
+def test_persistent_variant_needs_two_q_tiles_of_shared_memory():
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    with pytest.raises(ValueError, match="two Q tiles"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 256, False, pingpong=True, persistent=True)
+    with pytest.raises(ValueError, match="two Q tiles"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 192, False, overlap=True, persistent=True, head_dim_v=128)
 
 
 @needs_ptxas
