@@ -164,9 +164,73 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits)
 
 
-def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits, check=True):
+# The plain forward's prepared launches (flash_fwd.ForwardLaunch) per call signature (_launch_key): a signature seen
+# before skips check_cute_inputs, the kernel's own checks, the compile-cache lookup and the marshalling (on the
+# H200's host the forward's Python path was 211 us per call without gradients, scripts/host_profile_cute.py)
+_LAUNCHES: dict[tuple, object] = {}
+MAX_LAUNCHES = 256  # signatures kept; shapes that keep changing start over rather than grow
+_MODULES: list = []  # dispatch.backends.cute and kernels.cute._fast_call, whose switches _launch_key reads
+
+
+def _launch_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
+                bottom_right: bool) -> tuple | None:
+    """What check_cute_inputs and the prepared launch depend on for a call without mask or dropout (shapes,
+    strides, dtypes, devices, scale, causal mode, the switches read at each call),
+    or None where the call cannot take a prepared launch (data not 16-byte aligned: the op copies it first; a
+    scale that is not positive)."""
+    if not _MODULES:  # imported once, not per call (the DSL's modules load with the first CuTe call)
+        from ..dispatch.backends import cute as cute_backend
+        from ..kernels.cute import _fast_call
+
+        _MODULES.extend((cute_backend, _fast_call))
+    cute_backend, _fast_call = _MODULES
+    if (scale is not None and not scale > 0) or not (_fast_call.ENABLED and cute_backend.KERNELS_ENABLED):
+        return None
+    size = q.element_size()
+    for t in (q, k, v):
+        if t.data_ptr() & 15 or (t.storage_offset() * size) & 15:
+            return None
+    # gradients change check_cute_inputs' answer only where the Triton kernels are missing (the `grad` reason)
+    grad = bool(cute_backend.TRITON_MISSING) and torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, scale, is_causal, bottom_right, grad)
+
+
+def _checked(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state) -> None:
+    """check_cute_inputs, unless the call's signature already has a prepared launch (which it passed)."""
+    if (attn_mask is not None or dropout_p > 0
+            or _launch_key(q, k, v, scale, is_causal, bottom_right and is_causal) not in _LAUNCHES):
+        check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
+
+
+_EMPTY_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_bits(q: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """The empty keep-bits output: a new tensor for the op (its outputs must not alias), else one per device."""
+    if fresh:
+        return torch.empty(0, dtype=torch.uint8, device=q.device)
+    bits = _EMPTY_BITS.get(q.device)
+    if bits is None:
+        bits = _EMPTY_BITS[q.device] = torch.empty(0, dtype=torch.uint8, device=q.device)
+    return bits
+
+
+def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state, keep_bits, check=True,
+                  fresh_bits=True):
     """cute_flash_fwd's implementation (the op's and its eager twin's): (out, lse, bits). check=False: the caller
-    ran check_cute_inputs (the twin, in grad mode: inside its autograd.Function the call would not require grad)."""
+    ran check_cute_inputs (the twin, in grad mode: inside its autograd.Function the call would not require grad).
+    fresh_bits=False (the eager callers): an empty bits output may be shared."""
+    if attn_mask is None and dropout_p == 0 and not keep_bits:
+        key = _launch_key(q, k, v, scale, is_causal, bottom_right and is_causal)
+        launch = _LAUNCHES.get(key) if key is not None else None
+        if launch is None and key is not None:
+            launch = _prepared(key, q, k, v, scale, is_causal, bottom_right and is_causal, check)
+            check = False  # done by _prepared
+        if launch is not None:
+            counters.record_run("cute")
+            return (*launch(q, k, v), _no_bits(q, fresh_bits))
     if check:
         check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
     if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p):
@@ -199,6 +263,28 @@ def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p,
         return out, lse, bits
     counters.record_run("cute")
     return out, lse, bits
+
+
+def _prepared(key: tuple, q, k, v, scale, is_causal, bottom_right, check: bool):
+    """The prepared launch of a plain call's signature (check_cute_inputs first where `check`: ValueError,
+    BackendUnsupportedError), kept in _LAUNCHES; None where the forward cannot prepare one (the pointer convention is
+    off, or the variant failed to compile: the caller's general path then runs the Triton forward)."""
+    from ..kernels.cute._compile_cache import CompileFailedError
+    from ..kernels.cute.flash_fwd_ws import prepare_fastest
+
+    if check:
+        check_cute_inputs(q, k, v, scale, is_causal)
+    if not all(is_tma_aligned(t) for t in (q, k, v)):  # the general path copies these first
+        return None
+    try:
+        launch = prepare_fastest(q, k, v, scale, is_causal, bottom_right)
+    except CompileFailedError:
+        return None
+    if launch is not None:
+        if len(_LAUNCHES) >= MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
+    return launch
 
 
 @cute_flash_fwd.register_fake
@@ -379,9 +465,9 @@ def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     if torch.compiler.is_compiling() or not _plain(q, k, v, attn_mask):
         out, lse, _ = cute_flash_fwd(*args)
     elif not grad:
-        out, lse, _ = _cute_forward(*args)  # nothing to differentiate: no autograd.Function layer
+        out, lse, _ = _cute_forward(*args, fresh_bits=False)  # nothing to differentiate: no autograd.Function layer
     else:
-        check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
+        _checked(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state)
         out, lse = _EagerCuteFlash.apply(*args)
     return out, lse
 
@@ -394,7 +480,7 @@ class _EagerCuteFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):  # cute_flash_fwd's arguments, checked by the caller in grad mode
-        out, lse, bits = _cute_forward(*inputs, check=False)
+        out, lse, bits = _cute_forward(*inputs, check=False, fresh_bits=False)
         _save(ctx, inputs, out, lse, bits)
         return out, lse
 

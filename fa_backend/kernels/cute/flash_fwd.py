@@ -314,14 +314,16 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     the (head_dim, head_dim_v) pairs with v's head dim different from q's that compile_fn takes (as head_dim_v=)."""
     from cuda.bindings import driver
 
+    from . import _fast_call
+
+    if key_words is None and dropout is None and _fast_call.ENABLED:  # the plain pointer-convention call
+        return prepare_forward(compile_fn, q, k, v, scale, causal, bottom_right, head_dims, head_dim_pairs)(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_inputs(q, k, v, scale, head_dims, head_dim_pairs)
     if v.shape[-1] != q.shape[-1]:
         compile_fn = functools.partial(compile_fn, head_dim_v=v.shape[-1])
     if key_words is not None:
         _check_key_words(key_words, q, k)
-    from . import _fast_call
-
     fast = _fast_call.ENABLED or dropout is not None
     compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right, pointer_args=True) if fast else \
         compile_fn(q.dtype, q.shape[-1], causal, bottom_right)
@@ -354,6 +356,47 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     compiled(*(_dynamic(t.detach()) for t in (q, k, v, out)), _dynamic(lse, align=4), Float32(scale * _LOG2E), stream,
              *words)
     return out, lse
+
+
+class ForwardLaunch:
+    """One call signature's forward, prepared (prepare_forward): a compiled pointer-convention variant with its
+    integers and scale marshalled. Called with tensors of that signature (shapes, strides, dtype, device; the caller
+    keeps to it, and to 16-byte aligned data pointers), it allocates out and lse and launches on the current stream:
+    no checks, no compile-cache lookup, no marshalling but the tensors' addresses."""
+
+    __slots__ = ("_fast", "_ints", "_floats", "_out_shape", "_lse_shape")
+
+    def __init__(self, fast: Any, ints: tuple, floats: tuple, out_shape: tuple, lse_shape: tuple):
+        self._fast, self._ints, self._floats = fast, ints, floats
+        self._out_shape, self._lse_shape = out_shape, lse_shape
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from cuda.bindings import driver
+
+        out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+        self._fast((q, k, v, out, lse), self._ints, self._floats,
+                   driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+        return out, lse
+
+
+def prepare_forward(compile_fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float | None, causal: bool, bottom_right: bool, head_dims: tuple[int, ...] = HEAD_DIMS,
+                    head_dim_pairs: frozenset[tuple[int, int]] = frozenset()) -> ForwardLaunch:
+    """_run's checks (ValueError) and compile (CompileFailedError) for a call without key mask or dropout in the
+    pointer convention, as a ForwardLaunch for every later call of the same signature (_run calls it at once)."""
+    from . import _fast_call
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _check_inputs(q, k, v, scale, head_dims, head_dim_pairs)
+    if v.shape[-1] != q.shape[-1]:
+        compile_fn = functools.partial(compile_fn, head_dim_v=v.shape[-1])
+    compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right, pointer_args=True)
+    out_shape, lse_shape = (*q.shape[:3], v.shape[-1]), tuple(q.shape[:3])
+    # out and lse are contiguous: their strides (in the marshalled integers) follow from the shapes
+    ints = _fast_call.scalars(q, k, v, torch.empty(out_shape, device="meta"), torch.empty(lse_shape, device="meta"))
+    fast = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype]))
+    return ForwardLaunch(fast, ints, (scale * _LOG2E,), out_shape, lse_shape)
 
 
 def _check_rng(rng: torch.Tensor, q: torch.Tensor) -> None:

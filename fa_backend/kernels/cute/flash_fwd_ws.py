@@ -826,10 +826,37 @@ def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       causal: bool = False, bottom_right: bool = False, key_words: torch.Tensor | None = None,
                       dropout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd_ws with the fastest variant for q's and v's head dims and `causal` (fastest_kwargs)."""
+    kw = _fastest_for(q, v, causal, dropout is not None)
+    return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, dropout=dropout, **kw)
+
+
+def _fastest_for(q: torch.Tensor, v: torch.Tensor, causal: bool, dropout: bool) -> dict[str, Any]:
+    """fastest_kwargs for these tensors' head dims, or {} (the default variant) for head dims it does not know."""
     known = q.dim() == 4 and v.dim() == 4 and ((q.shape[-1], bool(causal)) in FASTEST if v.shape[-1] == q.shape[-1]
                                                else (q.shape[-1], v.shape[-1], bool(causal)) in HEAD_DIM_V_FASTEST)
-    kw = fastest_kwargs(q.shape[-1], bool(causal), dropout is not None, v.shape[-1]) if known else {}
-    return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, dropout=dropout, **kw)
+    return fastest_kwargs(q.shape[-1], bool(causal), dropout, v.shape[-1]) if known else {}
+
+
+def prepare_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    causal: bool = False, bottom_right: bool = False) -> Any:
+    """flash_fwd_fastest's call without key mask or dropout prepared for its signature (flash_fwd.prepare_forward:
+    ValueError, CompileFailedError), or None where the pointer convention is off (_fast_call.ENABLED)."""
+    from . import _fast_call
+    from .flash_fwd import prepare_forward
+
+    if not _fast_call.ENABLED:
+        return None
+    kw = _fastest_for(q, v, causal, False)
+    return prepare_forward(_compile_fn(**kw), q, k, v, scale, causal, bottom_right, HEAD_DIMS, HEAD_DIM_V_PAIRS)
+
+
+def _compile_fn(overlap: bool = False, pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
+                key_mask: bool = False, dropout: bool = False, tma_store: bool | None = None,
+                keep_bits: bool = False) -> Any:
+    """compile_flash_fwd_ws for one variant, as _run takes it."""
+    return functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
+                             persistent=persistent, key_mask=key_mask, dropout=dropout, tma_store=tma_store,
+                             keep_bits=keep_bits)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
@@ -850,7 +877,6 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     uint8 buffer of _dropout.keep_bits_bytes (128-key blocks), the variant that also saves the mask there for the
     backward (flash_bwd.flash_bwd's dropout argument with it); `tma_store`: O through
     shared memory and a TMA store (None: the default, True; False: from registers)."""
-    return _run(functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
-                                  persistent=persistent, key_mask=key_words is not None, dropout=dropout is not None,
-                                  tma_store=tma_store, keep_bits=dropout is not None and len(dropout) > 3),
+    return _run(_compile_fn(overlap, pingpong, consumers, persistent, key_words is not None, dropout is not None,
+                            tma_store, dropout is not None and len(dropout) > 3),
                 q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)
