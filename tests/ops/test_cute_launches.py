@@ -137,3 +137,12 @@ def test_the_op_returns_fresh_outputs_and_eager_calls_may_share_the_empty_bits(s
                   for _ in range(2)]
     assert eager_bits[0] is eager_bits[1] and eager_bits[0].numel() == 0
     assert stubs.checks == 1 and len(stubs.prepared) == 1
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (4, 1, 9), (1, 1, 1, 128), (3, 0, 2)])
+def test_prepared_launches_marshal_contiguous_strides(shape):
+    """flash_fwd.prepare_forward marshals out's and lse's strides without allocating them: those of a contiguous
+    tensor of the shape (size-1 and empty dims included)."""
+    from fa_backend.kernels.cute.flash_fwd import _Contiguous
+
+    assert _Contiguous(shape).stride() == torch.empty(shape).stride()

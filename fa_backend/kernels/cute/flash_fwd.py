@@ -358,6 +358,21 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
     return out, lse
 
 
+class _Contiguous:
+    """The strides of a contiguous tensor of `shape` as torch gives them (an empty dim counts as 1), where
+    _fast_call.scalars reads them (no tensor needed)."""
+
+    def __init__(self, shape: tuple):
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self._strides = tuple(reversed(strides))
+
+    def stride(self) -> tuple:
+        return self._strides
+
+
 class ForwardLaunch:
     """One call signature's forward, prepared (prepare_forward): a compiled pointer-convention variant with its
     integers and scale marshalled. Called with tensors of that signature (shapes, strides, dtype, device; the caller
@@ -394,7 +409,7 @@ def prepare_forward(compile_fn: Callable[..., Any], q: torch.Tensor, k: torch.Te
     compiled = compile_fn(q.dtype, q.shape[-1], causal, bottom_right, pointer_args=True)
     out_shape, lse_shape = (*q.shape[:3], v.shape[-1]), tuple(q.shape[:3])
     # out and lse are contiguous: their strides (in the marshalled integers) follow from the shapes
-    ints = _fast_call.scalars(q, k, v, torch.empty(out_shape, device="meta"), torch.empty(lse_shape, device="meta"))
+    ints = _fast_call.scalars(q, k, v, _Contiguous(out_shape), _Contiguous(lse_shape))
     fast = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype]))
     return ForwardLaunch(fast, ints, (scale * _LOG2E,), out_shape, lse_shape)
 
