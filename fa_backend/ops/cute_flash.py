@@ -166,7 +166,8 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 # The plain forward's prepared launches (flash_fwd.ForwardLaunch) per call signature (_launch_key): a signature seen
 # before skips check_cute_inputs, the kernel's own checks, the compile-cache lookup and the marshalling (on the
-# H200's host the forward's Python path was 211 us per call without gradients, scripts/host_profile_cute.py)
+# H200's host the forward's Python path was 211 us per call without gradients, scripts/host_profile_cute.py). A launch
+# keeps the variant flash_fwd_ws.FASTEST named when it was prepared (clear _LAUNCHES after changing FASTEST).
 _LAUNCHES: dict[tuple, object] = {}
 MAX_LAUNCHES = 256  # signatures kept; shapes that keep changing start over rather than grow
 _MODULES: list = []  # dispatch.backends.cute and kernels.cute._fast_call, whose switches _launch_key reads
