@@ -2,10 +2,11 @@
 ops.cute_flash_attention (the eager path SDPA routing takes), without and with gradients, then the same calls'
 issue time without the profiler.
 
-    python3 scripts/host_profile_cute.py [--seqlen 2048] [--causal] [--calls 200] [--top 30]
+    python3 scripts/host_profile_cute.py [--seqlen 2048] [--causal] [--calls 200] [--top 30] [--backward]
 
 bf16, d=128, batch = 16384 / seqlen, 16 heads. The GPU runs the kernels meanwhile, so the profile holds what a
-training step's host pays per attention call (a synchronizing call would show as time in its wait).
+training step's host pays per attention call (a synchronizing call would show as time in its wait). --backward: the
+same for the backward (torch.autograd.grad of one forward's out, the graph retained), instead of the forward.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--p", type=float, default=0.0)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--backward", action="store_true")
     args = parser.parse_args()
     from fa_backend.ops import cute_flash_attention
 
@@ -36,7 +38,14 @@ def main() -> None:
     def call():
         return cute_flash_attention(q, k, v, None, args.causal, False, dropout_p=args.p)[0]
 
-    for grad in (False, True):
+    if args.backward:
+        out = call()
+        dout = torch.randn_like(out)
+
+        def call():  # noqa: F811 - the backward of that forward, again and again
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    for grad in ((True,) if args.backward else (False, True)):
         with torch.set_grad_enabled(grad):
             for _ in range(5):
                 call()
@@ -55,11 +64,12 @@ def main() -> None:
         text = io.StringIO()
         stats = pstats.Stats(profile, stream=text)
         stats.sort_stats("tottime").print_stats(args.top)
-        print(f"=== grad={grad}: issue {issue:.0f} us per call (no profiler); cProfile by own time, {args.calls} calls")
+        what = "backward" if args.backward else f"grad={grad}"
+        print(f"=== {what}: issue {issue:.0f} us per call (no profiler); cProfile by own time, {args.calls} calls")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.top)
-        print(f"=== grad={grad}: by cumulative time")
+        print(f"=== {what}: by cumulative time")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
 
 
