@@ -208,10 +208,10 @@ def _checked(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_
 _EMPTY_BITS: dict[torch.device, torch.Tensor] = {}
 
 
-def _no_bits(q: torch.Tensor, fresh: bool) -> torch.Tensor:
-    """The empty keep-bits output: a new tensor for the op (its outputs must not alias), else one per device."""
+def _no_bits(q: torch.Tensor, k: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """The empty keep-bits output: a new one for the op (its outputs must not alias), else one per device."""
     if fresh:
-        return torch.empty(0, dtype=torch.uint8, device=q.device)
+        return _keep_bits_out(q, k, False)
     bits = _EMPTY_BITS.get(q.device)
     if bits is None:
         bits = _EMPTY_BITS[q.device] = torch.empty(0, dtype=torch.uint8, device=q.device)
@@ -231,7 +231,7 @@ def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p,
             check = False  # done by _prepared
         if launch is not None:
             counters.record_run("cute")
-            return (*launch(q, k, v), _no_bits(q, fresh_bits))
+            return (*launch(q, k, v), _no_bits(q, k, fresh_bits))
     if check:
         check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
     if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p):
