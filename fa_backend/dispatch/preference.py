@@ -231,8 +231,8 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     # bf16, seqlen 2k / 8k, two device calls of the nineteenth session, the op's variants): the CuTe forward at d=64
     # 1.02-1.04x cuDNN's (2k) and 1.12-1.14x (8k) without a causal mask, 0.90-0.96x and 1.05-1.06x with one; its
     # backward 0.99-1.03x cuDNN's (twenty-first session), a training step about on par: calls with gradients stay on
-    # cuDNN, and so do calls without them where our forward was not measured faster (below 8k tokens, except without a
-    # causal mask from 2k on; shorter calls were not timed).
+    # cuDNN, and so do calls without them where our forward was not measured faster (below 2k tokens: not timed;
+    # causal ones below 8k until the twenty-fifth session, see below).
     # d=128 (docs/benchmarks.md, "The backward's rows once per column, the forward's masked blocks apart", twenty-first
     # session, 2026-12-02): forward 0.99-1.00x cuDNN's at 2k and 1.04x at 8k without a causal mask, 1.04x / 1.11x with
     # one; backward through the op 1.05x / 1.08x causal, 1.04x / 0.97x without (the kernel alone 1.05-1.06x). Causal
@@ -258,16 +258,14 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                non_causal_only=True, max_seqlen_q=8191,
                evidence="H200, torch 2.11, bf16, d=128 without a causal mask, seqlen 2k: our CuTe forward 0.99-1.00x "
                         "cuDNN's (1.04x at 8k, where ours runs)"),
-    FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
-               dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
-               causal_only=True, max_seqlen_q=8191,
-               evidence="H200, torch 2.11, bf16, causal d=64, seqlen 2k: our CuTe forward 0.90-0.96x cuDNN's "
-                        "(1.05-1.06x at 8k, where ours runs)"),
+    # (causal d=64 calls without gradients from 2k run ours since the twenty-fifth session: its consumers pass the
+    # key blocks past their own diagonal, and the forward ran 1.04x / 1.08x / 1.12x cuDNN's at 2k / 4k / 8k in one
+    # process, docs/benchmarks/h200_cute_fwd_own_ranges_ab.json)
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), no_grad_only=True,
                max_seqlen_q=2047,
                evidence="H200, torch 2.11, bf16, d=64: our CuTe forward not timed below 2k tokens (1.02-1.04x cuDNN's "
-                        "at 2k, 1.12-1.14x at 8k without a causal mask, where ours runs)"),
+                        "at 2k without a causal mask, 1.04x with one, where ours runs)"),
     # d=256, MHA and GQA (docs/benchmarks.md, "CuTe backward at d=192 / 256", the run after the branch-free P^T,
     # 2026-12-01, seqlen 2k / 8k): the CuTe forward at 0.78-1.03x cuDNN's, the backward at 0.99-1.17x. A training
     # step without a causal mask ran 1.00-1.14x cuDNN's (ours), with one 0.94-1.06x: cuDNN keeps calls without

@@ -184,6 +184,12 @@ class FlashForwardSm90WS(ForwardVariant):
         # three (ping-pong -1 / +4 %); not d=64 with two (overlap -5 / -5 %), other head dims not timed
         # (persistent CTAs walk that order with a static stride: each takes the longest tiles left in turn)
         self.longest_first = causal and (head_dim, consumers) in ((128, 2), (64, 3))
+        # a consumer passes the key blocks its rows do not need (all, when they lie past seqlen_q; causal, those past
+        # their diagonal: _consume_tile) where a tile spans more rows than a key block: three consumers on 128-key
+        # blocks, 64-key blocks at d=192 / 256 (H200 A/B, 2k / 4k / 8k: d=64 causal +9 / +6 / +2 %, d=256 causal
+        # +1-2 %, non-causal within 1 %). Two consumers on 128-key blocks have at most one such block (bottom-right)
+        # and lost 1-5 % to the extra code (d=64 causal overlap -5 %, ping-pong -1 to -3 %): they keep the tile's range
+        self.own_ranges = self.tile_m > self.tile_n
         # persistent: two Q tiles, so that the producer loads tile t + 1's Q (and then its K / V) while the consumers
         # run tile t and then store its O through tile t's own Q tile (handed back once the store has read it)
         self.q_buffers = 2 if persistent else 1
@@ -374,10 +380,76 @@ class FlashForwardSm90WS(ForwardVariant):
         if cutlass.const_expr(self.key_mask):
             key_row = mWords[None, head, batch]
         n_blocks, n_masked, offset = self._block_range(m_block, mQ.shape[0], seqlen_k, key_row)
-        return self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q + buf, bar_q_free + buf, buf, q_phase, pipe_k, pipe_v,
-                             mO, mLSE,
-                             scale_log2, wg, wg_tidx, m_block, head, batch, seqlen_k, n_blocks, n_masked, offset,
-                             state_k, state_v, mWords, drop_args, store_args)
+        if cutlass.const_expr(not self.own_ranges):
+            state_k, state_v = self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q + buf, bar_q_free + buf, buf, q_phase,
+                                             pipe_k, pipe_v, mO, mLSE, scale_log2, wg, wg_tidx, m_block, head, batch,
+                                             seqlen_k, n_blocks, n_masked, offset, state_k, state_v, mWords,
+                                             drop_args, store_args)
+        else:
+            row0 = m_block * self.tile_m + wg * WG_M
+            if row0 < mQ.shape[0]:
+                own, own_masked = n_blocks, n_masked
+                if cutlass.const_expr(self.causal and not self.dropout):
+                    own, own_masked = self._own_blocks(row0, seqlen_k, n_blocks, offset)
+                    # the tile's blocks past this consumer's diagonal (visited first: the last block first) pass by
+                    state_k, state_v = self._pass_blocks(n_blocks - own, pipe_k, pipe_v, wg, state_k, state_v)
+                    if own == 0:  # n_blocks + 1 turns for every consumer; _consume takes own + 1 of them, or none
+                        self._last_turn(n_blocks, wg)
+                state_k, state_v = self._consume(mma_qk, mma_pv, sQ, sK, sV, bar_q + buf, bar_q_free + buf, buf,
+                                                 q_phase, pipe_k, pipe_v, mO, mLSE, scale_log2, wg, wg_tidx, m_block,
+                                                 head, batch, seqlen_k, own, own_masked, offset, state_k, state_v,
+                                                 mWords, drop_args, store_args)
+            else:  # no row before seqlen_q (the last query tile's tail): no GEMM, no softmax, no store
+                state_k, state_v = self._pass_blocks(n_blocks, pipe_k, pipe_v, wg, state_k, state_v)
+                self._last_turn(n_blocks, wg)
+                if cutlass.const_expr(self.persistent):
+                    # hand the Q tile back once it has landed (the producer reloads it only after every consumer's
+                    # arrival of this round): one arrival per consumer as _store_o's, or one per thread
+                    cute.arch.mbarrier_wait(bar_q + buf, q_phase)
+                    if cutlass.const_expr(self.tma_store):
+                        if cute.arch.make_warp_uniform(wg_tidx // 32) == 0:
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive(bar_q_free + buf)
+                    else:
+                        cute.arch.mbarrier_arrive(bar_q_free + buf)
+        return state_k, state_v
+
+    @cute.jit
+    def _own_blocks(self, row0: Int32, seqlen_k: Int32, n_blocks: Int32, offset: Int32) -> tuple[Int32, Int32]:
+        """Causal: (key blocks, how many of them need the mask) of the tile's n_blocks (_block_range) up to the
+        diagonal of the consumer whose rows start at row0: three 64-row consumers share a 192-row tile whose last
+        row sees up to two 128-key blocks more than the first consumer's rows (5.5 % of the work at 2k). Dropout
+        variants keep the tile's range (with their own, ptxas spilled 8 bytes of the causal d=256 variant)."""
+        own = cutlass.max(cutlass.min(n_blocks, cute.ceil_div(row0 + WG_M + offset, self.tile_n)), 0)
+        first_masked = cutlass.max((row0 + offset + 1) // self.tile_n, 0)
+        partial = cute.ceil_div(seqlen_k % self.tile_n, self.tile_n)  # the partial last key block, as _block_range
+        return own, cutlass.min(cutlass.max(own - first_masked, partial), own)
+
+    @cute.jit
+    def _last_turn(self, n_blocks: Int32, wg: Int32):
+        """Pingpong: the turn of the last P V, passed by a consumer that visits none of the tile's n_blocks (every
+        consumer takes n_blocks + 1 turns when n_blocks > 0)."""
+        if cutlass.const_expr(self.pingpong):
+            if n_blocks > 0:
+                self._turn_begin(wg)
+                self._turn_end(wg)
+
+    @cute.jit
+    def _pass_blocks(self, count: Int32, pipe_k: Any, pipe_v: Any, wg: Int32, state_k: Any,
+                     state_v: Any) -> tuple[Any, Any]:
+        """The next `count` key blocks without a GEMM: each one's K and V stage waited for and released (the
+        producer counts every consumer warp's release) with one ping-pong turn passed, the turn the block's S would
+        have taken. Returns the advanced pipeline states."""
+        for _ in cutlass.range(count, unroll=1):
+            pipe_k.consumer_wait(state_k)
+            pipe_v.consumer_wait(state_v)
+            self._turn_begin(wg)
+            self._turn_end(wg)
+            pipe_k.consumer_release(state_k)
+            state_k.advance()
+            pipe_v.consumer_release(state_v)
+            state_v.advance()
+        return state_k, state_v
 
     @cute.jit
     def _tile(self, j: Int32, seqlen_q: Int32, mQ: cute.Tensor, seqlen_k: Int32) -> tuple[Int32, Int32, Int32]:
@@ -779,9 +851,11 @@ FASTEST: dict[tuple[int, bool], dict[str, Any]] = {
     (96, False): dict(overlap=True), (96, True): dict(overlap=True),
     # d=192 / 256 (64-key blocks), one run (2026-12-01, s = 2k / 8k): ping-pong 531 / 625 and 393 / 536 (causal) at
     # d=192 (overlap 506 / 591, 382 / 526), 572 / 661 at d=256 (overlap 556 / 645); causal d=256 overlap 403 / 526
-    # (ping-pong 380 / 508)
+    # (ping-pong 380 / 508); twenty-fifth session, two rounds each of two trees in one process (s = 2k / 4k / 8k,
+    # docs/benchmarks/h200_cute_fwd_own_ranges_ab.json), causal d=256 ping-pong 534-536 / 572-578 / 608-610 against
+    # overlap 508-518 / 534-543 / 570-573: ping-pong now
     (192, False): dict(pingpong=True), (192, True): dict(pingpong=True),
-    (256, False): dict(pingpong=True), (256, True): dict(overlap=True)}
+    (256, False): dict(pingpong=True), (256, True): dict(pingpong=True)}
 # dropout variants where FASTEST's does not fit: d=64's three serial consumers (128 registers a thread) spill 16-20
 # bytes with the Philox draws (sm_90a compile check); two ping-pong consumers (240 registers) do not, and overlap the
 # draws of one consumer with the other's GEMMs

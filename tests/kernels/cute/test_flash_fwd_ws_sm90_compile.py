@@ -88,6 +88,13 @@ def test_wgmma_shapes_and_counts(compiled):
     assert pv_lines and all(line.rstrip().endswith("1, 1;") for line in pv_lines)
 
 
+def _own_ranges(d: int, consumers: int = 2) -> bool:
+    """Whether the consumers of a tile pass the key blocks their rows do not see (FlashForwardSm90WS.own_ranges)."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    return flash_fwd_ws.WG_M * consumers > _tile_n(d)
+
+
 def test_tma_loads_and_pipeline_barriers(compiled):
     (_, d, causal, _, overlap), ptx, _ = compiled
     # 4-D TMA loads of two Q halves, one K and one V tile; a 128-byte swizzled box row holds 64 16-bit
@@ -102,10 +109,15 @@ def test_tma_loads_and_pipeline_barriers(compiled):
     assert ptx.count("mbarrier.arrive.expect_tx") == 3
     # waits: consumers on Q, K full, V full; the producer on K empty, V empty. Overlap peels the first
     # K stage and the last V stage off the loop: one more K and V wait and release each; causal overlap runs the
-    # masked blocks in a loop of their own: one more of each again
+    # masked blocks in a loop of their own: one more of each again. Where a tile spans more rows than a key block
+    # (d=192 / 256 here), the blocks a consumer's rows do not see (_pass_blocks: every block for a consumer without
+    # a row before seqlen_q; causal, those past the diagonal of its rows too, in a loop of its own) are waited for
+    # and released, K and V
     loops = 2 if causal and overlap else 1
-    assert ptx.count("mbarrier.try_wait.parity") == 3 + 2 * loops + 2 * overlap
-    assert ptx.count("mbarrier.arrive.shared.b64") == 2 * loops + 2 * overlap  # consumers release K and V stages
+    passed = (4 if causal else 2) if _own_ranges(d) else 0
+    assert ptx.count("mbarrier.try_wait.parity") == 3 + 2 * loops + 2 * overlap + passed
+    # consumers release K and V stages
+    assert ptx.count("mbarrier.arrive.shared.b64") == 2 * loops + 2 * overlap + passed
     assert ptx.count("elect.sync") >= 4 * boxes + 3  # TMA copies and producer arrives go to one lane
 
 
@@ -153,7 +165,10 @@ def test_pingpong_takes_turns(tmp_path, dtype, d, causal, bottom_right):
     assert ptx.count(first) == 1
     turns = re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)
     hand_overs = re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)
-    assert len(turns) == len(hand_overs) == 2 + loops  # the first S, each S + P V pair, the last P V
+    # the first S, each S + P V pair, the last P V (two consumers on 128-key blocks: the tile's range, no block
+    # passed)
+    assert not _own_ranges(d)
+    assert len(turns) == len(hand_overs) == 2 + loops
     # no turns without pingpong (the set-up's barrier and the consumer's own before its O store only)
     assert "bar.sync" not in re.sub(r"bar\.sync\s+%r\d+, 128;", "", overlap.replace("bar.sync \t0;", ""))
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -195,7 +210,10 @@ def test_three_consumers_take_turns_without_spills(tmp_path):
     # the first S, its P, then the masked loop's S + P V pair and its P, the unmasked loop's, the last P V
     assert order.startswith("ScSVcSVcV"), order
     # wg = warpgroup - 1: consumer c syncs on 1 + c = its warpgroup index and arrives on 1 + (c + 1) % 3
-    assert len(re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)) == 4 and "bar.arrive 1, 256;" in ptx
+    # (hand-overs: the first S, the two loops' pairs, the last P V; a passed block's and a consumer without blocks',
+    # with and without rows: _pass_blocks, _last_turn)
+    assert _own_ranges(64, consumers=3)
+    assert len(re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)) == 4 + 4 and "bar.arrive 1, 256;" in ptx
     assert re.search(r"mul\.lo\.s32\s+%r\d+, %r\d+, 3;", ptx)  # the (c + 1) % 3 of the hand-over
     # causal masking (the first block's and the masked loop's): per value one select to -inf on a bit of its row
     # half's mask word (_fwd_parts.mask_scores; ptxas: R2P + FSEL), no compare of the value's column with a bound
@@ -295,6 +313,54 @@ def test_block_range_visits_what_is_visible_and_masks_only_where_needed(d):
         hidden = [n for n in range(n_blocks)
                   if not all(j < sk and (not causal or j <= first + offset) for j in keys[n])]
         assert hidden == list(range(n_blocks - n_masked, n_blocks)), (causal, bottom_right, m_block, sq, sk)
+
+
+def _own_blocks(cases: list[tuple[bool, int, int, int, int]], d: int, consumers: int) -> list[tuple[int, ...]]:
+    """FlashForwardSm90WS._block_range and _own_blocks (causal) traced with constant arguments: per case
+    (bottom_right, m_block, consumer, sq, sk), (the tile's blocks, the consumer's blocks, how many of those masked)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from fa_backend.kernels.cute.flash_fwd_ws import WG_M, FlashForwardSm90WS
+
+    found = []
+
+    @cute.jit
+    def probe():
+        for bottom_right, m_block, consumer, sq, sk in cases:
+            kernel = FlashForwardSm90WS(cutlass.BFloat16, d, True, bottom_right, pingpong=True, consumers=consumers)
+            n_blocks, _, offset = kernel._block_range(m_block, sq, sk)
+            own, own_masked = kernel._own_blocks(m_block * kernel.tile_m + consumer * WG_M, sk, n_blocks, offset)
+            found.append((n_blocks, own, own_masked))
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    return found
+
+
+@pytest.mark.parametrize("d,consumers", [(64, 3), (256, 2)])  # 192-row tiles of 128-key blocks; 128 rows of 64 keys
+def test_each_consumer_visits_the_blocks_its_rows_see(d, consumers):
+    """Causal, against brute force over one consumer's 64 rows: of the tile's blocks it visits exactly those holding
+    a key one of its rows sees (the rest are passed, _pass_blocks), and masks exactly those where one of its
+    (row, key) pairs is hidden."""
+    from fa_backend.kernels.cute.flash_fwd_ws import WG_M
+
+    tile_m, tile_n = consumers * WG_M, _tile_n(d)
+    cases = [(bottom_right, m_block, c, sq, sk) for bottom_right in (False, True)
+             for sq, sk in ((1, 1), (300, 200), (200, 300), (100, 1000), (1000, 100), (2048, 2048), (384, 520))
+             for m_block in range((sq + tile_m - 1) // tile_m) for c in range(consumers)
+             if m_block * tile_m + c * WG_M < sq]
+    passed = 0
+    for (bottom_right, m_block, c, sq, sk), (n_blocks, own, n_masked) in zip(cases, _own_blocks(cases, d, consumers)):
+        offset = sk - sq if bottom_right else 0
+        first = m_block * tile_m + c * WG_M
+        last = first + WG_M - 1
+        keys = [range(n * tile_n, (n + 1) * tile_n) for n in range(n_blocks)]
+        wanted = [n for n, block in enumerate(keys) if any(j < sk and j <= last + offset for j in block)]
+        assert own == (max(wanted) + 1 if wanted else 0), (bottom_right, m_block, c, sq, sk)
+        hidden = [n for n in range(own) if not all(j < sk and j <= first + offset for j in keys[n])]
+        assert hidden == list(range(own - n_masked, own)), (bottom_right, m_block, c, sq, sk)
+        passed += n_blocks - own
+    assert passed > 0  # the cases do leave blocks to pass
 
 
 @pytest.mark.parametrize("d,kw", [(128, dict(overlap=True)), (128, dict(pingpong=True)),
