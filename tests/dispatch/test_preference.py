@@ -91,8 +91,8 @@ def test_dropout_calls_whose_keep_bits_are_saved_stay_on_cute(monkeypatch):
 def test_mha_at_small_head_dims_runs_cute_only_where_it_was_faster(d):
     """MHA at d = 64 / 128 on sm90: calls with gradients stay on cuDNN (backward and training step about on par),
     except causal d=128 ones from 2k tokens (our forward and backward measured faster); calls without gradients run
-    the CuTe forward where it was measured faster than cuDNN's: from 8k tokens, at d=64 and with a causal mask at
-    d=128 from 2k (below 2k: not timed)."""
+    the CuTe forward where it was measured faster than cuDNN's: at d=64 from 2k tokens, at d=128 from 2k with a causal
+    mask and from 8k without one (below 2k: not timed)."""
     call = dataclasses.replace(PLAIN, head_dim=d, head_dim_v=d)
     for causal in (False, True):
         for s in (1024, 2047, 2048, 4096, 8191, 8192, 16384):

@@ -41,7 +41,8 @@ def test_forward_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, sq, sk, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
-# (300: the third consumer's rows partly past sq; 2048: the last 192-row tile's third consumer has no row, _idle)
+# (300: the third consumer's rows partly past sq; 2048: the last 192-row tile's third consumer has no row and only
+# passes the tile's blocks, flash_fwd_ws._pass_blocks)
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES + [(1, 2, 1, 300, 2000), (1, 2, 1, 2048, 2048)])
 @pytest.mark.parametrize("mode", ["overlap", "pingpong"])
 def test_three_consumers_overlapped_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk, mode):
