@@ -2,11 +2,13 @@
 ops.cute_flash_attention (the eager path SDPA routing takes), without and with gradients, then the same calls'
 issue time without the profiler.
 
-    python3 scripts/host_profile_cute.py [--seqlen 2048] [--causal] [--calls 200] [--top 30] [--backward]
+    python3 scripts/host_profile_cute.py [--seqlen 2048] [--causal] [--calls 200] [--top 30] [--backward] [--unprepared]
 
 bf16, d=128, batch = 16384 / seqlen, 16 heads. The GPU runs the kernels meanwhile, so the profile holds what a
 training step's host pays per attention call (a synchronizing call would show as time in its wait). --backward: the
 same for the backward (torch.autograd.grad of one forward's out, the graph retained), instead of the forward.
+--unprepared: without the backward's prepared launches (ops/cute_flash._BACKWARD_LAUNCHES), every backward through
+flash_bwd's general path.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--unprepared", action="store_true")
     args = parser.parse_args()
-    from fa_backend.ops import cute_flash_attention
+    from fa_backend.ops import cute_flash, cute_flash_attention
+
+    if args.unprepared:
+        cute_flash._backward_key = lambda *a, **kw: None
 
     s, d = args.seqlen, 128
     q, k, v = (torch.randn(16384 // s, 16, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

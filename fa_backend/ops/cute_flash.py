@@ -170,7 +170,17 @@ def cute_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 # keeps the variant flash_fwd_ws.FASTEST named when it was prepared (clear _LAUNCHES after changing FASTEST).
 _LAUNCHES: dict[tuple, object] = {}
 MAX_LAUNCHES = 256  # signatures kept; shapes that keep changing start over rather than grow
-_MODULES: list = []  # dispatch.backends.cute and kernels.cute._fast_call, whose switches _launch_key reads
+_MODULES: list = []  # dispatch.backends.cute and kernels.cute._fast_call, whose switches the launch keys read
+
+
+def _modules() -> list:
+    """_MODULES, imported once, not per call (the DSL's modules load with the first CuTe call)."""
+    if not _MODULES:
+        from ..dispatch.backends import cute as cute_backend
+        from ..kernels.cute import _fast_call
+
+        _MODULES.extend((cute_backend, _fast_call))
+    return _MODULES
 
 
 def _launch_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
@@ -179,12 +189,7 @@ def _launch_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     strides, dtypes, devices, scale, causal mode, the switches read at each call),
     or None where the call cannot take a prepared launch (data not 16-byte aligned: the op copies it first; a
     scale that is not positive)."""
-    if not _MODULES:  # imported once, not per call (the DSL's modules load with the first CuTe call)
-        from ..dispatch.backends import cute as cute_backend
-        from ..kernels.cute import _fast_call
-
-        _MODULES.extend((cute_backend, _fast_call))
-    cute_backend, _fast_call = _MODULES
+    cute_backend, _fast_call = _modules()
     if (scale is not None and not scale > 0) or not (_fast_call.ENABLED and cute_backend.KERNELS_ENABLED):
         return None
     size = q.element_size()
@@ -350,6 +355,14 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
     from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, flash_bwd
     from ..kernels.cute.flash_bwd_wide import HEAD_DIM_V_PAIRS
 
+    if attn_mask is None and dropout_p == 0:
+        key = _backward_key(dout, q, k, v, out, lse, dlse, scale, is_causal, bottom_right)
+        if key is not None:
+            launch = _BACKWARD_LAUNCHES.get(key, _UNPREPARED)
+            if launch is _UNPREPARED:
+                launch = _prepared_backward(key, dout, q, k, v, out, lse, scale, is_causal, bottom_right)
+            if launch is not None:
+                return launch(dout, q, k, v, out, lse, dlse)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dims = (q.shape[-1], v.shape[-1])
     if scale == 0.0 or q.shape[-1] not in HEAD_DIMS + WIDE_HEAD_DIMS or (dims[1] != dims[0]
@@ -381,6 +394,60 @@ def _cute_backward(q, k, v, out, lse, dout, dlse, scale, is_causal, bottom_right
     except CompileFailedError:  # logged once by the compile cache
         return None
     return (-dq if negate else dq), dk, dv
+
+
+# The backward's prepared launches (flash_bwd.BackwardLaunch) per call signature (_backward_key), as _LAUNCHES for the
+# forward: a signature seen before skips flash_bwd's checks, the compile-cache lookup and the marshalling (on the
+# H200's host the backward's Python path was 406-614 us per call, 480 function calls, scripts/host_profile_cute.py
+# --backward). None for a signature that cannot take one (it runs the general path). A launch keeps the variant
+# BACKWARD_VARIANTS named when it was prepared (the variant is part of the key).
+_BACKWARD_LAUNCHES: dict[tuple, object] = {}
+_UNPREPARED = object()
+_PREPARED_VARIANT_KEYS = frozenset({"wgs", "warp_specialized", "tile_m", "tma_store"})  # prepare_backward's keywords
+
+
+def _backward_key(dout, q, k, v, out, lse, dlse, scale, is_causal, bottom_right) -> tuple | None:
+    """What flash_bwd's checks and the prepared launch depend on for a backward without mask or dropout (shapes,
+    strides, dtypes and devices of its tensors, scale, causal mode, the head dim's variant, the switches read at
+    each call), or None where the call cannot take a prepared launch (data of q, k, v or dout not 16-byte
+    aligned, a scale that is not positive, deterministic algorithms, the pointer convention off)."""
+    _, _fast_call = _modules()
+    if (scale is not None and not scale > 0) or not _fast_call.ENABLED or torch.are_deterministic_algorithms_enabled():
+        return None
+    for t in (q, k, v, dout):
+        if t.data_ptr() & 15:
+            return None
+    if lse.data_ptr() & 3:
+        return None
+    variant = BACKWARD_VARIANTS.get(q.shape[-1])
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape, dout.stride(), out.shape,
+            out.stride(), lse.shape, lse.stride(), q.dtype, k.dtype, v.dtype, dout.dtype, out.dtype, lse.dtype,
+            q.device, k.device, v.device, dout.device, out.device, lse.device, dlse is None, scale, is_causal,
+            bottom_right, tuple(variant.items()) if variant else ())
+
+
+def _prepared_backward(key: tuple, dout, q, k, v, out, lse, scale, is_causal, bottom_right):
+    """The prepared backward launch of a call's signature, kept in _BACKWARD_LAUNCHES (flash_bwd's checks:
+    ValueError); None, also kept, where the signature takes the general path (a head dim, head-dim pair or variant
+    that prepare_backward does not take, q / k / v that TMA cannot read in place, a dout or lse that flash_bwd
+    copies first, a variant that failed to compile)."""
+    from ..kernels.cute._compile_cache import CompileFailedError
+    from ..kernels.cute.flash_bwd import HEAD_DIMS, WIDE_HEAD_DIMS, prepare_backward
+    from ..kernels.cute.flash_bwd_wide import HEAD_DIM_V_PAIRS
+
+    d, dv = q.shape[-1], v.shape[-1]
+    variant = BACKWARD_VARIANTS.get(d, {})
+    launch = None
+    if (d in HEAD_DIMS + WIDE_HEAD_DIMS and (dv == d or (d, dv) in HEAD_DIM_V_PAIRS)
+            and set(variant) <= _PREPARED_VARIANT_KEYS and all(is_tma_aligned(t) for t in (q, k, v))):
+        try:
+            launch = prepare_backward(dout, q, k, v, out, lse, scale, is_causal, bottom_right, **variant)
+        except CompileFailedError:  # logged once by the compile cache; the general path falls back to Triton
+            launch = None
+    if len(_BACKWARD_LAUNCHES) >= MAX_LAUNCHES:
+        _BACKWARD_LAUNCHES.clear()
+    _BACKWARD_LAUNCHES[key] = launch
+    return launch
 
 
 @torch.library.custom_op(f"{NAMESPACE}::cute_flash_bwd", mutates_args=())

@@ -57,14 +57,19 @@ def cute_backward(monkeypatch):
     from fa_backend.ops import cute_flash
 
     calls = []
-    real = module.flash_bwd
+    real, launch = module.flash_bwd, module.BackwardLaunch.__call__
 
     def counted(*args, **kwargs):
         calls.append(args[1].shape)
         return real(*args, **kwargs)
 
+    def launched(self, *args, **kwargs):  # a prepared launch (ops.cute_flash._BACKWARD_LAUNCHES)
+        calls.append(args[1].shape)
+        return launch(self, *args, **kwargs)
+
     monkeypatch.setattr(cute_flash, "CUTE_BACKWARD", True)
     monkeypatch.setattr(module, "flash_bwd", counted)
+    monkeypatch.setattr(module.BackwardLaunch, "__call__", launched)
     yield calls
 
 
@@ -138,6 +143,34 @@ def test_cute_backward_with_the_lse_gradient(causal, monkeypatch):
     ref = torch.autograd.grad((out * w.double()).sum() + 0.5 * torch.logsumexp(s, -1).sum(), ref_leaves)
     for name, ours, base, truth in zip(("dq", "dk", "dv"), grads(True), grads(False), ref):
         assert_within_bar(name, ours, base, truth)
+
+
+@pytest.mark.parametrize("d,causal,dout_layout", [(64, True, "bshd"), (96, False, "bhsd"), (128, False, "bshd"),
+                                                   (128, True, "bhsd"), (192, True, "bhsd"), (256, False, "bshd")])
+def test_prepared_backward_runs_what_flash_bwd_runs(d, causal, dout_layout, monkeypatch):
+    """The prepared backward launch (ops.cute_flash._BACKWARD_LAUNCHES: prepared by the first call of a signature,
+    taken by the next) against flash_bwd's general path with the same variant: dK and dV bitwise (each key
+    block's sums in a fixed order), dQ (fp32 adds in arrival order) within the 2x bar of the float64 gradient,
+    of the general path's dQ error. dO in (b, h, s, d) or (b, s, h, d) memory."""
+    from fa_backend.kernels.cute.flash_bwd import BackwardLaunch, flash_bwd
+    from fa_backend.ops import cute_flash
+
+    monkeypatch.setattr(cute_flash, "_BACKWARD_LAUNCHES", {})
+    b, hq, hkv, sq, sk = 2, 8, 2, 300, 333
+    for _ in range(2):
+        q, k, v = _qkv(b, hq, hkv, sq, sk, d)
+        out, lse, _ = cute_flash.cute_flash_fwd(q, k, v, None, causal)
+        dout = torch.randn(b, sq, hq, d, device="cuda", dtype=q.dtype).transpose(1, 2) if dout_layout == "bshd" \
+            else torch.randn_like(out)
+        prepared = cute_flash._cute_backward(q, k, v, out, lse, dout, None, None, causal, False)
+        general = flash_bwd(dout, q, k, v, out, lse, None, causal, **cute_flash.BACKWARD_VARIANTS.get(d, {}))
+        assert torch.equal(prepared[1], general[1]) and torch.equal(prepared[2], general[2])
+        ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = attention_math(ref_leaves[0], *(t.repeat_interleave(hq // hkv, dim=1) for t in ref_leaves[1:]),
+                             is_causal=causal)
+        ref_dq = torch.autograd.grad(ref, ref_leaves[0], dout.double())[0]
+        assert_within_bar("dq (prepared, against the general path's error)", prepared[0], general[0], ref_dq)
+    assert [type(launch) for launch in cute_flash._BACKWARD_LAUNCHES.values()] == [BackwardLaunch]
 
 
 def test_cute_backward_negative_scale(cute_backward):

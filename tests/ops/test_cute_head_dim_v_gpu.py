@@ -32,8 +32,11 @@ def cute_backward_calls(monkeypatch):
     from fa_backend.kernels.cute import flash_bwd as module
 
     calls = []
-    real = module.flash_bwd
+    real, launch = module.flash_bwd, module.BackwardLaunch.__call__
     monkeypatch.setattr(module, "flash_bwd", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    # a prepared launch (ops.cute_flash._BACKWARD_LAUNCHES)
+    monkeypatch.setattr(module.BackwardLaunch, "__call__",
+                        lambda self, *a, **kw: calls.append(a[1].shape) or launch(self, *a, **kw))
     return calls
 
 

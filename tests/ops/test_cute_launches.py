@@ -1,4 +1,4 @@
-"""The CuTe forward's prepared launches per call signature (ops/cute_flash._LAUNCHES), on the CPU: the input check,
+"""The CuTe prepared launches per call signature (ops/cute_flash._LAUNCHES, _BACKWARD_LAUNCHES), on the CPU: the input check,
 the kernel and its preparation stubbed, so what is tested is which calls take a prepared launch and which check or
 prepare again."""
 
@@ -146,3 +146,169 @@ def test_prepared_launches_marshal_contiguous_strides(shape):
     from fa_backend.kernels.cute.flash_fwd import _Contiguous
 
     assert _Contiguous(shape).stride() == torch.empty(shape).stride()
+
+
+# The backward's prepared launches (ops/cute_flash._BACKWARD_LAUNCHES, kernels/cute/flash_bwd.BackwardLaunch).
+
+class _BackwardStubs:
+    def __init__(self):
+        self.prepared = []  # (q's shape, dout's strides, scale, causal, bottom_right, variant) per preparation
+        self.launched = 0
+        self.general = 0  # calls of the general path (flash_bwd)
+        self.decline = False  # prepare_backward's answer None: the signature takes the general path
+
+    def prepare(self, dout, q, k, v, out, lse, scale, causal, bottom_right, **variant):
+        self.prepared.append((tuple(q.shape), dout.stride(), scale, causal, bottom_right, variant))
+        if self.decline:
+            return None
+        stubs = self
+
+        def launch(dout, q, k, v, out, lse, dlse=None):
+            stubs.launched += 1
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+        return launch
+
+    def general_path(self, dout, q, k, v, out, lse, scale=None, causal=False, bottom_right=False, **kwargs):
+        self.general += 1
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+
+@pytest.fixture
+def bwd(monkeypatch):
+    from fa_backend.kernels.cute import flash_bwd
+
+    s = _BackwardStubs()
+    monkeypatch.setattr(cute_flash, "_BACKWARD_LAUNCHES", {})
+    monkeypatch.setattr(flash_bwd, "prepare_backward", s.prepare)
+    monkeypatch.setattr(flash_bwd, "flash_bwd", s.general_path)
+    return s
+
+
+def _backward_inputs(s=64, d=128, dout_layout="bhsd"):
+    q, k, v = _qkv(s=s, d=d)
+    out = torch.randn_like(q)
+    lse = torch.randn(q.shape[:3])
+    dout = torch.randn_like(q) if dout_layout == "bhsd" else torch.randn(2, s, 4, d, dtype=q.dtype).transpose(1, 2)
+    return q, k, v, out, lse, dout
+
+
+def _backward(q, k, v, out, lse, dout, dlse=None, scale=None, causal=True, bottom_right=False, **kwargs):
+    return cute_flash._cute_backward(q, k, v, out, lse, dout, dlse, scale, causal, bottom_right, **kwargs)
+
+
+def test_a_backward_signature_is_prepared_once(bwd):
+    for _ in range(3):
+        dq, dk, dv = _backward(*_backward_inputs())  # fresh tensors, same shapes and strides
+    assert (len(bwd.prepared), bwd.launched, bwd.general) == (1, 3, 0)
+    assert float(dq.abs().sum()) == 0  # the launch's gradients, not the general path's
+    assert bwd.prepared[0][3:] == (True, False, cute_flash.BACKWARD_VARIANTS[128])
+
+
+def test_what_the_backward_signature_holds(bwd, monkeypatch):
+    inputs = _backward_inputs()
+    _backward(*inputs)
+    _backward(*inputs, causal=False)
+    _backward(*inputs, scale=0.5)
+    _backward(*inputs, bottom_right=True)
+    _backward(*inputs[:5], inputs[5].transpose(1, 2).contiguous().transpose(1, 2))  # dout's strides
+    _backward(*inputs, dlse=torch.randn(inputs[4].shape))  # an LSE gradient
+    _backward(*_backward_inputs(s=128))  # seqlen
+    _backward(*_backward_inputs(d=64))  # head dim: its own variant
+    _backward(*inputs, scale=0.5)  # seen before
+    assert len(bwd.prepared) == 8 and bwd.launched == 9 and bwd.general == 0
+    monkeypatch.setitem(cute_flash.BACKWARD_VARIANTS, 128, dict(wgs=2, warp_specialized=True, tile_m=80))
+    _backward(*inputs)  # the head dim's variant changed
+    assert len(bwd.prepared) == 9 and bwd.launched == 10
+    assert bwd.prepared[7][5] == cute_flash.BACKWARD_VARIANTS[64] and bwd.prepared[8][5]["tile_m"] == 80
+
+
+def test_masks_dropout_misaligned_dout_and_deterministic_mode_take_the_general_path(bwd, monkeypatch):
+    q, k, v, out, lse, dout = _backward_inputs()
+    base = torch.randn(dout.numel() + 1, dtype=dout.dtype)
+    _backward(q, k, v, out, lse, base[1:].view(dout.shape))  # dout 2 bytes off: flash_bwd copies it
+    _backward(q, k, v, out, lse, dout, attn_mask=torch.ones(2, 1, 1, 64, dtype=torch.bool))
+    _backward(q, k, v, out, lse, dout, scale=-0.5)  # the op negates q first
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    _backward(q, k, v, out, lse, dout)  # the ordered variant
+    assert bwd.prepared == [] and bwd.launched == 0 and bwd.general == 4
+
+
+def test_a_declined_backward_signature_is_remembered(bwd):
+    bwd.decline = True
+    for _ in range(2):
+        _backward(*_backward_inputs())
+    assert len(bwd.prepared) == 1 and bwd.general == 2
+    q, k, v, out, lse, dout = _backward_inputs(s=128)
+    q = torch.randn(2, 4, 128, 132, dtype=q.dtype)[..., :128]  # rows 264 bytes apart: TMA cannot read them
+    for _ in range(2):
+        _backward(q, k, v, out, lse, dout)
+    assert len(bwd.prepared) == 1 and bwd.general == 4  # declined by the op itself, without asking prepare
+
+
+def test_a_failing_backward_check_is_not_remembered(bwd, monkeypatch):
+    from fa_backend.kernels.cute import flash_bwd
+
+    def refuse(*args, **kwargs):
+        bwd.prepared.append(None)
+        raise ValueError("refused")
+
+    monkeypatch.setattr(flash_bwd, "prepare_backward", refuse)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="refused"):
+            _backward(*_backward_inputs())
+    assert len(bwd.prepared) == 2 and cute_flash._BACKWARD_LAUNCHES == {}
+
+
+def test_a_training_call_takes_both_prepared_launches(stubs, bwd):
+    """The eager twin with gradients: the forward's and the backward's prepared launches, once prepared each."""
+    for _ in range(3):
+        q, k, v = _qkv(requires_grad=True)
+        out, _ = cute_flash.cute_flash_attention(q, k, v, None, True)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        assert all(float(g.abs().sum()) == 0 for g in grads)
+    assert (len(stubs.prepared), stubs.launched, len(bwd.prepared), bwd.launched) == (1, 3, 1, 3)
+
+
+@pytest.mark.parametrize("d,dv,variant", [(128, 128, dict(wgs=2, warp_specialized=True)),
+                                          (64, 64, dict(wgs=2, warp_specialized=True, tile_m=128)),
+                                          (96, 96, {}), (192, 128, dict(wgs=2, warp_specialized=True))])
+def test_prepared_backward_marshals_what_flash_bwd_passes(monkeypatch, d, dv, variant):
+    """flash_bwd.prepare_backward (its compile stubbed) marshals the integers flash_bwd's general path passes for the
+    tensors it allocates (delta, dK, dV, dQ's chunks), with strided q and dO and GQA."""
+    from fa_backend.kernels.cute import _fast_call, flash_bwd
+
+    compiled = []
+    monkeypatch.setattr(flash_bwd, "compile_flash_bwd", lambda *a, **kw: compiled.append((a, kw)) or object())
+    b, hq, hkv, sq, sk = 2, 8, 2, 100, 333
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, hkv, sk, d, dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, sk, dv, dtype=torch.bfloat16)
+    out, dout = torch.randn(b, hq, sq, dv, dtype=q.dtype), torch.randn(b, sq, hq, dv, dtype=q.dtype).transpose(1, 2)
+    lse = torch.randn(b, hq, sq)
+    launch = flash_bwd.prepare_backward(dout, q, k, v, out, lse, 0.3, True, True, **variant)
+    tile_m = variant.get("tile_m", flash_bwd.TILE_M)
+    delta = torch.empty(b, hq, sq)
+    dk, dv_ = torch.empty_like(k), torch.empty_like(v)
+    dqacc = torch.zeros(b, hq, -(-sq // tile_m), tile_m * d)  # flash_bwd's chunks
+    assert launch._ints == _fast_call.backward_scalars(q, k, v, dout, lse, delta, dk, dv_, dqacc)
+    assert launch._floats == (0.3 * flash_bwd._LOG2E, 0.3) and launch._acc_shape == tuple(dqacc.shape)
+    (args, kwargs), = compiled
+    assert args[:4] == (torch.bfloat16, d, True, True) and kwargs["pointer_args"]
+    assert kwargs["head_dim_v"] == (None if dv == d else dv)
+    assert {k: kwargs[k] for k in variant} == variant
+
+
+def test_prepare_backward_declines_what_flash_bwd_copies(monkeypatch):
+    from fa_backend.kernels.cute import flash_bwd
+
+    monkeypatch.setattr(flash_bwd, "compile_flash_bwd", lambda *a, **kw: object())
+    q, k, v = _qkv()
+    out, lse = torch.randn_like(q), torch.randn(q.shape[:3])
+    base = torch.randn(q.numel() + 1, dtype=q.dtype)
+    assert flash_bwd.prepare_backward(base[1:].view(q.shape), q, k, v, out, lse) is None  # dO 2 bytes off
+    assert flash_bwd.prepare_backward(torch.randn_like(q), q, k, v, out, lse.transpose(1, 2).contiguous()
+                                      .transpose(1, 2)) is None  # a strided LSE
+    assert flash_bwd.prepare_backward(torch.randn_like(q), q, k, v, out, lse) is not None
+    with pytest.raises(ValueError, match="dout"):
+        flash_bwd.prepare_backward(torch.randn_like(q).float(), q, k, v, out, lse)

@@ -18,6 +18,7 @@ missing the plain call runs instead.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -203,8 +204,12 @@ class PointerBackwardDropout:
         self.kernel(*views, scale_log2, scale, stream, None, mRng, threshold, drop_scale, mBits)
 
 
+def _address(t: torch.Tensor | int) -> int:
+    return t if isinstance(t, int) else t.data_ptr()
+
+
 def _pointer(t: torch.Tensor | int, dtype: type, align: int) -> Any:
-    address = t if isinstance(t, int) else t.data_ptr()
+    address = _address(t)
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
@@ -289,30 +294,46 @@ class FastCall:
         return [_pointer(t, ty, align) for t, (ty, align) in zip(tensors, self.pointer_types, strict=True)]
 
     def execution_args(self, tensors, ints: tuple, floats: tuple, stream: Any) -> tuple[list, list]:
-        """(the compiled program's argument list, the pointer objects it refers to: keep them alive until the
+        """(the compiled program's argument list, the address cells it refers to: keep them alive until the
         program has run)."""
-        pointers = self._pointers(tensors)
         key = (ints, floats, int(stream))
         cached = self._cache.get(key)
         if cached is None:
             if len(self._cache) >= MAX_KEYS:  # shapes that keep changing: start over rather than grow
                 self._cache.clear()
+            pointers = self._pointers(tensors)
             exe_args, adapted = self.compiled.generate_execution_args(*pointers, *ints, *map(Float32, floats), stream)
-            # each pointer is one entry at the front (checked once per key)
-            if any(len(p.__c_pointers__()) != 1 for p in pointers) or len(exe_args) < len(pointers):
+            # each pointer is one entry at the front, the address of a cell holding its address (checked once per
+            # key): later calls splice in cells of their own (make_ptr's object was 2 µs per tensor)
+            if (any(len(p.__c_pointers__()) != 1 for p in pointers) or len(exe_args) < len(pointers)
+                    or any(exe_args[i] != p.__c_pointers__()[0]
+                           or (ctypes.c_void_p.from_address(exe_args[i]).value or 0) != _address(t)
+                           for i, (p, t) in enumerate(zip(pointers, tensors)))):
                 raise RuntimeError("unexpected argument marshalling")
             cached = self._cache[key] = (list(exe_args), (adapted, stream))  # what the list points into
+        cells = self._cells(tensors)
         args = list(cached[0])
-        args[:len(pointers)] = [p.__c_pointers__()[0] for p in pointers]
-        return args, pointers
+        args[:len(cells)] = [ctypes.addressof(c) for c in cells]
+        return args, cells
+
+    def _cells(self, tensors) -> list[ctypes.c_void_p]:
+        """Each tensor's data address in a C cell, ValueError where it breaks its pointer's alignment (as
+        make_ptr's assertion would)."""
+        cells = []
+        for t, (_, align) in zip(tensors, self.pointer_types, strict=True):
+            address = _address(t)
+            if address % align:
+                raise ValueError(f"a {align}-byte aligned data pointer is required, got {address:#x}")
+            cells.append(ctypes.c_void_p(address))
+        return cells
 
     def __call__(self, tensors, ints: tuple, floats: tuple, stream: Any) -> None:
         if not self.supported:
             self.compiled(*self._pointers(tensors), *ints, *map(Float32, floats), stream)
             return
-        args, pointers = self.execution_args(tensors, ints, floats, stream)
+        args, cells = self.execution_args(tensors, ints, floats, stream)
         self.compiled.run_compiled_program(args)
-        del pointers  # alive until here
+        del cells  # alive until here
 
 
 # id of a compiled pointer-convention variant (alive in _compile_cache.CACHE for the process) -> its FastCall

@@ -937,6 +937,65 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return dq_from_chunks(dqacc, sq, scale, q.dtype, wgs, tile_m, dq_split(tile_m)), dk, dv
 
 
+class BackwardLaunch:
+    """One call signature's backward, prepared (prepare_backward): a compiled pointer-convention variant with its
+    integers and scales marshalled. Called with tensors of that signature (shapes, strides, dtypes, device; the
+    caller keeps to it, and to 16-byte aligned data pointers of q, k, v and dout), it runs delta's pass, allocates
+    dK, dV and dQ's zeroed accumulator, launches the kernel and dQ's conversion on the current stream: no checks,
+    no compile-cache lookup, no marshalling but the tensors' addresses."""
+
+    __slots__ = ("_fast", "_ints", "_floats", "_k_shape", "_v_shape", "_acc_shape", "_dq")
+
+    def __init__(self, fast: Any, ints: tuple, floats: tuple, k_shape: tuple, v_shape: tuple, acc_shape: tuple,
+                 dq: tuple):
+        self._fast, self._ints, self._floats = fast, ints, floats
+        self._k_shape, self._v_shape, self._acc_shape, self._dq = k_shape, v_shape, acc_shape, dq
+
+    def __call__(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from cuda.bindings import driver
+
+        device = q.device
+        delta = bwd_delta(out, dout, dlse)
+        dk = torch.empty(self._k_shape, dtype=k.dtype, device=device)
+        dv = torch.empty(self._v_shape, dtype=v.dtype, device=device)
+        dqacc = torch.zeros(self._acc_shape, dtype=torch.float32, device=device)
+        self._fast((q, k, v, dout, lse, delta, dk, dv, dqacc), self._ints, self._floats,
+                   driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
+        return dq_from_chunks(dqacc, *self._dq), dk, dv
+
+
+def prepare_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, scale: float | None = None, causal: bool = False, bottom_right: bool = False,
+                     wgs: int = 1, warp_specialized: bool = False, tile_m: int = TILE_M,
+                     tma_store: bool | None = None) -> BackwardLaunch | None:
+    """flash_bwd's checks (ValueError) and compile (CompileFailedError) for a call without key mask, dropout,
+    determinism or per-value atomics, as a BackwardLaunch for every later call of the same signature; None where the
+    call cannot take one (the pointer convention is off, dout or lse would need a copy first: flash_bwd then)."""
+    from . import _fast_call
+    from .flash_bwd_wide import HEAD_DIM_V_PAIRS
+    from .flash_fwd import _check_inputs, _Contiguous
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _check_inputs(q, k, v, scale, head_dims=HEAD_DIMS + WIDE_HEAD_DIMS, head_dim_pairs=HEAD_DIM_V_PAIRS)
+    if dout.shape != (*q.shape[:3], v.shape[3]) or dout.dtype != q.dtype:
+        raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} must match q {tuple(q.shape)} {q.dtype} with v's head "
+                         f"dim {v.shape[3]}")
+    if not _fast_call.ENABLED or dout.stride(3) != 1 or any(s <= 0 or s % 8 for s in dout.stride()[:3]) \
+            or dout.data_ptr() % 16 or not lse.is_contiguous() or lse.dtype != torch.float32 or lse.data_ptr() % 4:
+        return None
+    compiled = compile_flash_bwd(q.dtype, q.shape[-1], causal, bottom_right, wgs=wgs, pointer_args=True,
+                                 warp_specialized=warp_specialized, tile_m=tile_m,
+                                 head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3], tma_store=tma_store)
+    b, hq, sq, d = q.shape
+    acc_shape = (b, hq, -(-sq // tile_m), tile_m * d)
+    delta, dk, dv, dqacc = (_Contiguous(shape) for shape in ((b, hq, sq), tuple(k.shape), tuple(v.shape), acc_shape))
+    ints = _fast_call.backward_scalars(q, k, v, dout, lse, delta, dk, dv, dqacc)
+    fast = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype]))
+    return BackwardLaunch(fast, ints, (scale * _LOG2E, scale), tuple(k.shape), tuple(v.shape), acc_shape,
+                          (sq, scale, q.dtype, wgs, tile_m, dq_split(tile_m)))
+
+
 def _keep_bits(dropout: tuple | None) -> torch.Tensor | None:
     """The saved keep bits of a dropout argument (its optional fourth element), or None."""
     return dropout[3] if dropout is not None and len(dropout) > 3 else None

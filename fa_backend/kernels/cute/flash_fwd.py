@@ -363,6 +363,7 @@ class _Contiguous:
     _fast_call.scalars reads them (no tensor needed)."""
 
     def __init__(self, shape: tuple):
+        self.shape = tuple(shape)
         strides, step = [], 1
         for n in reversed(shape):
             strides.append(step)
