@@ -190,6 +190,11 @@ class FlashForwardSm90WS(ForwardVariant):
         # +1-2 %, non-causal within 1 %). Two consumers on 128-key blocks have at most one such block (bottom-right)
         # and lost 1-5 % to the extra code (d=64 causal overlap -5 %, ping-pong -1 to -3 %): they keep the tile's range
         self.own_ranges = self.tile_m > self.tile_n
+        # causal: the tiles' padding past seqlen_q (whole 64-row units: seqlen_q rounded up to 64 against the tiles'
+        # rows) in the first tile, the shortest, instead of the last, the longest (_first_unit): at 2k / 4k / 8k
+        # tokens three 64-row consumers leave one / two / one of the last tile's three idle, and a tile of 16-64
+        # key blocks then runs on fewer consumers than its turns are built for
+        self.lead_pad = self.own_ranges and causal and not dropout and not persistent
         # persistent: two Q tiles, so that the producer loads tile t + 1's Q (and then its K / V) while the consumers
         # run tile t and then store its O through tile t's own Q tile (handed back once the store has read it)
         self.q_buffers = 2 if persistent else 1
@@ -243,7 +248,12 @@ class FlashForwardSm90WS(ForwardVariant):
             n_blocks = cutlass.min(n_blocks, cute.ceil_div(key_row[key_row.shape[0] - 1], self.tile_n))
         # the last block is partial (1 block to mask) unless seqlen_k is a multiple of the block (0)
         n_masked = cute.ceil_div(seqlen_k % self.tile_n, self.tile_n)
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.lead_pad):
+            first_row = self._first_unit(m_block, seqlen_q) * WG_M  # negative in a padded first tile
+            n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div(first_row + self.tile_m + offset,
+                                                                       self.tile_n)), 0)
+            n_masked = cutlass.max(n_blocks - cutlass.max((first_row + offset + 1) // self.tile_n, 0), n_masked)
+        elif cutlass.const_expr(self.causal):
             # skip the blocks above the diagonal: no row of this tile sees their first key
             last_row = (m_block + 1) * self.tile_m + offset
             n_blocks = cutlass.max(cutlass.min(n_blocks, cute.ceil_div(last_row, self.tile_n)), 0)
@@ -251,6 +261,24 @@ class FlashForwardSm90WS(ForwardVariant):
             first_masked = cutlass.max((m_block * self.tile_m + offset + 1) // self.tile_n, 0)
             n_masked = cutlass.max(n_blocks - first_masked, n_masked)
         return n_blocks, cutlass.min(n_masked, n_blocks), offset
+
+    @cute.jit
+    def _unit(self, m_block: Int32, wg: Int32, row0: Int32) -> Int32:
+        """The 64-row unit of O that consumer wg of query tile m_block stores, whose first row is row0 (>= 0)."""
+        unit = m_block * self.consumers + wg
+        if cutlass.const_expr(self.lead_pad):
+            unit = row0 // WG_M
+        return unit
+
+    @cute.jit
+    def _first_unit(self, m_block: Int32, seqlen_q: Int32) -> Int32:
+        """The 64-row unit (of WG_M rows: one consumer's) where query tile m_block starts: m_block * consumers, less,
+        where lead_pad, the tiles' units past ceil(seqlen_q / 64), so that the first tile holds the padding
+        (negative rows, which no consumer computes) and the last ends at seqlen_q's unit."""
+        unit = m_block * self.consumers
+        if cutlass.const_expr(self.lead_pad):
+            unit = unit - (cute.ceil_div(seqlen_q, self.tile_m) * self.consumers - cute.ceil_div(seqlen_q, WG_M))
+        return unit
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
@@ -387,7 +415,11 @@ class FlashForwardSm90WS(ForwardVariant):
                                              drop_args, store_args)
         else:
             row0 = m_block * self.tile_m + wg * WG_M
-            if row0 < mQ.shape[0]:
+            rows = row0 < mQ.shape[0]  # the consumer's first row is before seqlen_q
+            if cutlass.const_expr(self.lead_pad):  # and not in the first tile's padding
+                row0 = (self._first_unit(m_block, mQ.shape[0]) + wg) * WG_M
+                rows = cutlass.min(mQ.shape[0] - 1 - row0, row0) >= 0
+            if rows:
                 own, own_masked = n_blocks, n_masked
                 if cutlass.const_expr(self.causal and not self.dropout):
                     own, own_masked = self._own_blocks(row0, seqlen_k, n_blocks, offset)
@@ -399,7 +431,7 @@ class FlashForwardSm90WS(ForwardVariant):
                                                  q_phase, pipe_k, pipe_v, mO, mLSE, scale_log2, wg, wg_tidx, m_block,
                                                  head, batch, seqlen_k, own, own_masked, offset, state_k, state_v,
                                                  mWords, drop_args, store_args)
-            else:  # no row before seqlen_q (the last query tile's tail): no GEMM, no softmax, no store
+            else:  # no row in [0, seqlen_q) (the last query tile's tail, lead_pad: the first's): no GEMM, no store
                 state_k, state_v = self._pass_blocks(n_blocks, pipe_k, pipe_v, wg, state_k, state_v)
                 self._last_turn(n_blocks, wg)
                 if cutlass.const_expr(self.persistent):
@@ -498,8 +530,10 @@ class FlashForwardSm90WS(ForwardVariant):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar_q, self.tile_m * d * self.dtype.width // 8)
         for half in cutlass.range_constexpr(self.consumers):
-            cute.copy(tma_q, tQgQ[None, m_block * self.consumers + half], tQsQ[None, buf * self.consumers + half],
-                      tma_bar_ptr=bar_q)
+            unit = m_block * self.consumers + half
+            if cutlass.const_expr(self.lead_pad):  # a unit of the first tile's padding loads unit 0 (never read)
+                unit = cutlass.max(self._first_unit(m_block, mQ.shape[0]) + half, 0)
+            cute.copy(tma_q, tQgQ[None, unit], tQsQ[None, buf * self.consumers + half], tma_bar_ptr=bar_q)
         for i in cutlass.range(n_blocks, unroll=1):
             n_block = n_blocks - 1 - i
             pipe_k.producer_acquire(state_k)  # waits until the consumers freed the stage, then expects its bytes
@@ -544,6 +578,8 @@ class FlashForwardSm90WS(ForwardVariant):
         row_max.fill(-math.inf)
         row_sum.fill(0.0)
         row0 = m_block * self.tile_m + wg * WG_M
+        if cutlass.const_expr(self.lead_pad):
+            row0 = (self._first_unit(m_block, mO.shape[0]) + wg) * WG_M
 
         drop, out_scale = None, None
         if cutlass.const_expr(self.dropout):
@@ -571,20 +607,20 @@ class FlashForwardSm90WS(ForwardVariant):
 
         if cutlass.const_expr(self.tma_store):
             finish_rows(acc_o, row_max, row_sum, tOcO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
-            self._store_o(mma_pv, acc_o, store_args, m_block, head, batch, wg, wg_tidx, buf, bar_q_free)
+            self._store_o(mma_pv, acc_o, store_args, m_block, head, batch, wg, wg_tidx, buf, bar_q_free, row0)
         else:
-            gO = cute.local_tile(mO[None, None, head, batch], (WG_M, dv), (m_block * self.consumers + wg, 0))
+            gO = cute.local_tile(mO[None, None, head, batch], (WG_M, dv), (self._unit(m_block, wg, row0), 0))
             store_rows(acc_o, row_max, row_sum, tOcO, gO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32,
                        out_scale)
         return state_k, state_v
 
     @cute.jit
     def _store_o(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, store_args: tuple, m_block: Int32, head: Int32,
-                 batch: Int32, wg: Int32, wg_tidx: Int32, buf: Int32, bar_q_free: cute.Pointer):
-        """tma_store epilogue: consumer wg's finished O rows (acc_o, O / l) in the input dtype into its own stage of
-        Q tile `buf` by stmatrix, then one TMA store of the 64 rows by its first warp, waited for until it has read
-        them (the CTA must not exit, releasing the memory, before; persistent variants then hand the Q tile back to
-        the producer: one arrival on bar_q_free)."""
+                 batch: Int32, wg: Int32, wg_tidx: Int32, buf: Int32, bar_q_free: cute.Pointer, row0: Int32):
+        """tma_store epilogue: consumer wg's finished O rows (acc_o, O / l; from row0) in the input
+        dtype into its own stage of Q tile `buf` by stmatrix, then one TMA store of the 64 rows by its first warp,
+        waited for until it has read them (the CTA must not exit, releasing the memory, before; persistent variants
+        then hand the Q tile back to the producer: one arrival on bar_q_free)."""
         tma_o, mO_tma, sO_layout, raw_q = store_args
         r_o = converted(acc_o, self.dtype)
         # O's (64, dv) rows in the layout its TMA atom reads, one per Q stage (WG_M * d values apart: a static stride,
@@ -598,7 +634,7 @@ class FlashForwardSm90WS(ForwardVariant):
         cute.arch.barrier(barrier_id=PINGPONG_BARRIER + self.consumers + wg, number_of_threads=WG_THREADS)
         if cute.arch.make_warp_uniform(wg_tidx // 32) == 0:
             gO = cute.local_tile(mO_tma[None, None, head, batch], (WG_M, self.head_dim_v), (None, 0))
-            tma_store_tile(tma_o, sO, gO, m_block * self.consumers + wg)
+            tma_store_tile(tma_o, sO, gO, self._unit(m_block, wg, row0))
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if cutlass.const_expr(self.persistent):

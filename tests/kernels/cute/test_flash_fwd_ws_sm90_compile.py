@@ -271,12 +271,13 @@ def test_unsupported_variants_are_refused(dtype, d, consumers):
         flash_fwd_ws.compile_flash_fwd_ws(dtype, d, False, consumers=consumers)
 
 
-def _block_ranges(cases: list[tuple[bool, bool, int, int, int]], d: int = 64) -> list[tuple[int, int, int]]:
-    """FlashForwardSm90WS._block_range traced with constant arguments (it then computes in Python)."""
+def _block_ranges(cases: list[tuple[bool, bool, int, int, int]], d: int = 64) -> list[tuple[int, int, int, int]]:
+    """FlashForwardSm90WS._block_range traced with constant arguments (it then computes in Python), with the tile's
+    first row (_first_unit)."""
     import cutlass
     import cutlass.cute as cute
 
-    from fa_backend.kernels.cute.flash_fwd_ws import FlashForwardSm90WS
+    from fa_backend.kernels.cute.flash_fwd_ws import WG_M, FlashForwardSm90WS
 
     found = []
 
@@ -284,7 +285,7 @@ def _block_ranges(cases: list[tuple[bool, bool, int, int, int]], d: int = 64) ->
     def probe():
         for causal, bottom_right, m_block, sq, sk in cases:
             kernel = FlashForwardSm90WS(cutlass.BFloat16, d, causal, bottom_right)
-            found.append(kernel._block_range(m_block, sq, sk))
+            found.append((*kernel._block_range(m_block, sq, sk), kernel._first_unit(m_block, sq) * WG_M))
 
     cute.compile(probe, options="--gpu-arch sm_90a")
     return found
@@ -303,9 +304,11 @@ def test_block_range_visits_what_is_visible_and_masks_only_where_needed(d):
              for causal in (False, True) for bottom_right in (False, True)
              for sq, sk in ((1, 1), (128, 128), (300, 200), (200, 300), (100, 1000), (1000, 100), (384, 512))
              for m_block in range((sq + TILE_M - 1) // TILE_M)]
-    for (causal, bottom_right, m_block, sq, sk), (n_blocks, n_masked, offset) in zip(cases, _block_ranges(cases, d)):
+    for (causal, bottom_right, m_block, sq, sk), (n_blocks, n_masked, offset, first) in zip(cases,
+                                                                                             _block_ranges(cases, d)):
         assert offset == (sk - sq if bottom_right else 0)
-        first, last = m_block * TILE_M, (m_block + 1) * TILE_M - 1
+        _check_tile_rows(first, m_block, TILE_M, sq, causal and d == 256)
+        last = first + TILE_M - 1
         keys = [range(n * TILE_N, (n + 1) * TILE_N) for n in range((sk + TILE_N - 1) // TILE_N)]
         # a key seen by some row is seen by the tile's last row; a key hidden from some row, from its first
         wanted = [n for n, block in enumerate(keys) if any(j < sk and (not causal or j <= last + offset) for j in block)]
@@ -315,9 +318,19 @@ def test_block_range_visits_what_is_visible_and_masks_only_where_needed(d):
         assert hidden == list(range(n_blocks - n_masked, n_blocks)), (causal, bottom_right, m_block, sq, sk)
 
 
+def _check_tile_rows(first: int, m_block: int, tile_m: int, sq: int, lead_pad: bool) -> None:
+    """A query tile's first row (FlashForwardSm90WS._first_unit): m_block * tile_m, or, lead_pad, as many 64-row units
+    earlier as the tiles hold past ceil(sq / 64), so that the last tile ends with sq's unit and the first one holds
+    the padding (fewer than a tile's units: never a tile of padding only)."""
+    units = -(-sq // 64)
+    pad = (-(-sq // tile_m) * tile_m // 64 - units) * 64 if lead_pad else 0
+    assert first == m_block * tile_m - pad and pad < tile_m and (m_block > 0 or first + tile_m > 0)
+
+
 def _own_blocks(cases: list[tuple[bool, int, int, int, int]], d: int, consumers: int) -> list[tuple[int, ...]]:
     """FlashForwardSm90WS._block_range and _own_blocks (causal) traced with constant arguments: per case
-    (bottom_right, m_block, consumer, sq, sk), (the tile's blocks, the consumer's blocks, how many of those masked)."""
+    (bottom_right, m_block, consumer, sq, sk), (the tile's blocks, the consumer's blocks, how many of those masked,
+    the consumer's first row: _first_unit's)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -330,8 +343,9 @@ def _own_blocks(cases: list[tuple[bool, int, int, int, int]], d: int, consumers:
         for bottom_right, m_block, consumer, sq, sk in cases:
             kernel = FlashForwardSm90WS(cutlass.BFloat16, d, True, bottom_right, pingpong=True, consumers=consumers)
             n_blocks, _, offset = kernel._block_range(m_block, sq, sk)
-            own, own_masked = kernel._own_blocks(m_block * kernel.tile_m + consumer * WG_M, sk, n_blocks, offset)
-            found.append((n_blocks, own, own_masked))
+            row0 = (kernel._first_unit(m_block, sq) + consumer) * WG_M
+            own, own_masked = kernel._own_blocks(row0, sk, n_blocks, offset)
+            found.append((n_blocks, own, own_masked, row0))
 
     cute.compile(probe, options="--gpu-arch sm_90a")
     return found
@@ -345,14 +359,18 @@ def test_each_consumer_visits_the_blocks_its_rows_see(d, consumers):
     from fa_backend.kernels.cute.flash_fwd_ws import WG_M
 
     tile_m, tile_n = consumers * WG_M, _tile_n(d)
-    cases = [(bottom_right, m_block, c, sq, sk) for bottom_right in (False, True)
-             for sq, sk in ((1, 1), (300, 200), (200, 300), (100, 1000), (1000, 100), (2048, 2048), (384, 520))
-             for m_block in range((sq + tile_m - 1) // tile_m) for c in range(consumers)
-             if m_block * tile_m + c * WG_M < sq]
-    passed = 0
-    for (bottom_right, m_block, c, sq, sk), (n_blocks, own, n_masked) in zip(cases, _own_blocks(cases, d, consumers)):
+    shapes = ((1, 1), (300, 200), (200, 300), (100, 1000), (1000, 100), (2048, 2048), (384, 520), (4096, 4096))
+    cases = [(bottom_right, m_block, c, sq, sk) for bottom_right in (False, True) for sq, sk in shapes
+             for m_block in range((sq + tile_m - 1) // tile_m) for c in range(consumers)]
+    passed, rows = 0, {}
+    for (bottom_right, m_block, c, sq, sk), (n_blocks, own, n_masked, first) in zip(cases,
+                                                                                   _own_blocks(cases, d, consumers)):
+        if c == 0:
+            _check_tile_rows(first, m_block, tile_m, sq, lead_pad=True)
+        if not 0 <= first < sq:  # the tiles' padding: this consumer computes nothing (_consume_tile)
+            continue
+        rows.setdefault((bottom_right, sq, sk), []).extend(range(first, min(first + WG_M, sq)))
         offset = sk - sq if bottom_right else 0
-        first = m_block * tile_m + c * WG_M
         last = first + WG_M - 1
         keys = [range(n * tile_n, (n + 1) * tile_n) for n in range(n_blocks)]
         wanted = [n for n, block in enumerate(keys) if any(j < sk and j <= last + offset for j in block)]
@@ -361,6 +379,8 @@ def test_each_consumer_visits_the_blocks_its_rows_see(d, consumers):
         assert hidden == list(range(own - n_masked, own)), (bottom_right, m_block, c, sq, sk)
         passed += n_blocks - own
     assert passed > 0  # the cases do leave blocks to pass
+    for (_, sq, _), covered in rows.items():  # the consumers that compute cover every row once
+        assert sorted(covered) == list(range(sq))
 
 
 @pytest.mark.parametrize("d,kw", [(128, dict(overlap=True)), (128, dict(pingpong=True)),
