@@ -6,12 +6,13 @@ Triton backward and PyTorch's cuDNN and flash backwards through autograd; TFLOP/
 FlashAttention-4 (`flash_attn.cute`, package flash-attn-4) is timed as the peer `fa4` when installed, on (b, s, h, d)
 copies of the same inputs (its layout).
 Usage: python scripts/bench_cute.py [--json FILE] [--backward | --host] [--runners NAME ...] [--dims D ...]
-       [--seqlens S ...] [--repeat R]
+       [--seqlens S ...] [--repeat R] [--causal both|no|yes]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -50,6 +51,11 @@ def _time_fa4(fa4, q, k, v, causal, dout=None):
         return None
 
 
+def _wide(block_n, kw, q, k, v, causal):
+    """flash_fwd_ws with block_n keys per block (ValueError, a skipped cell, where causal or not fitting)."""
+    return flash_fwd_ws(q, k, v, causal=causal, block_n=block_n, **kw)
+
+
 def _flops(b, h, s, d, causal):
     return 4 * b * h * s * s * d / (2 if causal else 1)
 
@@ -66,6 +72,8 @@ def main() -> None:
                         help="instead: host time per forward call, tensor convention against kernels/cute/_fast_call.py")
     parser.add_argument("--repeat", type=int, default=1,
                         help="forward: rounds over the runners, interleaved; each cell is the median round")
+    parser.add_argument("--causal", choices=("both", "no", "yes"), default="both",
+                        help="forward: the causal modes to time (default both)")
     args = parser.parse_args()
     if args.host:
         host_time()
@@ -94,13 +102,17 @@ def main() -> None:
                                                                            pingpong=True, persistent=True),
         "triton": lambda q, k, v, c: fa_backend.attention(q, k, v, is_causal=c),
     }
+    # wider key blocks without a causal mask (block_n; FA3's 176 at d=128): e.g. cute_ws_overlap_n176
+    for n in (160, 176, 192, 256):
+        runners[f"cute_ws_overlap_n{n}"] = functools.partial(_wide, n, dict(overlap=True))
+        runners[f"cute_ws_pingpong_n{n}"] = functools.partial(_wide, n, dict(pingpong=True))
     if args.runners:
         runners = {n: f for n, f in runners.items() if n in args.runners}
     peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     fa4 = _fa4()
     records = []
     for d in args.dims:
-        for causal in (False, True):
+        for causal in {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]:
             for s in args.seqlens:
                 b, h = 16384 // s, 2048 // d
                 q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3))

@@ -115,6 +115,25 @@ def _check_keep_bits(keep_bits: bool, dropout: bool, key_mask: bool, head_dim: i
                          f"{head_dim})")
 
 
+def _check_block_n(block_n: int | None, head_dim: int, head_dim_v: int | None, causal: bool, key_mask: bool,
+                   dropout: bool, persistent: bool, consumers: int) -> None:
+    """ValueError unless `block_n` (keys per block other than tile_n's) can run: a multiple of 16 (the P V wgmma's K)
+    up to 256 (the S wgmma's N), without a causal mask, key mask or dropout (their block ranges, key words and keep
+    bits are built on tile_n's 64 / 128-key blocks) or the persistent schedule, and K / V stages of that many keys
+    within SMEM_LIMIT."""
+    if block_n is None:
+        return
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if block_n % 16 or not 16 <= block_n <= 256:
+        raise ValueError(f"block_n={block_n} (supported: a multiple of 16 up to 256)")
+    if causal or key_mask or dropout or persistent:
+        raise ValueError(f"block_n={block_n} with causal={causal}, key_mask={key_mask}, dropout={dropout}, "
+                         f"persistent={persistent} (supported: none of them)")
+    if _smem_bytes(WG_M * consumers, block_n, head_dim, dv) > SMEM_LIMIT:
+        raise ValueError(f"block_n={block_n} at head_dim={head_dim}, head_dim_v={dv}: the K / V stages do not fit "
+                         "in shared memory")
+
+
 def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False,
                      head_dim: int = 128) -> None:
     if consumers not in (2, 3):
@@ -163,8 +182,9 @@ class FlashForwardSm90WS(ForwardVariant):
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
                  pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
                  key_mask: bool = False, dropout: bool = False, head_dim_v: int | None = None,
-                 tma_store: bool | None = None, keep_bits: bool = False):
+                 tma_store: bool | None = None, keep_bits: bool = False, block_n: int | None = None):
         super().__init__(dtype, head_dim, causal, bottom_right, head_dim_v)
+        _check_block_n(block_n, head_dim, head_dim_v, causal, key_mask, dropout, persistent, consumers)
         self.dropout = dropout
         # keep_bits: each draw's keep byte also goes to a buffer the backward reads (_dropout, "Saved keep bits")
         _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
@@ -178,7 +198,7 @@ class FlashForwardSm90WS(ForwardVariant):
         self.pingpong = pingpong
         self.consumers = consumers
         self.tile_m = WG_M * consumers
-        self.tile_n = tile_n(head_dim, self.head_dim_v)
+        self.tile_n = block_n or tile_n(head_dim, self.head_dim_v)
         # causal tiles longest first over the heads of an L2 section (_schedule) where it was measured faster than
         # each head's tiles in turn (H200, bf16, 2k / 8k tokens): d=128 two consumers (overlap +1 / +3 %) and d=64
         # three (ping-pong -1 / +4 %); not d=64 with two (overlap -5 / -5 %), other head dims not timed
@@ -830,7 +850,8 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
                          arch: str = "sm_90a", dump_dir: str | None = None, overlap: bool = False,
                          pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
                          persistent: bool = False, key_mask: bool = False, dropout: bool = False,
-                         head_dim_v: int | None = None, tma_store: bool | None = None, keep_bits: bool = False) -> Any:
+                         head_dim_v: int | None = None, tma_store: bool | None = None, keep_bits: bool = False,
+                         block_n: int | None = None) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
@@ -845,17 +866,20 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     head dim where it differs from head_dim ((head_dim, head_dim_v) in HEAD_DIM_V_PAIRS; the cache key's dv);
     `tma_store`: O through shared memory and one TMA store per consumer (suffix "_tmastore"; None: True, the
     default); `keep_bits` (dropout, 128-key blocks): the variant that also saves its keep decisions for
-    the backward (_dropout, "Saved keep bits"; suffix "_keepbits")."""
+    the backward (_dropout, "Saved keep bits"; suffix "_keepbits"); `block_n`: keys per block where not
+    tile_n's (non-causal, no key mask or dropout: _check_block_n; the cache key's tile)."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
     _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
     _check_persistent(persistent, consumers, head_dim, head_dim_v)
+    _check_block_n(block_n, head_dim, head_dim_v, causal, key_mask, dropout, persistent, consumers)
     tma_store = _tma_store(tma_store)
     name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout, head_dim_v,
-                                tma_store, keep_bits)
+                                tma_store, keep_bits, block_n)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers, persistent=persistent, key_mask=key_mask,
-                                              dropout=dropout, tma_store=tma_store, keep_bits=keep_bits),
+                                              dropout=dropout, tma_store=tma_store, keep_bits=keep_bits,
+                                              block_n=block_n),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
                             key_mask=key_mask, head_dims=HEAD_DIMS, dropout=dropout, head_dim_v=head_dim_v,
                             head_dim_pairs=HEAD_DIM_V_PAIRS)
@@ -864,12 +888,12 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
                    key_mask: bool = False, head_dim: int = 128, dropout: bool = False,
                    head_dim_v: int | None = None, tma_store: bool = False,
-                   keep_bits: bool = False) -> tuple[str, tuple[int, ...]]:
+                   keep_bits: bool = False, block_n: int | None = None) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
               + ("_keymask" if key_mask else "") + ("_dropout" if dropout else "") + ("_keepbits" if keep_bits else "")
               + ("_tmastore" if tma_store else ""))
-    return KERNEL_NAME + suffix, (WG_M * consumers, tile_n(head_dim, head_dim_v), KV_STAGES)
+    return KERNEL_NAME + suffix, (WG_M * consumers, block_n or tile_n(head_dim, head_dim_v), KV_STAGES)
 
 
 # The fastest variant per (head_dim, causal) on the H200, the one the op runs (scripts/bench_cute.py, bf16, medians of
@@ -906,14 +930,19 @@ HEAD_DIM_V_FASTEST: dict[tuple[int, int, bool], dict[str, Any]] = {
 
 
 def fastest_kwargs(head_dim: int, causal: bool, dropout: bool = False,
-                   head_dim_v: int | None = None) -> dict[str, Any]:
+                   head_dim_v: int | None = None, key_mask: bool = False) -> dict[str, Any]:
     """flash_fwd_ws's keywords of the variant flash_fwd_fastest runs (FASTEST; DROPOUT_FASTEST where it differs for
-    dropout variants; HEAD_DIM_V_FASTEST where head_dim_v differs from head_dim)."""
+    dropout variants; HEAD_DIM_V_FASTEST where head_dim_v differs from head_dim), on tile_n's key blocks for key-mask
+    and dropout variants (their words and keep bits are built on them: _check_block_n)."""
     if head_dim_v is not None and head_dim_v != head_dim:
-        return HEAD_DIM_V_FASTEST[head_dim, head_dim_v, causal]
-    if dropout and (head_dim, causal) in DROPOUT_FASTEST:
-        return DROPOUT_FASTEST[head_dim, causal]
-    return FASTEST[head_dim, causal]
+        kw = HEAD_DIM_V_FASTEST[head_dim, head_dim_v, causal]
+    elif dropout and (head_dim, causal) in DROPOUT_FASTEST:
+        kw = DROPOUT_FASTEST[head_dim, causal]
+    else:
+        kw = FASTEST[head_dim, causal]
+    if (key_mask or dropout) and "block_n" in kw:
+        kw = {name: value for name, value in kw.items() if name != "block_n"}
+    return kw
 
 
 def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False,
@@ -923,10 +952,10 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
     from . import _fast_call
     from .flash_fwd import variant_key
 
-    kw = fastest_kwargs(head_dim, causal, dropout, head_dim_v)
+    kw = fastest_kwargs(head_dim, causal, dropout, head_dim_v, key_mask)
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
                                 kw.get("persistent", False), key_mask, head_dim, dropout, head_dim_v,
-                                _tma_store(kw.get("tma_store")))
+                                _tma_store(kw.get("tma_store")), block_n=kw.get("block_n"))
     pointers = _fast_call.ENABLED or dropout
     return variant_key(name + ("_ptrargs" if pointers else ""), tile, dtype, head_dim, causal, bottom_right,
                        head_dim_v=head_dim_v)
@@ -936,15 +965,16 @@ def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       causal: bool = False, bottom_right: bool = False, key_words: torch.Tensor | None = None,
                       dropout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd_ws with the fastest variant for q's and v's head dims and `causal` (fastest_kwargs)."""
-    kw = _fastest_for(q, v, causal, dropout is not None)
+    kw = _fastest_for(q, v, causal, dropout is not None, key_words is not None)
     return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, dropout=dropout, **kw)
 
 
-def _fastest_for(q: torch.Tensor, v: torch.Tensor, causal: bool, dropout: bool) -> dict[str, Any]:
+def _fastest_for(q: torch.Tensor, v: torch.Tensor, causal: bool, dropout: bool,
+                 key_mask: bool = False) -> dict[str, Any]:
     """fastest_kwargs for these tensors' head dims, or {} (the default variant) for head dims it does not know."""
     known = q.dim() == 4 and v.dim() == 4 and ((q.shape[-1], bool(causal)) in FASTEST if v.shape[-1] == q.shape[-1]
                                                else (q.shape[-1], v.shape[-1], bool(causal)) in HEAD_DIM_V_FASTEST)
-    return fastest_kwargs(q.shape[-1], bool(causal), dropout, v.shape[-1]) if known else {}
+    return fastest_kwargs(q.shape[-1], bool(causal), dropout, v.shape[-1], key_mask) if known else {}
 
 
 def prepare_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -962,18 +992,18 @@ def prepare_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def _compile_fn(overlap: bool = False, pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
                 key_mask: bool = False, dropout: bool = False, tma_store: bool | None = None,
-                keep_bits: bool = False) -> Any:
+                keep_bits: bool = False, block_n: int | None = None) -> Any:
     """compile_flash_fwd_ws for one variant, as _run takes it."""
     return functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
                              persistent=persistent, key_mask=key_mask, dropout=dropout, tma_store=tma_store,
-                             keep_bits=keep_bits)
+                             keep_bits=keep_bits, block_n=block_n)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
                  consumers: int = CONSUMERS, persistent: bool = False, key_words: torch.Tensor | None = None,
-                 dropout: tuple | None = None,
-                 tma_store: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 dropout: tuple | None = None, tma_store: bool | None = None,
+                 block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv) (dv =
     d, or (d, dv) in HEAD_DIM_V_PAIRS): returns out (b, hq, sq, dv) in q's dtype and the fp32 natural-log LSE
     (b, hq, sq). Same input checks (ValueError,
@@ -986,7 +1016,8 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout), with a fourth element, a
     uint8 buffer of _dropout.keep_bits_bytes (128-key blocks), the variant that also saves the mask there for the
     backward (flash_bwd.flash_bwd's dropout argument with it); `tma_store`: O through
-    shared memory and a TMA store (None: the default, True; False: from registers)."""
+    shared memory and a TMA store (None: the default, True; False: from registers); `block_n`: keys per block where
+    not tile_n's (non-causal calls without key mask or dropout; ValueError otherwise)."""
     return _run(_compile_fn(overlap, pingpong, consumers, persistent, key_words is not None, dropout is not None,
-                            tma_store, dropout is not None and len(dropout) > 3),
+                            tma_store, dropout is not None and len(dropout) > 3, block_n),
                 q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)

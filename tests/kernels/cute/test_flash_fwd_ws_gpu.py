@@ -153,3 +153,18 @@ def test_large_head_dims_within_bar(dtype, d, causal, bottom_right, b, hq, hkv, 
 
     run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong")
     check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,block_n", [(128, 176), (128, 160), (64, 176), (64, 192), (96, 176)])
+# 176 = 11 x 16: key blocks that end inside a 32-key word and a 64-key half; 1000 keys: a partial last block; 100:
+# fewer keys than one block; 2048 x 2048: the cell it was built for
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES[:2] + [(1, 2, 2, 50, 1000), (2, 4, 2, 300, 100),
+                                                         (1, 2, 1, 2048, 2048)])
+@pytest.mark.parametrize("mode", ["serial", "overlap", "pingpong"])
+def test_wide_key_blocks_within_bar(dtype, d, block_n, b, hq, hkv, sq, sk, mode):
+    """Non-causal variants on key blocks wider than tile_n's (block_n; FA3's 128 x 176 tile at d=128)."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong", block_n=block_n)
+    check_forward(run, dtype, d, False, False, b, hq, hkv, sq, sk)
