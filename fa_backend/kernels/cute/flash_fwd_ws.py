@@ -930,19 +930,14 @@ HEAD_DIM_V_FASTEST: dict[tuple[int, int, bool], dict[str, Any]] = {
 
 
 def fastest_kwargs(head_dim: int, causal: bool, dropout: bool = False,
-                   head_dim_v: int | None = None, key_mask: bool = False) -> dict[str, Any]:
+                   head_dim_v: int | None = None) -> dict[str, Any]:
     """flash_fwd_ws's keywords of the variant flash_fwd_fastest runs (FASTEST; DROPOUT_FASTEST where it differs for
-    dropout variants; HEAD_DIM_V_FASTEST where head_dim_v differs from head_dim), on tile_n's key blocks for key-mask
-    and dropout variants (their words and keep bits are built on them: _check_block_n)."""
+    dropout variants; HEAD_DIM_V_FASTEST where head_dim_v differs from head_dim)."""
     if head_dim_v is not None and head_dim_v != head_dim:
-        kw = HEAD_DIM_V_FASTEST[head_dim, head_dim_v, causal]
-    elif dropout and (head_dim, causal) in DROPOUT_FASTEST:
-        kw = DROPOUT_FASTEST[head_dim, causal]
-    else:
-        kw = FASTEST[head_dim, causal]
-    if (key_mask or dropout) and "block_n" in kw:
-        kw = {name: value for name, value in kw.items() if name != "block_n"}
-    return kw
+        return HEAD_DIM_V_FASTEST[head_dim, head_dim_v, causal]
+    if dropout and (head_dim, causal) in DROPOUT_FASTEST:
+        return DROPOUT_FASTEST[head_dim, causal]
+    return FASTEST[head_dim, causal]
 
 
 def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_right: bool, key_mask: bool = False,
@@ -952,10 +947,10 @@ def fastest_variant_key(dtype: torch.dtype, head_dim: int, causal: bool, bottom_
     from . import _fast_call
     from .flash_fwd import variant_key
 
-    kw = fastest_kwargs(head_dim, causal, dropout, head_dim_v, key_mask)
+    kw = fastest_kwargs(head_dim, causal, dropout, head_dim_v)
     name, tile = _name_and_tile(kw.get("overlap", False), kw.get("pingpong", False), kw.get("consumers", CONSUMERS),
                                 kw.get("persistent", False), key_mask, head_dim, dropout, head_dim_v,
-                                _tma_store(kw.get("tma_store")), block_n=kw.get("block_n"))
+                                _tma_store(kw.get("tma_store")))
     pointers = _fast_call.ENABLED or dropout
     return variant_key(name + ("_ptrargs" if pointers else ""), tile, dtype, head_dim, causal, bottom_right,
                        head_dim_v=head_dim_v)
@@ -965,16 +960,15 @@ def flash_fwd_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       causal: bool = False, bottom_right: bool = False, key_words: torch.Tensor | None = None,
                       dropout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_fwd_ws with the fastest variant for q's and v's head dims and `causal` (fastest_kwargs)."""
-    kw = _fastest_for(q, v, causal, dropout is not None, key_words is not None)
+    kw = _fastest_for(q, v, causal, dropout is not None)
     return flash_fwd_ws(q, k, v, scale, causal, bottom_right, key_words=key_words, dropout=dropout, **kw)
 
 
-def _fastest_for(q: torch.Tensor, v: torch.Tensor, causal: bool, dropout: bool,
-                 key_mask: bool = False) -> dict[str, Any]:
+def _fastest_for(q: torch.Tensor, v: torch.Tensor, causal: bool, dropout: bool) -> dict[str, Any]:
     """fastest_kwargs for these tensors' head dims, or {} (the default variant) for head dims it does not know."""
     known = q.dim() == 4 and v.dim() == 4 and ((q.shape[-1], bool(causal)) in FASTEST if v.shape[-1] == q.shape[-1]
                                                else (q.shape[-1], v.shape[-1], bool(causal)) in HEAD_DIM_V_FASTEST)
-    return fastest_kwargs(q.shape[-1], bool(causal), dropout, v.shape[-1], key_mask) if known else {}
+    return fastest_kwargs(q.shape[-1], bool(causal), dropout, v.shape[-1]) if known else {}
 
 
 def prepare_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

@@ -422,7 +422,7 @@ def test_key_mask_variants_compile_without_spills(tmp_path, shared_ptx, d, causa
     memory; the variant without a mask does not read words (its PTX is the verified one)."""
     from fa_backend.kernels.cute import flash_fwd_ws
 
-    kw = flash_fwd_ws.fastest_kwargs(d, causal, key_mask=True)
+    kw = flash_fwd_ws.FASTEST[d, causal]
     ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, "sm_90a", str(tmp_path), key_mask=True,
                                             pointer_args=True, **kw).__ptx__
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -555,18 +555,3 @@ def test_wide_key_blocks_are_refused_where_they_cannot_run(block_n, d, kw, match
     with pytest.raises(ValueError, match=match):
         flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, overlap=True, block_n=block_n, **kw)
 
-
-def test_fastest_kwargs_keep_tile_n_blocks_for_key_masks_and_dropout(monkeypatch):
-    """A FASTEST entry on wider key blocks: the plain variant takes them; its key-mask and dropout variants do not
-    (their words and keep bits are built on tile_n's blocks), and their cache keys say so."""
-    from fa_backend.kernels.cute import flash_fwd_ws
-
-    monkeypatch.setitem(flash_fwd_ws.FASTEST, (128, False), dict(overlap=True, block_n=176))
-    monkeypatch.setattr(flash_fwd_ws, "DROPOUT_FASTEST", {})
-    assert flash_fwd_ws.fastest_kwargs(128, False) == dict(overlap=True, block_n=176)
-    assert flash_fwd_ws.fastest_kwargs(128, False, key_mask=True) == dict(overlap=True)
-    assert flash_fwd_ws.fastest_kwargs(128, False, dropout=True) == dict(overlap=True)
-    assert flash_fwd_ws.FASTEST[128, False] == dict(overlap=True, block_n=176)  # not changed in place
-    tile = lambda **kw: flash_fwd_ws.fastest_variant_key(torch.bfloat16, 128, False, False, **kw)  # noqa: E731
-    assert str((flash_fwd_ws.WG_M * 2, 176, flash_fwd_ws.KV_STAGES)) in str(tile())
-    assert str((flash_fwd_ws.WG_M * 2, 128, flash_fwd_ws.KV_STAGES)) in str(tile(key_mask=True))
