@@ -93,6 +93,50 @@ def _transposed(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, *range(2, cute.rank(t.layout))]))
 
 
+
+# The rows' LSE and delta by warp shuffles (FA4's shuffle_LSE; flash_bwd_ws's 128-row steps at d=64). In an S^T
+# accumulator (m64n128: keys as rows) a thread's 32 query columns are 8k + 2 (lane % 4) + {0, 1}, k < 16, the same
+# for the eight lanes of one lane % 4. Each lane holds the (LSE, delta) of four of them for the step instead: columns
+# 8k + 2 (lane % 4) + {0, 1} with k in {2 (lane // 4), 2 (lane // 4) + 1}, two 16-byte reads (sRows keeps a row's
+# LSE and delta side by side), and every column's value comes from its holder by one shuffle: 8 registers a thread
+# and no address per read, where reading per score cost ~180 IMAD and ~160 LDS / LDC per step at d=64, and 64 values
+# held per thread did not fit beside the accumulators.
+def _column_value(c: int, h: int) -> int:
+    """The accumulator index of a thread's distinct query column c (of 2 * tile_m / 8) in row half h."""
+    return (c % 2) + 2 * h + 4 * (c // 2)
+
+
+def _shuffled_columns(held: cute.Tensor, which: int, tScS0: cute.Tensor, columns: int):
+    """For each of a thread's distinct query columns in turn (a trace-time generator: each shuffle is emitted just
+    before its column's use): the accumulator indices of its two values and statistic `which` of the column."""
+    lane = cute.arch.lane_idx()
+    for c in range(columns):
+        pair = (_column_value(c, 0), _column_value(c, 1))
+        yield pair, _shuffled_row(held, which, tScS0[pair[0]][1], lane)
+
+
+@cute.jit
+def _held_rows(sRows: cute.Tensor, stage: Int32, lane: Int32) -> cute.Tensor:
+    """This lane's (LSE, delta) values of the step in sRows[:, :, stage] ((2, rows, stages) fp32, a row's two values
+    adjacent): index 4 j + 2 c + w holds value w of row 8 (2 (lane // 4) + j) + 2 (lane % 4) + c."""
+    held = cute.make_rmem_tensor((8,), Float32)
+    for j in cutlass.range_constexpr(2):
+        row = 8 * (2 * (lane // 4) + j) + 2 * (lane % 4)
+        src = cute.make_tensor((sRows.iterator + cute.crd2idx((0, row, stage), sRows.layout)).align(16),
+                               cute.make_layout(4))
+        dst = cute.make_tensor(held.iterator + 4 * j, cute.make_layout(4))
+        dst.store(src.load())
+    return held
+
+
+@cute.jit
+def _shuffled_row(held: cute.Tensor, which: cutlass.Constexpr, column0: cutlass.Constexpr, lane: Int32) -> Float32:
+    """Value `which` (0: LSE, 1: delta) of the column thread 0 has at column0 (8k + c), for this lane's column
+    8k + 2 (lane % 4) + c, shuffled from the lane that holds it (_held_rows)."""
+    k, c = column0 // 8, column0 % 8
+    return cute.arch.shuffle_sync(held[4 * (k % 2) + 2 * c + which], (k // 2) * 4 + lane % 4)
+
+
 class FlashBackwardSm90(ForwardVariant):
     """Compile-time configuration (dtype, head_dim, causal and its alignment) of one backward variant.
     dq_atomic: dQ by one atomic add per value instead of the shared-memory block and bulk reduce-adds.
@@ -532,7 +576,7 @@ class FlashBackwardSm90(ForwardVariant):
     def _p_only(self, acc_s: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32, scale_log2: Float32,
                 key0: Int32, seqlen_k: Int32, row0: Int32, offset: Int32, keep: cute.Tensor = None,
                 branch_free: cutlass.Constexpr = False, tScS0: cute.Tensor = None,
-                column_reads: cutlass.Constexpr = False):
+                column_reads: cutlass.Constexpr = False, held: cute.Tensor = None):
         """In place: acc_s := P^T, masked, as _probabilities does (for a caller whose dP^T is still in flight);
         `keep` (key-mask variants, from _key_keep): per row half of the thread's two key rows, the key bound that
         replaces seqlen_k in the visibility test (seqlen_k, or 0 for a hidden key), so that the code is the unmasked
@@ -544,7 +588,8 @@ class FlashBackwardSm90(ForwardVariant):
         if-converted and the unconditional form made ptxas serialise its wgmmas for registers). `column_reads`
         (flash_bwd_ws's 64-row steps, with tScS0, in FA4's order: dS^T before dV is issued): hidden scores to -inf and
         every exp2 unpredicated, the LSE read once per column of the thread (_column_rows): no address recomputed
-        per score, and no C7512 in that order."""
+        per score, and no C7512 in that order. `held` (flash_bwd_ws's 128-row steps, with tScS0: _held_rows): the
+        same unpredicated form, each column's LSE taken by a warp shuffle from the lane that holds it."""
         first_q = None
         if cutlass.const_expr(tScS0 is not None):
             # per row half (one key each): the first query column, counted from this thread's first, that sees the key
@@ -562,29 +607,37 @@ class FlashBackwardSm90(ForwardVariant):
         lse_cols = None
         if cutlass.const_expr(column_reads):
             lse_cols = self._column_rows(sRows, 0, stage, tScS, tScS0, cute.size(acc_s) // 2)
-        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-            qi = tScS[i][1]
-            if cutlass.const_expr(column_reads):
-                # hidden scores to -inf, then the exp2 (LSE +inf for a row without keys: 0 either way)
-                visible = tScS0[i][1] >= first_q[(i // 2) % 2]
-                x = acc_s[i] * scale_log2 - lse_cols[(i % 2) + 2 * (i // 4)]
-                acc_s[i] = cute.math.exp2(cutlass.select_(visible, x, -Float32.inf), fastmath=True)
-            else:
-                if cutlass.const_expr(tScS0 is not None):
+        if cutlass.const_expr(held is not None):
+            for pair, lse in _shuffled_columns(held, 0, tScS0, cute.size(acc_s) // 2):
+                for i in pair:
+                    # hidden scores to -inf, then the exp2, as with column_reads
                     visible = tScS0[i][1] >= first_q[(i // 2) % 2]
+                    x = acc_s[i] * scale_log2 - lse
+                    acc_s[i] = cute.math.exp2(cutlass.select_(visible, x, -Float32.inf), fastmath=True)
+        else:
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+                qi = tScS[i][1]
+                if cutlass.const_expr(column_reads):
+                    # hidden scores to -inf, then the exp2 (LSE +inf for a row without keys: 0 either way)
+                    visible = tScS0[i][1] >= first_q[(i // 2) % 2]
+                    x = acc_s[i] * scale_log2 - lse_cols[(i % 2) + 2 * (i // 4)]
+                    acc_s[i] = cute.math.exp2(cutlass.select_(visible, x, -Float32.inf), fastmath=True)
                 else:
-                    limit = seqlen_k
-                    if cutlass.const_expr(keep is not None):
-                        limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
-                    visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
-                if cutlass.const_expr(branch_free):
-                    p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
-                    acc_s[i] = cutlass.select_(visible, p, Float32(0.0))
-                else:
-                    p = Float32(0.0)
-                    if visible:
+                    if cutlass.const_expr(tScS0 is not None):
+                        visible = tScS0[i][1] >= first_q[(i // 2) % 2]
+                    else:
+                        limit = seqlen_k
+                        if cutlass.const_expr(keep is not None):
+                            limit = keep[(i // 2) % 2]  # value i is in row half (i // 2) % 2
+                        visible = self._visible(key0 + tScS[i][0], qi, limit, row0, offset)
+                    if cutlass.const_expr(branch_free):
                         p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
-                    acc_s[i] = p
+                        acc_s[i] = cutlass.select_(visible, p, Float32(0.0))
+                    else:
+                        p = Float32(0.0)
+                        if visible:
+                            p = cute.math.exp2(acc_s[i] * scale_log2 - sRows[0, qi, stage], fastmath=True)
+                        acc_s[i] = p
 
     @cute.jit
     def _key_keep(self, words: cute.Tensor, tScS: cute.Tensor, key0: Int32, seqlen_k: Int32, keep: cute.Tensor):
@@ -600,11 +653,16 @@ class FlashBackwardSm90(ForwardVariant):
 
     @cute.jit
     def _ds_only(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, sRows: cute.Tensor, stage: Int32,
-                 tScS0: cute.Tensor = None, dp_scale: Float32 = None):
+                 tScS0: cute.Tensor = None, dp_scale: Float32 = None, held: cute.Tensor = None):
         """In place: acc_dp := dS^T = P^T (dP^T - delta) from _p_only's P^T, or P^T (dp_scale dP^T - delta) given
         dp_scale (dropout's 1 / (1 - p)). tScS0 (thread 0's coordinates): delta read once per distinct column, from
-        one base address (_column_rows)."""
-        if cutlass.const_expr(tScS0 is not None):
+        one base address (_column_rows), or with `held` by one warp shuffle per column (_held_rows)."""
+        if cutlass.const_expr(held is not None):
+            for pair, delta in _shuffled_columns(held, 1, tScS0, cute.size(acc_s) // 2):
+                for i in pair:
+                    dp = acc_dp[i] if cutlass.const_expr(dp_scale is None) else acc_dp[i] * dp_scale
+                    acc_dp[i] = acc_s[i] * (dp - delta)
+        elif cutlass.const_expr(tScS0 is not None):
             delta = self._column_rows(sRows, 1, stage, tScS, tScS0, cute.size(acc_s) // 2)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 dp = acc_dp[i] if cutlass.const_expr(dp_scale is None) else acc_dp[i] * dp_scale

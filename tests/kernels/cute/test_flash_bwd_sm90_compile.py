@@ -183,7 +183,7 @@ def test_tile80_keeps_wgmma_asynchronous(tmp_path, shared_ptx):
 def test_tile128_d64_compiles_for_sm90a(shared_ptx, causal, bottom_right):
     """flash_bwd_ws at d=64 with 128 query rows per step (FA4's d=64 tile): S^T / dP^T on m64n128k16 (d / 16
     each); dV / dK over K = 128 queries and each warpgroup's 64 rows of the dQ block over both key tiles, all on
-    m64n64k16; dV waited for before the dQ GEMM (six wait points per step)."""
+    m64n64k16; FA4's order after the scores (dV waited for before dK is issued, dQ before its store)."""
     from fa_backend.kernels.cute import flash_bwd
 
     ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 64, causal, bottom_right, wgs=2,
@@ -196,14 +196,22 @@ def test_tile128_d64_compiles_for_sm90a(shared_ptx, causal, bottom_right):
 
 
 @needs_ptxas
-def test_tile128_d64_keeps_wgmma_asynchronous(tmp_path, shared_ptx):
-    """No C75xx serialisation at 128 rows (ptxas spills 20-24 bytes here: docs/perf-log.md)."""
+@pytest.mark.parametrize("causal,bottom_right,key_mask", [(False, False, False), (True, True, False),
+                                                          (False, False, True)])
+def test_tile128_d64_keeps_wgmma_asynchronous(tmp_path, shared_ptx, causal, bottom_right, key_mask):
+    """No C75xx serialisation at 128 rows, where the LSE and delta come by warp shuffles (flash_bwd._held_rows:
+    the unpredicated exp2s in the kernel's own order made ptxas serialise the wgmmas), and no spill without a
+    causal mask (20 bytes before; causal: at most 8)."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 64, False, False, wgs=2, warp_specialized=True,
-                     tile_m=128)
+    masked = {"key_mask": True, "pointer_args": True} if key_mask else {}  # the key-mask build takes pointers
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 64, causal, bottom_right, wgs=2,
+                     warp_specialized=True, tile_m=128, **masked)
     report = ptxas_report(ptx, tmp_path)
     assert not re.findall(r"C75\d\d", report), report
+    assert ptx.count("shfl.sync.idx") >= 2 * 2 * 128 // 8, "the rows' LSE / delta are not shuffled"
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) <= (8 if causal else 0), report
 
 
 @pytest.mark.parametrize("causal", [True])
