@@ -229,10 +229,13 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
                                  "per call than our CuTe runner"),
     # MHA at d=64 / 128 (docs/benchmarks.md, "Three consumers in ping-pong", scripts/bench_cute.py, H200, torch 2.11,
     # bf16, seqlen 2k / 8k, two device calls of the nineteenth session, the op's variants): the CuTe forward at d=64
-    # 1.02-1.04x cuDNN's (2k) and 1.12-1.14x (8k) without a causal mask, 0.90-0.96x and 1.05-1.06x with one; its
-    # backward 0.99-1.03x cuDNN's (twenty-first session), a training step about on par: calls with gradients stay on
-    # cuDNN, and so do calls without them where our forward was not measured faster (below 2k tokens: not timed;
-    # causal ones below 8k until the twenty-fifth session, see below).
+    # 1.02-1.04x cuDNN's (2k) and 1.12-1.14x (8k) without a causal mask, 0.90-0.96x and 1.05-1.06x with one (1.04-1.15x
+    # at 2k-16k, causal and not, in the twenty-eighth session's run). Its backward was 0.99-1.03x cuDNN's until the
+    # twenty-eighth session (LSE / delta by warp shuffles): 1.07-1.12x at 2k-16k, and a routed training step with our
+    # kernels forced 1.10-1.13x routing off (cuDNN) at 2k / 4k / 8k, causal and not (docs/benchmarks.md, "The d=64
+    # backward's rows by warp shuffles"): d=64 calls from 2k tokens run ours with gradients too; shorter ones, with
+    # gradients or without, were not timed and stay on cuDNN (and causal ones below 8k without gradients until the
+    # twenty-fifth session, see below).
     # d=128 (docs/benchmarks.md, "The backward's rows once per column, the forward's masked blocks apart", twenty-first
     # session, 2026-12-02): forward 0.99-1.00x cuDNN's at 2k and 1.04x at 8k without a causal mask, 1.04x / 1.11x with
     # one; backward through the op 1.05x / 1.08x causal, 1.04x / 0.97x without (the kernel alone 1.05-1.06x). Causal
@@ -241,8 +244,9 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     # were not timed.
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64}), grad_only=True,
-               evidence="H200, torch 2.11, bf16, d=64, seqlen 2k / 8k: our CuTe backward 0.99-1.03x cuDNN's, a "
-                        "training step about on par"),
+               max_seqlen_q=2047,
+               evidence="H200, torch 2.11, bf16, d=64: our CuTe backward not timed below 2k tokens (from 2k, where "
+                        "ours runs: backward 1.07-1.12x cuDNN's, a training step 1.10-1.13x)"),
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({128}), grad_only=True,
                non_causal_only=True,

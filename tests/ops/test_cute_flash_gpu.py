@@ -283,23 +283,25 @@ def test_routed_plain_call_prefers_cudnn(clean, d, causal):
 
 
 @pytest.mark.parametrize("grad", [True, False])
-def test_routed_causal_d128_call_runs_cute_from_2k_tokens(clean, cute_backward, grad):
-    """Causal MHA at d=128 from 2k tokens: the CuTe forward and backward were measured faster than cuDNN's, so the
-    routed call runs ours, with gradients through the CuTe backward; at 1k tokens (not timed) cuDNN keeps it."""
+@pytest.mark.parametrize("d,causal", [(128, True), (64, True), (64, False)])
+def test_routed_mha_call_runs_cute_from_2k_tokens(clean, cute_backward, grad, d, causal):
+    """MHA from 2k tokens, causal at d=128 and both ways at d=64: the CuTe forward and backward were measured faster
+    than cuDNN's (a training step too), so the routed call runs ours, with gradients through the CuTe backward; at 1k
+    tokens (not timed) cuDNN keeps it."""
     from fa_backend.ops import cute_flash_attention
 
-    q, k, v = _qkv(2, 16, 16, 2048, 2048, 128, grad=grad)
-    direct = cute_flash_attention(q, k, v, None, True)[0]
+    q, k, v = _qkv(2, 16, 16, 2048, 2048, d, grad=grad)
+    direct = cute_flash_attention(q, k, v, None, causal)[0]
     fa_backend.reset_stats()
     with fa_backend.enabled():
-        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         if grad:
             routed.sum().backward()
         assert fa_backend.stats()["runs"] == {"cute": 1}
         assert torch.equal(routed, direct) and len(cute_backward) == int(grad)
         fa_backend.reset_stats()
         short = [t[:, :, :1024].detach().requires_grad_(grad) for t in (q, k, v)]
-        F.scaled_dot_product_attention(*short, is_causal=True)
+        F.scaled_dot_product_attention(*short, is_causal=causal)
     assert fa_backend.stats()["runs"] == {"torch": 1}
     assert not grad or not q.grad.isnan().any()
 
