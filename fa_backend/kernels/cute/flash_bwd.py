@@ -94,13 +94,13 @@ def _transposed(t: cute.Tensor) -> cute.Tensor:
 
 
 
-# The rows' LSE and delta by warp shuffles (FA4's shuffle_LSE; flash_bwd_ws's 128-row steps at d=64). In an S^T
-# accumulator (m64n128: keys as rows) a thread's 32 query columns are 8k + 2 (lane % 4) + {0, 1}, k < 16, the same
-# for the eight lanes of one lane % 4. Each lane holds the (LSE, delta) of four of them for the step instead: columns
-# 8k + 2 (lane % 4) + {0, 1} with k in {2 (lane // 4), 2 (lane // 4) + 1}, two 16-byte reads (sRows keeps a row's
-# LSE and delta side by side), and every column's value comes from its holder by one shuffle: 8 registers a thread
-# and no address per read, where reading per score cost ~180 IMAD and ~160 LDS / LDC per step at d=64, and 64 values
-# held per thread did not fit beside the accumulators.
+# The rows' LSE and delta by warp shuffles (FA4's shuffle_LSE; flash_bwd_ws's 80- and 128-row steps). In an S^T
+# accumulator (m64nN: keys as rows) a thread's 2N / 8 query columns are 8k + 2 (lane % 4) + {0, 1}, k < N / 8, the
+# same for the eight lanes of one lane % 4. Each lane holds the (LSE, delta) of up to four of them for the step
+# instead: columns 8k + 2 (lane % 4) + {0, 1} with k in {2 (lane // 4), 2 (lane // 4) + 1} at 128 rows, in
+# {lane // 4, lane // 4 + 8} at fewer, two 16-byte reads (sRows keeps a row's LSE and delta side by side), and every
+# column's value comes from its holder by one shuffle: 8 registers a thread and no address per read, where reading per score cost ~180 IMAD and ~160 LDS / LDC per step at d=64, and 64
+# values held per thread did not fit beside the accumulators.
 def _column_value(c: int, h: int) -> int:
     """The accumulator index of a thread's distinct query column c (of 2 * tile_m / 8) in row half h."""
     return (c % 2) + 2 * h + 4 * (c // 2)
@@ -112,16 +112,22 @@ def _shuffled_columns(held: cute.Tensor, which: int, tScS0: cute.Tensor, columns
     lane = cute.arch.lane_idx()
     for c in range(columns):
         pair = (_column_value(c, 0), _column_value(c, 1))
-        yield pair, _shuffled_row(held, which, tScS0[pair[0]][1], lane)
+        yield pair, _shuffled_row(held, which, tScS0[pair[0]][1], lane, 8 * columns // 2)
 
 
 @cute.jit
-def _held_rows(sRows: cute.Tensor, stage: Int32, lane: Int32) -> cute.Tensor:
+def _held_rows(sRows: cute.Tensor, stage: Int32, lane: Int32, rows: cutlass.Constexpr) -> cute.Tensor:
     """This lane's (LSE, delta) values of the step in sRows[:, :, stage] ((2, rows, stages) fp32, a row's two values
-    adjacent): index 4 j + 2 c + w holds value w of row 8 (2 (lane // 4) + j) + 2 (lane % 4) + c."""
+    adjacent; rows 128, or a multiple of 8 from 72 to 120): index 4 j + 2 c + w holds value w of row 8 k_j +
+    2 (lane % 4) + c, k_j = 2 (lane // 4) + j at 128 rows, else lane // 4 + 8 j (a k_j past the rows reads the last
+    two rows instead, which no shuffle asks of this lane)."""
     held = cute.make_rmem_tensor((8,), Float32)
     for j in cutlass.range_constexpr(2):
         row = 8 * (2 * (lane // 4) + j) + 2 * (lane % 4)
+        if cutlass.const_expr(rows != 128):
+            row = 8 * (lane // 4 + 8 * j) + 2 * (lane % 4)
+            if cutlass.const_expr(j == 1):
+                row = cutlass.min(row, Int32(rows - 2))  # in bounds: rows - 2 and rows - 1
         src = cute.make_tensor((sRows.iterator + cute.crd2idx((0, row, stage), sRows.layout)).align(16),
                                cute.make_layout(4))
         dst = cute.make_tensor(held.iterator + 4 * j, cute.make_layout(4))
@@ -130,11 +136,14 @@ def _held_rows(sRows: cute.Tensor, stage: Int32, lane: Int32) -> cute.Tensor:
 
 
 @cute.jit
-def _shuffled_row(held: cute.Tensor, which: cutlass.Constexpr, column0: cutlass.Constexpr, lane: Int32) -> Float32:
+def _shuffled_row(held: cute.Tensor, which: cutlass.Constexpr, column0: cutlass.Constexpr, lane: Int32,
+                  rows: cutlass.Constexpr) -> Float32:
     """Value `which` (0: LSE, 1: delta) of the column thread 0 has at column0 (8k + c), for this lane's column
     8k + 2 (lane % 4) + c, shuffled from the lane that holds it (_held_rows)."""
     k, c = column0 // 8, column0 % 8
-    return cute.arch.shuffle_sync(held[4 * (k % 2) + 2 * c + which], (k // 2) * 4 + lane % 4)
+    if cutlass.const_expr(rows == 128):
+        return cute.arch.shuffle_sync(held[4 * (k % 2) + 2 * c + which], (k // 2) * 4 + lane % 4)
+    return cute.arch.shuffle_sync(held[4 * (k // 8) + 2 * c + which], (k % 8) * 4 + lane % 4)
 
 
 class FlashBackwardSm90(ForwardVariant):

@@ -100,12 +100,13 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # instructions per step and thread at d=128 against 546 so); unpredicated at d=64's 128-row steps it
         # serialised the wgmmas for registers (C7512)
         self.column_reads = tile_m == TILE_M
-        # 128-row steps (d=64): the same unpredicated form, the LSE and delta by warp shuffles from 8 values a lane
+        # 80- and 128-row steps: the same unpredicated form, the LSE and delta by warp shuffles from 8 values a lane
         # holds per step (flash_bwd._held_rows), and FA4's order of the step's later half (P^T converted before dP^T
         # is waited for, dV issued after the dS^T stores, dQ then dK each behind one wait): 1508 -> 1172 SASS
-        # instructions in the loop, and no spill (was 20 bytes); the unpredicated form in this kernel's own order
-        # made ptxas serialise the wgmmas for registers (C7512)
-        self.shuffle_rows = tile_m == 128
+        # instructions in the d=64 loop and 1324 -> 1167 at 80 rows, without their spills (20 and 12 bytes); the
+        # unpredicated form in this kernel's own order, or the 80 rows' columns held in registers, made ptxas
+        # serialise the wgmmas for registers (C7512)
+        self.shuffle_rows = tile_m != TILE_M
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
         self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
         # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
@@ -458,7 +459,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 read_backward_bits(drop[1], drop[0], step, wg * THREADS + wt, bits)
             held = None
             if cutlass.const_expr(self.shuffle_rows):
-                held = _held_rows(sRows, rows, cute.arch.lane_idx())
+                held = _held_rows(sRows, rows, cute.arch.lane_idx(), self.tile_m)
             self._p_only(acc_s, tScS, sRows, rows, scale_log2, key0, seqlen_k, row0, offset, keep, tScS0=tScS0,
                          column_reads=self.column_reads, held=held)
             if cutlass.const_expr(self.key_mask):

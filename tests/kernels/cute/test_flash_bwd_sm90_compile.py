@@ -166,17 +166,20 @@ def test_tile80_compiles_for_sm90a(shared_ptx, causal, bottom_right):
 
 
 @needs_ptxas
-def test_tile80_keeps_wgmma_asynchronous(tmp_path, shared_ptx):
-    """With 80-row steps the scores' accumulators take 80 registers: in the 64-row order (dV issued before dS^T,
-    dK in flight into the next step) ptxas serialised every wgmma (C7512); the lean order it uses keeps them
-    asynchronous. ptxas still spills a few registers (12-28 bytes: docs/perf-log.md), so only the C75xx notes
-    are checked."""
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+def test_tile80_keeps_wgmma_asynchronous(tmp_path, shared_ptx, causal, bottom_right):
+    """With 80-row steps the scores' accumulators take 80 registers: the rows' LSE / delta come by warp shuffles
+    (20 columns a thread, 40 shuffles a step) in FA4's order, and ptxas keeps the wgmmas asynchronous without
+    spilling (the per-score reads spilled 12-28 bytes; the columns held in registers serialised the wgmmas)."""
     from fa_backend.kernels.cute import flash_bwd
 
-    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, False, False, wgs=2, warp_specialized=True,
-                     tile_m=80)
+    ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, bottom_right, wgs=2,
+                     warp_specialized=True, tile_m=80)
     report = ptxas_report(ptx, tmp_path)
     assert not re.findall(r"C75\d\d", report), report
+    assert ptx.count("shfl.sync.idx") >= 2 * 2 * 80 // 8, "the rows' LSE / delta are not shuffled"
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) == 0, report
 
 
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
