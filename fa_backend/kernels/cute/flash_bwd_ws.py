@@ -420,10 +420,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         the end of its step (only then is the step's Q / dO stage released, dK's Q^T being its last reader).
         FA3's order (dV issued before dS^T is computed, step - 1's dK in flight into the next step) kept P^T or
         dS^T live beside the scores' accumulators, and ptxas serialised every wgmma for want of registers (C7512)
-        with 80- and 128-row steps, and with 64 rows once the reads were unpredicated (column_reads). With 128 rows
-        (d=64, shuffle_rows) the later half is FA4's own: P^T converted while dP^T is in flight, dS^T to shared
+        with 80- and 128-row steps, and with 64 rows once the reads were unpredicated (column_reads). With 80 and 128
+        rows (shuffle_rows) the later half is FA4's own: P^T converted while dP^T is in flight, dS^T to shared
         memory, then dV, dQ (dV waited for: with dV, dQ and dK in flight together ptxas spilled 104-132 bytes) and
-        dK (dQ waited for)."""
+        dK (dQ waited for). (No dropout there: its keep select on P^T comes after dS^T, 64-row steps only.)"""
         wgs = self.wgs
         tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, tQrdS, tQrKt, tScS, tKcK, tQcQ, a_layout, store_ds, tDSsdS = f
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QDO_STAGES)
