@@ -13,7 +13,8 @@ apache-tvm-ffi installed, e.g. with pip install --no-deps --target DIR and DIR o
 
     FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a FLASH_ATTENTION_NUM_SMS=132 CUTE_DSL_KEEP_PTX=1 \\
       CUTE_DSL_KEEP_CUBIN=1 CUTE_DSL_DUMP_DIR=/tmp/fa4 python scripts/sass_loops.py fa4-bwd --d 64
-    ptxas -arch=sm_90a -v /tmp/fa4/*bwd_sm90*.ptx -o /tmp/fa4/bwd.cubin && python scripts/sass_loops.py cubin /tmp/fa4/bwd.cubin
+    ptxas -arch=sm_90a -v /tmp/fa4/*bwd_sm90*.ptx -o /tmp/fa4/bwd.cubin
+    python scripts/sass_loops.py cubin /tmp/fa4/bwd.cubin
 
 Needs ptxas (the CUDA toolkit's on PATH, else Triton's) and cuobjdump (Triton's wheel ships one).
 """

@@ -93,14 +93,14 @@ def _transposed(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, *range(2, cute.rank(t.layout))]))
 
 
-
 # The rows' LSE and delta by warp shuffles (FA4's shuffle_LSE; flash_bwd_ws's 80- and 128-row steps). In an S^T
 # accumulator (m64nN: keys as rows) a thread's 2N / 8 query columns are 8k + 2 (lane % 4) + {0, 1}, k < N / 8, the
 # same for the eight lanes of one lane % 4. Each lane holds the (LSE, delta) of up to four of them for the step
 # instead: columns 8k + 2 (lane % 4) + {0, 1} with k in {2 (lane // 4), 2 (lane // 4) + 1} at 128 rows, in
 # {lane // 4, lane // 4 + 8} at fewer, two 16-byte reads (sRows keeps a row's LSE and delta side by side), and every
-# column's value comes from its holder by one shuffle: 8 registers a thread and no address per read, where reading per score cost ~180 IMAD and ~160 LDS / LDC per step at d=64, and 64
-# values held per thread did not fit beside the accumulators.
+# column's value comes from its holder by one shuffle: 8 registers a thread and no address per read, where reading
+# per score cost ~180 IMAD and ~160 LDS / LDC per step at d=64, and 64 values held per thread did not fit beside the
+# accumulators.
 def _column_value(c: int, h: int) -> int:
     """The accumulator index of a thread's distinct query column c (of 2 * tile_m / 8) in row half h."""
     return (c % 2) + 2 * h + 4 * (c // 2)
@@ -112,7 +112,7 @@ def _shuffled_columns(held: cute.Tensor, which: int, tScS0: cute.Tensor, columns
     lane = cute.arch.lane_idx()
     for c in range(columns):
         pair = (_column_value(c, 0), _column_value(c, 1))
-        yield pair, _shuffled_row(held, which, tScS0[pair[0]][1], lane, 8 * columns // 2)
+        yield pair, _shuffled_row(held, which, tScS0[pair[0]][1], lane, 4 * columns)  # 2 columns per 8 rows
 
 
 @cute.jit
@@ -597,8 +597,9 @@ class FlashBackwardSm90(ForwardVariant):
         if-converted and the unconditional form made ptxas serialise its wgmmas for registers). `column_reads`
         (flash_bwd_ws's 64-row steps, with tScS0, in FA4's order: dS^T before dV is issued): hidden scores to -inf and
         every exp2 unpredicated, the LSE read once per column of the thread (_column_rows): no address recomputed
-        per score, and no C7512 in that order. `held` (flash_bwd_ws's 128-row steps, with tScS0: _held_rows): the
-        same unpredicated form, each column's LSE taken by a warp shuffle from the lane that holds it."""
+        per score, and no C7512 in that order. `held` (flash_bwd_ws's 80- and 128-row steps, with tScS0:
+        _held_rows): the same unpredicated form, each column's LSE taken by a warp shuffle from the lane that holds
+        it."""
         first_q = None
         if cutlass.const_expr(tScS0 is not None):
             # per row half (one key each): the first query column, counted from this thread's first, that sees the key
