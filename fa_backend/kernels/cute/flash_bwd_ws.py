@@ -147,7 +147,13 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         sdS = smem.allocate_tensor(self.dtype, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
         sdQ = smem.allocate_tensor(Float32, cute.make_layout(self.tile_m * d), byte_alignment=128)  # _dq_slot order
         # each query row's (LSE in log2 units, delta) side by side, for this step and the next
-        sRows = smem.allocate_tensor(Float32, cute.make_layout((2, self.tile_m, 2)), byte_alignment=16)
+        # (LSE, delta) of a row side by side (the 80- / 128-row steps read both at once), or with column_reads one
+        # plane per statistic (one 8-byte read per two adjacent rows of one: 16 reads a step instead of 32); not
+        # with dropout, whose causal builds then spilled 4 bytes
+        planes = self.column_reads and not self.dropout
+        rows_layout = cute.make_layout((2, self.tile_m, 2)) if cutlass.const_expr(not planes) else \
+            cute.make_layout((2, self.tile_m, 2), stride=(self.tile_m, 1, 2 * self.tile_m))
+        sRows = smem.allocate_tensor(Float32, rows_layout, byte_alignment=16)
         drop = None  # dropout: (bits' barriers, bits, the (seed, offset) pair, threshold, 1 / (1 - p))
         if cutlass.const_expr(self.dropout):
             bars_bits = smem.allocate_array(cutlass.Int64, 2 * BITS_STAGES)  # full, then empty, per stage

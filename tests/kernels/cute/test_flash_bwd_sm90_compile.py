@@ -271,15 +271,16 @@ def test_two_warpgroups_wgmmas_stay_asynchronous(tmp_path, dq_buffer):
 @pytest.mark.parametrize("causal", [False, True])
 def test_64_row_steps_read_each_columns_rows_once(tmp_path, shared_ptx, causal):
     """The op's d=128 backward (64-row steps, FlashBackwardSm90WS.column_reads): the step's LSE and delta are read
-    once per query column of the thread from one base address (LLVM then loads each adjacent pair of columns' LSE
-    and delta, 16 bytes, with one ld.shared.v4: 8 per step), hidden scores go to -inf before an unpredicated exp2
+    once per query column of the thread, one plane per statistic, each adjacent pair of columns with one 8-byte
+    ld.shared.v2 (8 per statistic and step; interleaved (LSE, delta) rows made 8 ld.shared.v4 in the PTX that ptxas
+    split into 32 scalar LDS), hidden scores go to -inf before an unpredicated exp2
     (one select per score), and ptxas keeps the wgmmas asynchronous without spills. (Read by runtime column under
     each score's predicate: 48 scalar loads, the addresses recomputed in the SASS each time, 686 instructions per
     step against 546.)"""
     from fa_backend.kernels.cute import flash_bwd
 
     ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, False, wgs=2, warp_specialized=True)
-    assert ptx.count("ld.shared.v4.b32") == 8
+    assert ptx.count("ld.shared.v2.b32") == 16 and "ld.shared.v4" not in ptx
     selects = re.findall(r"selp\.f32\s+%r\d+, (?:%r\d+, 0fFF800000|0fFF800000, %r\d+), %p\d+;", ptx)
     assert len(selects) == ptx.count("ex2.approx") == 32
     report = ptxas_report(ptx, tmp_path)
