@@ -55,6 +55,8 @@ TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (th
 PRODUCER_REGS = 24
 MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512: the pool of 384 threads launched with 168 registers each
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
+ROW_WARPS = (2, 3)  # rows_by_producer: the producer warpgroup's warps that load the rows (0 loads Q / dO, 1 writes dQ)
+ROW_STAGES = 2  # sRows' stages
 EPILOGUE_BARRIER = 2  # named barriers 2 and 3: an MMA warpgroup's dK / dV rows are in shared memory (tma_store)
 
 
@@ -107,6 +109,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # unpredicated form in this kernel's own order, or the 80 rows' columns held in registers, made ptxas
         # serialise the wgmmas for registers (C7512)
         self.shuffle_rows = tile_m != TILE_M
+        # 64-row steps without dropout: two producer warps (ROW_WARPS, idle there) load each step's LSE / delta rows
+        # into sRows behind full / empty mbarriers (FA4 leaves them to its producer too), instead of the last MMA
+        # warpgroup's first 64 threads loading, converting and storing them inside the step
+        self.rows_by_producer = self.column_reads and not dropout
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
         self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
         # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
@@ -139,6 +145,9 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         bar_kv = smem.allocate_array(cutlass.Int64, 1)  # K and V have landed
         bars_qdo = smem.allocate_array(cutlass.Int64, 2 * QDO_STAGES)  # full and empty barrier per Q / dO stage
         bar_dq = smem.allocate_array(cutlass.Int64, 2)  # 0: the dQ block is stored, 1: its bulk add has read it
+        bars_rows = None
+        if cutlass.const_expr(self.rows_by_producer):  # full, then empty, per sRows stage
+            bars_rows = smem.allocate_array(cutlass.Int64, 2 * ROW_STAGES)
         # 1024-byte alignment: the swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
         sK = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(self.dtype, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
@@ -173,6 +182,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             cute.arch.mbarrier_init(bar_kv, 1)
             cute.arch.mbarrier_init(bar_dq, wgs * THREADS)  # every MMA thread arrives once its dQ values are stored
             cute.arch.mbarrier_init(bar_dq + 1, 1)  # the dQ writer's lane, once the bulk add has read the block
+            if cutlass.const_expr(self.rows_by_producer):
+                for st in cutlass.range_constexpr(ROW_STAGES):
+                    cute.arch.mbarrier_init(bars_rows + st, self.tile_m)  # every row-loading thread
+                    cute.arch.mbarrier_init(bars_rows + ROW_STAGES + st, wgs * THREADS)  # every MMA thread
             if cutlass.const_expr(self.dropout):
                 for st in cutlass.range_constexpr(BITS_STAGES):
                     cute.arch.mbarrier_init(drop[0] + st, 32 * len(BITS_WARPS))  # every drawing thread
@@ -197,6 +210,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             if warp == 0:
                 self._produce(tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, sK, sV, sQ, sdO, bar_kv, pipe, n_block,
                               head_kv, batch, group, m_start, n_m, steps)
+            if cutlass.const_expr(self.rows_by_producer):
+                if warp >= ROW_WARPS[0]:
+                    self._load_rows(mLSE, mDelta, sRows, bars_rows, tidx - 32 * ROW_WARPS[0], head_kv, batch, group,
+                                    m_start, n_m, steps)
             if warp == 1:
                 self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps, n_block, mWords)
             if cutlass.const_expr(self.dropout):
@@ -208,7 +225,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             self._mma(own_copy(mma_ss), own_copy(mma_rs), own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
                       bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
                       n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords, drop,
-                      (tma_dk, tma_dv))
+                      (tma_dk, tma_dv), bars_rows)
 
     @cute.jit
     def _longest_first(self, n_block: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32, group: Int32):
@@ -330,7 +347,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
              mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, scale: Float32, wg: Int32,
              wt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
              m_start: Int32, n_m: Int32, steps: Int32, mWords: cute.Tensor = None, drop: tuple = None,
-             tma_atoms: tuple = (None, None)):
+             tma_atoms: tuple = (None, None), bars_rows: cute.Pointer = None):
         """MMA warpgroup wg (thread wt of it): FlashBackwardSm90's step with two warpgroups, its loads, row copies and
         dQ adds left to the producer warpgroup. tma_atoms: dK's and dV's TMA store atoms (tma_store)."""
         wgs = self.wgs
@@ -342,7 +359,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         mma_rs.set(warpgroup.Field.ACCUMULATE, True)
         self._mma_loop(mma_ss, mma_rs, mma_dq, f, acc_s, acc_dp, acc_dk, acc_dv, acc_dq, sdQ, sRows, bar_dq, pipe,
                        mLSE, mDelta, scale_log2, wt, key0, row_loader, head_kv, batch, group, seqlen_k, offset,
-                       m_start, n_m, steps, wg, mWords, drop)
+                       m_start, n_m, steps, wg, mWords, drop, bars_rows)
         dv_scale = drop[4] if cutlass.const_expr(self.dropout) else None  # 1 / (1 - p)
         if cutlass.const_expr(self.tma_store):
             self._store_dkdv_tma(mma_rs, sK, sV, mdK, mdV, tma_atoms, acc_dk, acc_dv, scale, dv_scale,
@@ -380,6 +397,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         tile_m threads, the row loaders, load them, and each later step's a step ahead), the MMA warpgroups' barrier,
         then the wait for K and V. Returns whether this thread is a row loader."""
         row_loader = (wg == self.wgs - 1) & (wt < self.tile_m)
+        if cutlass.const_expr(self.rows_by_producer):
+            row_loader = False  # the producer's ROW_WARPS load every step's rows (_load_rows)
         if steps > 0:
             if row_loader:
                 row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group,
@@ -405,6 +424,22 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         return next_lse, next_delta
 
     @cute.jit
+    def _load_rows(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sRows: cute.Tensor, bars: cute.Pointer, gt: Int32,
+                   head_kv: Int32, batch: Int32, group: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+        """rows_by_producer: row-loading thread gt (0 ... tile_m - 1) puts row gt's (LSE in log2 units, delta) of
+        every step into sRows stage step % ROW_STAGES, once the MMA threads released it, then arrives on its full
+        barrier; the global loads are issued before the wait."""
+        for step in cutlass.range(steps, unroll=1):
+            stage = step % ROW_STAGES
+            row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group + step // n_m,
+                                            self._m_block(m_start, n_m, step) * self.tile_m + gt, batch)
+            if step >= ROW_STAGES:
+                cute.arch.mbarrier_wait(bars + ROW_STAGES + stage, (step // ROW_STAGES - 1) % 2)
+            sRows[0, gt, stage] = self._lse_log2(row_lse)
+            sRows[1, gt, stage] = row_delta
+            cute.arch.mbarrier_arrive(bars + stage)
+
+    @cute.jit
     def _issue_dv(self, mma_rs: cute.TiledMma, acc_dv: cute.Tensor, t_p: cute.Tensor, tVrdOt: cute.Tensor,
                   stage: Int32):
         """dV += P^T dO (P^T from registers) as one committed wgmma group."""
@@ -420,7 +455,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                   pipe: cutlass.Constexpr, mLSE: cute.Tensor, mDelta: cute.Tensor, scale_log2: Float32, wt: Int32,
                   key0: Int32, row_loader, head_kv: Int32, batch: Int32, group: Int32, seqlen_k: Int32, offset: Int32,
                   m_start: Int32, n_m: Int32, steps: Int32, wg: Int32, mWords: cute.Tensor = None,
-                  drop: tuple = None):
+                  drop: tuple = None, bars_rows: cute.Pointer = None):
         """The MMA warpgroup's steps (FA4's order; wgmma groups retire in commit order): S^T | dP^T -> P^T (dP^T in
         flight) -> dS^T -> dV -> dS^T to shared memory -> dQ | dK -> the dQ block to shared memory, dK waited for at
         the end of its step (only then is the step's Q / dO stage released, dK's Q^T being its last reader).
@@ -450,8 +485,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         for step in cutlass.range(steps, unroll=1):
             rows = step % 2
             row0 = self._m_block(m_start, n_m, step) * self.tile_m
-            next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
-                                                   n_m, wt, batch)
+            next_lse, next_delta = Float32(0.0), Float32(0.0)
+            if cutlass.const_expr(not self.rows_by_producer):
+                next_lse, next_delta = self._next_rows(mLSE, mDelta, row_loader, step, steps, head_kv, group, m_start,
+                                                       n_m, wt, batch)
             pipe.consumer_wait(state)
             stage = state.index
 
@@ -463,6 +500,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             warpgroup.wait_group(1)  # S^T
             if cutlass.const_expr(self.dropout):
                 read_backward_bits(drop[1], drop[0], step, wg * THREADS + wt, bits)
+            if cutlass.const_expr(self.rows_by_producer):
+                cute.arch.mbarrier_wait(bars_rows + rows, (step // ROW_STAGES) % 2)
             held = None
             if cutlass.const_expr(self.shuffle_rows):
                 held = _held_rows(sRows, rows, cute.arch.lane_idx(), self.tile_m)
@@ -484,6 +523,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                     acc_dp[i] = cutlass.select_(backward_keep(bits, *tScS0[i]), acc_dp[i], Float32(0.0))
             self._ds_only(acc_s, acc_dp, tScS, sRows, rows, tScS0 if self.column_reads or self.shuffle_rows else None,
                           dp_scale=drop[4] if self.dropout else None, held=held)
+            if cutlass.const_expr(self.rows_by_producer):
+                cute.arch.mbarrier_arrive(bars_rows + ROW_STAGES + rows)  # the step's last read of sRows
             if cutlass.const_expr(self.dropout):
                 # dV takes the dropped P^T (scaled in the epilogue): selected in fp32, in place (P^T has no later
                 # reader), so that the conversion packs pairs (a select per bf16 value cost a SEL, an F2FP and half
@@ -500,9 +541,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             # one barrier per step: both dS tiles are in (each warpgroup's dQ GEMM reads both), the rows are
             # published, and both warpgroups are past step - 1's dQ GEMM, the last reader of the tiles written next
             ds_tile0 = (step % 2) * wgs
-            if row_loader:
-                sRows[0, wt, 1 - rows] = self._lse_log2(next_lse)
-                sRows[1, wt, 1 - rows] = next_delta
+            if cutlass.const_expr(not self.rows_by_producer):
+                if row_loader:
+                    sRows[0, wt, 1 - rows] = self._lse_log2(next_lse)
+                    sRows[1, wt, 1 - rows] = next_delta
             cute.copy(store_ds, store_ds.get_slice(wt).retile(r_ds), tDSsdS[None, None, None, ds_tile0 + wg])
             if cutlass.const_expr(self.shuffle_rows):
                 self._issue_dv(mma_rs, acc_dv, t_p, tVrdOt, stage)
