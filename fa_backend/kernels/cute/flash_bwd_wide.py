@@ -87,6 +87,7 @@ class FlashBackwardSm90Wide(FlashBackwardSm90WS):
         super().__init__(dtype, head_dim, causal, bottom_right, TILE_M, key_mask=key_mask,
                          deterministic=deterministic, tma_store=tma_store)
         self.head_dim_v = dv
+        self.rows_by_producer = False  # this kernel's own loop: its MMA warpgroups load the rows themselves
         self.key_tiles = 1  # one 64-key tile per CTA, shared by both MMA warpgroups
         self.qdo_stages = QDO_STAGES[head_dim]
         self.cols = head_dim // self.wgs  # each MMA warpgroup's columns of dK and the dQ block
