@@ -56,6 +56,11 @@ def _wide(block_n, kw, q, k, v, causal):
     return flash_fwd_ws(q, k, v, causal=causal, block_n=block_n, **kw)
 
 
+def _stages(kv_stages, kw, q, k, v, causal):
+    """flash_fwd_ws with a K / V ring kv_stages deep (ValueError, a skipped cell, where it does not fit)."""
+    return flash_fwd_ws(q, k, v, causal=causal, kv_stages=kv_stages, **kw)
+
+
 def _flops(b, h, s, d, causal):
     return 4 * b * h * s * s * d / (2 if causal else 1)
 
@@ -108,6 +113,11 @@ def main() -> None:
     for n in (160, 176, 192, 256):
         wide[f"cute_ws_overlap_n{n}"] = functools.partial(_wide, n, dict(overlap=True))
         wide[f"cute_ws_pingpong_n{n}"] = functools.partial(_wide, n, dict(pingpong=True))
+    # deeper K / V rings (kv_stages; FlashForwardSm90WS has KV_STAGES = 2), timed only when named: e.g.
+    # cute_ws_3wg_pingpong_s3 (d=64's 192-row tiles fit four stages, d=128's two)
+    for st in (3, 4):
+        wide[f"cute_ws_3wg_pingpong_s{st}"] = functools.partial(_stages, st, dict(consumers=3, pingpong=True))
+        wide[f"cute_ws_overlap_s{st}"] = functools.partial(_stages, st, dict(overlap=True))
     if args.runners:
         runners = {n: f for n, f in {**runners, **wide}.items() if n in args.runners}
     peers = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}

@@ -94,10 +94,11 @@ PINGPONG_BARRIER = 1  # named barriers 1 .. consumers (0 is __syncthreads'): one
 PERSISTENT_CTAS = 132  # persistent variants: CTAs launched at most (one per SM of an H100 / H200, 1 CTA per SM)
 
 
-def _smem_bytes(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, q_buffers: int = 1) -> int:
-    """Shared memory of a 16-bit variant: q_buffers Q tiles (2 for persistent variants), KV_STAGES K and V stages,
+def _smem_bytes(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, q_buffers: int = 1,
+                kv_stages: int = KV_STAGES) -> int:
+    """Shared memory of a 16-bit variant: q_buffers Q tiles (2 for persistent variants), kv_stages K and V stages,
     alignment padding and barriers."""
-    return 2 * (q_buffers * tile_m * head_dim + KV_STAGES * tile_n * (head_dim + head_dim_v)) + 4 * 1024
+    return 2 * (q_buffers * tile_m * head_dim + kv_stages * tile_n * (head_dim + head_dim_v)) + 4 * 1024
 
 
 def tile_n(head_dim: int, head_dim_v: int | None = None) -> int:
@@ -132,6 +133,21 @@ def _check_block_n(block_n: int | None, head_dim: int, head_dim_v: int | None, c
     if _smem_bytes(WG_M * consumers, block_n, head_dim, dv) > SMEM_LIMIT:
         raise ValueError(f"block_n={block_n} at head_dim={head_dim}, head_dim_v={dv}: the K / V stages do not fit "
                          "in shared memory")
+
+
+def _check_kv_stages(kv_stages: int | None, consumers: int, block_n: int | None, head_dim: int,
+                     head_dim_v: int | None, persistent: bool) -> None:
+    """ValueError unless `kv_stages` (K / V ring depth other than KV_STAGES) is 2 to 4 and its stages fit in shared
+    memory beside the Q tile(s)."""
+    if kv_stages is None:
+        return
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if kv_stages not in (2, 3, 4):
+        raise ValueError(f"kv_stages={kv_stages} (supported: 2, 3 or 4)")
+    n = block_n or tile_n(head_dim, dv)
+    if _smem_bytes(WG_M * consumers, n, head_dim, dv, 2 if persistent else 1, kv_stages) > SMEM_LIMIT:
+        raise ValueError(f"kv_stages={kv_stages} at head_dim={head_dim}, head_dim_v={dv} with {n}-key blocks: the "
+                         "K / V stages do not fit in shared memory")
 
 
 def _check_consumers(consumers: int, overlap: bool, pingpong: bool, persistent: bool = False,
@@ -182,9 +198,12 @@ class FlashForwardSm90WS(ForwardVariant):
     def __init__(self, dtype: type, head_dim: int, causal: bool, bottom_right: bool, overlap: bool = False,
                  pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
                  key_mask: bool = False, dropout: bool = False, head_dim_v: int | None = None,
-                 tma_store: bool | None = None, keep_bits: bool = False, block_n: int | None = None):
+                 tma_store: bool | None = None, keep_bits: bool = False, block_n: int | None = None,
+                 kv_stages: int | None = None):
         super().__init__(dtype, head_dim, causal, bottom_right, head_dim_v)
         _check_block_n(block_n, head_dim, head_dim_v, causal, key_mask, dropout, persistent, consumers)
+        _check_kv_stages(kv_stages, consumers, block_n, head_dim, head_dim_v, persistent)
+        self.kv_stages = kv_stages or KV_STAGES
         self.dropout = dropout
         # keep_bits: each draw's keep byte also goes to a buffer the backward reads (_dropout, "Saved keep bits")
         _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
@@ -232,11 +251,13 @@ class FlashForwardSm90WS(ForwardVariant):
         if cutlass.const_expr(self.key_mask):  # (b, hq, words) -> (words, h, b)
             words = cute.make_tensor(mWords.iterator, cute.select(mWords.layout, mode=[2, 1, 0]))
         mma_qk, mma_pv = make_tiled_mmas(self.dtype, WG_M, self.tile_n, d, dv)
-        # staged smem layouts: Q has one stage per consumer (its 64 rows) and Q tile, K and V KV_STAGES each
+        # staged smem layouts: Q has one stage per consumer (its 64 rows) and Q tile, K and V kv_stages each
         sQ_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype,
                                             self.consumers * self.q_buffers)
-        sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype, KV_STAGES)
-        sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, dv, self.tile_n), self.dtype, KV_STAGES)
+        sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_M, self.tile_n, d), self.dtype,
+                                            self.kv_stages)
+        sV_layout = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_M, dv, self.tile_n), self.dtype,
+                                            self.kv_stages)
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load, q, cute.slice_(sQ_layout, (None, None, 0)), (WG_M, d))
         n = self.tile_n
@@ -247,7 +268,7 @@ class FlashForwardSm90WS(ForwardVariant):
             sO_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_M, n, dv), self.dtype, 1)
             tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o,
                                                               cute.slice_(sO_layout, (None, None, 0)), (WG_M, dv))
-        smem_bytes = _smem_bytes(self.tile_m, n, d, dv, self.q_buffers)
+        smem_bytes = _smem_bytes(self.tile_m, n, d, dv, self.q_buffers, self.kv_stages)
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         if cutlass.const_expr(self.persistent):  # one CTA per SM, each walking tiles bid, bid + grid, ...
             grid = (cutlass.min(cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], PERSISTENT_CTAS),
@@ -318,8 +339,8 @@ class FlashForwardSm90WS(ForwardVariant):
         if cutlass.const_expr(self.persistent):
             # per Q tile: the consumers are done with it (their GEMMs, and with tma_store their O rows' store)
             bar_q_free = smem.allocate_array(cutlass.Int64, self.q_buffers)
-        bars_k = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)  # full and empty barrier per K stage
-        bars_v = smem.allocate_array(cutlass.Int64, 2 * KV_STAGES)
+        bars_k = smem.allocate_array(cutlass.Int64, 2 * self.kv_stages)  # full and empty barrier per K stage
+        bars_v = smem.allocate_array(cutlass.Int64, 2 * self.kv_stages)
         # 1024-byte alignment: the 128B swizzle pattern of the wgmma operand layouts repeats every 1024 bytes
         raw_q = None
         if cutlass.const_expr(self.tma_store):  # the Q stages hold the O rows on their way out
@@ -335,10 +356,10 @@ class FlashForwardSm90WS(ForwardVariant):
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumers * WG_THREADS // 32)
         stage_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
-        pipe_k = pipeline.PipelineTmaAsync.create(num_stages=KV_STAGES, producer_group=producer,
+        pipe_k = pipeline.PipelineTmaAsync.create(num_stages=self.kv_stages, producer_group=producer,
                                                   consumer_group=consumers, tx_count=stage_bytes,
                                                   barrier_storage=bars_k, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(num_stages=KV_STAGES, producer_group=producer,
+        pipe_v = pipeline.PipelineTmaAsync.create(num_stages=self.kv_stages, producer_group=producer,
                                                   consumer_group=consumers,
                                                   tx_count=self.tile_n * self.head_dim_v * self.dtype.width // 8,
                                                   barrier_storage=bars_v, defer_sync=True)
@@ -359,8 +380,8 @@ class FlashForwardSm90WS(ForwardVariant):
             # one whole warp produces: the DSL wraps each TMA copy and pipeline arrive in elect.sync over
             # all 32 lanes, which a single-thread branch would leave undefined
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
-                state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+                state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+                state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
                 if cutlass.const_expr(self.persistent):
                     first, _, _ = cute.arch.block_idx()
                     step, _, _ = cute.arch.grid_dim()
@@ -377,8 +398,8 @@ class FlashForwardSm90WS(ForwardVariant):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = warpgroup_idx - 1
-            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
             if cutlass.const_expr(self.pingpong):
                 if wg == 0:  # consumer 0 takes the first turn; the turns then go round, across tiles too
                     cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * WG_THREADS)
@@ -851,7 +872,7 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
                          pingpong: bool = False, consumers: int = CONSUMERS, pointer_args: bool = False,
                          persistent: bool = False, key_mask: bool = False, dropout: bool = False,
                          head_dim_v: int | None = None, tma_store: bool | None = None, keep_bits: bool = False,
-                         block_n: int | None = None) -> Any:
+                         block_n: int | None = None, kv_stages: int | None = None) -> Any:
     """Compile one warp-specialised variant for symbolic shapes and strides (any batch, heads, seqlens;
     hq % hkv == 0). The compiled function takes (q, k, v, o, lse, scale * log2(e), stream), as
     flash_fwd.compile_flash_fwd's. Cached per variant in _compile_cache.CACHE under its own kernel name
@@ -867,19 +888,21 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     `tma_store`: O through shared memory and one TMA store per consumer (suffix "_tmastore"; None: True, the
     default); `keep_bits` (dropout, 128-key blocks): the variant that also saves its keep decisions for
     the backward (_dropout, "Saved keep bits"; suffix "_keepbits"); `block_n`: keys per block where not
-    tile_n's (non-causal, no key mask or dropout: _check_block_n; the cache key's tile)."""
+    tile_n's (non-causal, no key mask or dropout: _check_block_n; the cache key's tile); `kv_stages`: the K / V
+    rings' depth where not KV_STAGES (_check_kv_stages; the cache key's tile)."""
     # before the cache: a bad request is not a build failure
     _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
     _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
     _check_persistent(persistent, consumers, head_dim, head_dim_v)
     _check_block_n(block_n, head_dim, head_dim_v, causal, key_mask, dropout, persistent, consumers)
+    _check_kv_stages(kv_stages, consumers, block_n, head_dim, head_dim_v, persistent)
     tma_store = _tma_store(tma_store)
     name, tile = _name_and_tile(overlap, pingpong, consumers, persistent, key_mask, head_dim, dropout, head_dim_v,
-                                tma_store, keep_bits, block_n)
+                                tma_store, keep_bits, block_n, kv_stages)
     return _compile_variant(functools.partial(FlashForwardSm90WS, overlap=overlap, pingpong=pingpong,
                                               consumers=consumers, persistent=persistent, key_mask=key_mask,
                                               dropout=dropout, tma_store=tma_store, keep_bits=keep_bits,
-                                              block_n=block_n),
+                                              block_n=block_n, kv_stages=kv_stages),
                             name, tile, dtype, head_dim, causal, bottom_right, arch, dump_dir, pointer_args,
                             key_mask=key_mask, head_dims=HEAD_DIMS, dropout=dropout, head_dim_v=head_dim_v,
                             head_dim_pairs=HEAD_DIM_V_PAIRS)
@@ -888,12 +911,13 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
 def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bool = False,
                    key_mask: bool = False, head_dim: int = 128, dropout: bool = False,
                    head_dim_v: int | None = None, tma_store: bool = False,
-                   keep_bits: bool = False, block_n: int | None = None) -> tuple[str, tuple[int, ...]]:
+                   keep_bits: bool = False, block_n: int | None = None,
+                   kv_stages: int | None = None) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
               + ("_keymask" if key_mask else "") + ("_dropout" if dropout else "") + ("_keepbits" if keep_bits else "")
               + ("_tmastore" if tma_store else ""))
-    return KERNEL_NAME + suffix, (WG_M * consumers, block_n or tile_n(head_dim, head_dim_v), KV_STAGES)
+    return KERNEL_NAME + suffix, (WG_M * consumers, block_n or tile_n(head_dim, head_dim_v), kv_stages or KV_STAGES)
 
 
 # The fastest variant per (head_dim, causal) on the H200, the one the op runs (scripts/bench_cute.py, bf16, medians of
@@ -986,18 +1010,18 @@ def prepare_fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def _compile_fn(overlap: bool = False, pingpong: bool = False, consumers: int = CONSUMERS, persistent: bool = False,
                 key_mask: bool = False, dropout: bool = False, tma_store: bool | None = None,
-                keep_bits: bool = False, block_n: int | None = None) -> Any:
+                keep_bits: bool = False, block_n: int | None = None, kv_stages: int | None = None) -> Any:
     """compile_flash_fwd_ws for one variant, as _run takes it."""
     return functools.partial(compile_flash_fwd_ws, overlap=overlap, pingpong=pingpong, consumers=consumers,
                              persistent=persistent, key_mask=key_mask, dropout=dropout, tma_store=tma_store,
-                             keep_bits=keep_bits, block_n=block_n)
+                             keep_bits=keep_bits, block_n=block_n, kv_stages=kv_stages)
 
 
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, causal: bool = False,
                  bottom_right: bool = False, overlap: bool = False, pingpong: bool = False,
                  consumers: int = CONSUMERS, persistent: bool = False, key_words: torch.Tensor | None = None,
                  dropout: tuple | None = None, tma_store: bool | None = None,
-                 block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_n: int | None = None, kv_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the warp-specialised kernel on CUDA tensors q (b, hq, sq, d), k (b, hkv, sk, d), v (b, hkv, sk, dv) (dv =
     d, or (d, dv) in HEAD_DIM_V_PAIRS): returns out (b, hq, sq, dv) in q's dtype and the fp32 natural-log LSE
     (b, hq, sq). Same input checks (ValueError,
@@ -1011,7 +1035,8 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     uint8 buffer of _dropout.keep_bits_bytes (128-key blocks), the variant that also saves the mask there for the
     backward (flash_bwd.flash_bwd's dropout argument with it); `tma_store`: O through
     shared memory and a TMA store (None: the default, True; False: from registers); `block_n`: keys per block where
-    not tile_n's (non-causal calls without key mask or dropout; ValueError otherwise)."""
+    not tile_n's (non-causal calls without key mask or dropout; ValueError otherwise); `kv_stages`: the K / V
+    rings' depth where not KV_STAGES (2 to 4, within shared memory; ValueError otherwise)."""
     return _run(_compile_fn(overlap, pingpong, consumers, persistent, key_words is not None, dropout is not None,
-                            tma_store, dropout is not None and len(dropout) > 3, block_n),
+                            tma_store, dropout is not None and len(dropout) > 3, block_n, kv_stages),
                 q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)

@@ -168,3 +168,18 @@ def test_wide_key_blocks_within_bar(dtype, d, block_n, b, hq, hkv, sq, sk, mode)
 
     run = functools.partial(flash_fwd_ws, overlap=mode == "overlap", pingpong=mode == "pingpong", block_n=block_n)
     check_forward(run, dtype, d, False, False, b, hq, hkv, sq, sk)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,kv_stages,kw", [(64, 3, dict(consumers=3, pingpong=True)),
+                                            (64, 4, dict(consumers=3, pingpong=True)),
+                                            (64, 3, dict(overlap=True)), (96, 3, dict(overlap=True))])
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
+# 1000 keys: 8 blocks wrap a 3- or 4-deep ring with a partial last block; 100: one block
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", SHAPES[:2] + [(1, 2, 2, 1000, 1000), (2, 4, 2, 300, 100)])
+def test_deeper_kv_rings_within_bar(dtype, d, kv_stages, kw, causal, bottom_right, b, hq, hkv, sq, sk):
+    """K / V rings deeper than KV_STAGES (kv_stages) where shared memory allows them."""
+    from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+
+    run = functools.partial(flash_fwd_ws, kv_stages=kv_stages, **kw)
+    check_forward(run, dtype, d, causal, bottom_right, b, hq, hkv, sq, sk)

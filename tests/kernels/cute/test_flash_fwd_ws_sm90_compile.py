@@ -555,3 +555,28 @@ def test_wide_key_blocks_are_refused_where_they_cannot_run(block_n, d, kw, match
     with pytest.raises(ValueError, match=match):
         flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, causal, False, overlap=True, block_n=block_n, **kw)
 
+
+
+@pytest.mark.parametrize("kv_stages,d,kw,match", [
+    (1, 64, {}, "supported: 2, 3 or 4"), (5, 64, {}, "supported: 2, 3 or 4"), (3, 128, {}, "shared memory"),
+    (3, 256, {}, "shared memory"), (4, 96, dict(persistent=True), "shared memory")])
+def test_deeper_kv_rings_are_refused_where_they_cannot_run(kv_stages, d, kw, match):
+    """kv_stages: refused (ValueError, before any build) outside 2 to 4, or where its K / V stages exceed shared
+    memory beside the Q tile(s): d=128's 128-key stages fit two, d=256's 64-key ones two, d=96's persistent three."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    with pytest.raises(ValueError, match=match):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, False, overlap=True, kv_stages=kv_stages, **kw)
+
+
+@needs_ptxas
+def test_deeper_kv_rings_compile_without_spills(tmp_path, shared_ptx):
+    """d=64's three ping-pong consumers with a three-deep K / V ring: its own cache key, and ptxas keeps it spill-free
+    at 128 registers a thread."""
+    from fa_backend.kernels.cute import flash_fwd_ws
+
+    assert flash_fwd_ws._name_and_tile(False, True, 3, kv_stages=3, head_dim=64)[1] == (192, 128, 3)
+    ptx = shared_ptx(flash_fwd_ws.compile_flash_fwd_ws, torch.bfloat16, 64, False, False, pingpong=True,
+                     consumers=3, kv_stages=3)
+    report = ptxas_report(ptx, tmp_path)
+    assert "0 bytes spill stores" in report
