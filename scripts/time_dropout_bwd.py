@@ -21,7 +21,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="Philox rounds of the reduced variant (timing only)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--unroll", type=int, default=None, help="draws per iteration of the drawing loop (_dropout.UNROLL)")
     args = parser.parse_args()
     from fa_backend.kernels.cute import _dropout
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
@@ -31,8 +30,6 @@ def main() -> None:
 
     if args.rounds is not None:
         _dropout.ROUNDS = args.rounds  # before any compile: philox4x32 reads it while tracing
-    if args.unroll is not None:
-        _dropout.UNROLL = args.unroll
     for s in args.seqlens:
         b, h, d = 16384 // s, 16, 128
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -41,8 +38,7 @@ def main() -> None:
         dout = torch.randn_like(out)
         flops = 2.5 * 4 * b * h * s * s * d / (2 if args.causal else 1)
         kw = dict(causal=args.causal, wgs=2, warp_specialized=True)
-        label = "dropout" + ("" if args.rounds is None else f", {args.rounds} Philox rounds") + (
-            "" if args.unroll is None else f", unroll {args.unroll}")
+        label = "dropout" + ("" if args.rounds is None else f", {args.rounds} Philox rounds")
         cells = {"no dropout": lambda: flash_bwd(dout, q, k, v, out, lse, **kw),
                  label: lambda: flash_bwd(dout, q, k, v, out, lse, dropout=drop, **kw)}
         row = {}

@@ -60,6 +60,26 @@ def philox4x32(c0: Uint32, c1: Uint32, k0: Uint32, k1: Uint32) -> tuple[Uint32, 
     return c0, c1, c2, c3
 
 
+@cute.jit
+def philox4x32_pair(a0: Uint32, a1: Uint32, b0: Uint32, b1: Uint32, k0: Uint32,
+                    k1: Uint32) -> tuple[tuple[Uint32, ...], tuple[Uint32, ...]]:
+    """philox4x32 of two counters (a0, a1) and (b0, b1) under one key, their rounds in lockstep: two independent
+    chains for the scheduler to interleave (one chain's multiplies wait on the previous round's)."""
+    a2, a3, b2, b3 = Uint32(0), Uint32(0), Uint32(0), Uint32(0)
+    for _ in cutlass.range_constexpr(ROUNDS):
+        pb_a = mul_wide_u32(a2, Uint32(ROUND_B))
+        pb_b = mul_wide_u32(b2, Uint32(ROUND_B))
+        pa_a = mul_wide_u32(a0, Uint32(ROUND_A))
+        pa_b = mul_wide_u32(b0, Uint32(ROUND_A))
+        a0, b0 = Uint32(pb_a >> Uint64(32)) ^ a1 ^ k0, Uint32(pb_b >> Uint64(32)) ^ b1 ^ k0
+        a2, b2 = Uint32(pa_a >> Uint64(32)) ^ a3 ^ k1, Uint32(pa_b >> Uint64(32)) ^ b3 ^ k1
+        a1, b1 = Uint32(pb_a), Uint32(pb_b)
+        a3, b3 = Uint32(pa_a), Uint32(pa_b)
+        k0 = k0 + Uint32(KEY_A)
+        k1 = k1 + Uint32(KEY_B)
+    return (a0, a1, a2, a3), (b0, b1, b2, b3)
+
+
 class DropoutState:
     """One consumer thread's dropout constants for one tile: the Philox key, the 16-bit threshold and the counter of
     its first draw in each of its two rows (key block 0, p = lane % 4), from which a key block's draws follow; with
@@ -166,8 +186,8 @@ def zero_unvisited_keep_tiles(bits: cute.Pointer, bh: Int32, row0: Int32, seqlen
 # (q = 2k + c, the query's column index among its 2 * tile_m / 8 columns, j = 0 for key r, 1 for r + 8; word w
 # holds bits 32w ... 32w + 31).
 BITS_STAGES = 2
-UNROLL = 1  # draws per iteration of the drawing loop: 2 and 4 ran no faster on the H200 (the draws are bound by the
-# multiply pipe the MMA warpgroups share, not by one chain's latency), 2 spilled 12 bytes
+# Draws go in pairs (philox4x32_pair): one draw per loop iteration left ptxas a single dependent chain (each round's
+# multiplies wait on the last), and unrolling by 2 or 4 did not interleave them (the SASS kept one chain at a time)
 BITS_WARPS = (2, 3)  # the producer warpgroup's warps that draw (0 loads Q / dO, 1 writes dQ)
 MMA_THREADS = 256
 
@@ -204,20 +224,25 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
         for i in cutlass.range_constexpr(4):
             cute.arch.atomic_and(words_w[i], Uint32(0))  # this step's word starts empty (ordered before the ORs)
         # each draw's bits go to shared memory at once (atomic ORs): no word of bits stays in registers, which the
-        # drawing warps have 24 of (the producer warpgroup's setmaxnreg; 32 for them and 232 for the MMA warpgroups
-        # made ptxas serialise the MMA wgmmas, C7512; 32 and 240 exceed the CTA's pool, and the MMA warpgroups'
-        # setmaxnreg.inc waited forever on the H200). With the bits in registers the kernel ran 4-6 % slower.
-        for qq in cutlass.range(16, unroll=UNROLL):
-            q = 16 * w + qq
-            counter = base + Int64(8 * (q // 2) + q % 2) * per_row  # query 8k + c of the group's columns
-            words = philox4x32(Uint32(counter), Uint32(counter >> Int64(32)), k0, k1)
+        # drawing warps have few of (the producer warpgroup's setmaxnreg, flash_bwd_ws.DRAW_REGS: 40 since the
+        # twenty-ninth session, when 232 for the MMA warpgroups no longer made ptxas serialise their wgmmas; 240
+        # beside more than 24 exceeds the CTA's pool, and the MMA warpgroups' setmaxnreg.inc waited forever on the
+        # H200). With the bits in registers the kernel ran 4-6 % slower (sixteenth session).
+        # Two draws at a time, queries 8k and 8k + 1 (counters per_row apart), their Philox rounds in lockstep:
+        # +3 % on the H200 at 24 registers, +7-9 % more at 40
+        for k in cutlass.range(8, unroll=1):
+            counter = base + Int64(8 * (8 * w + k)) * per_row  # query 8 (8w + k) of the group's columns
+            pair = philox4x32_pair(Uint32(counter), Uint32(counter >> Int64(32)), Uint32(counter + per_row),
+                                   Uint32((counter + per_row) >> Int64(32)), k0, k1)
             for x in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):
                     part = Uint32(0)
-                    for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h of it
-                        word = words[2 * x + j]
-                        keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
-                        part = part | Uint32(cutlass.select_(keep, Uint32(1) << Uint32(2 * qq + j), Uint32(0)))
+                    for c in cutlass.range_constexpr(2):  # query 8k + c: bit 2 qq + j with qq = 2k + c
+                        for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h
+                            word = pair[c][2 * x + j]
+                            keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
+                            part = part | Uint32(cutlass.select_(keep, Uint32(1) << Uint32(4 * k + 2 * c + j),
+                                                                 Uint32(0)))
                     cute.arch.atomic_or(words_w[2 * x + h], part)
     cute.arch.mbarrier_arrive(bars + stage)
 

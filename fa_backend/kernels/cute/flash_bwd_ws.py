@@ -57,6 +57,10 @@ TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (th
 
 PRODUCER_REGS = 24
 MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512: the pool of 384 threads launched with 168 registers each
+# the dropout variant that draws its bits: 40 * 128 + 2 * 232 * 128 = 64512. H200 (twenty-ninth session): drawn
+# +7-9 % at 2k / 16k (the drawing warps' paired Philox chains at 40 registers), where the same split cost the
+# variants without dropout 12 % and left the saved-bits one level; ptxas keeps its wgmmas asynchronous at 232
+DRAW_REGS = (40, 232)
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
 ROW_WARPS = (2, 3)  # rows_by_producer: the producer warpgroup's warps that load the rows (0 loads Q / dO, 1 writes dQ)
 ROW_STAGES = 2  # sRows' stages
@@ -91,6 +95,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         if keep_bits and not (dropout and tile_m == TILE_M):
             raise ValueError(f"keep_bits=True needs dropout=True and tile_m={TILE_M}")
         self.keep_bits = keep_bits
+        self.draws = dropout and not keep_bits  # its producer's warps 2-3 draw the keep bits (DRAW_REGS)
         self.key_mask = key_mask  # a bool key mask, packed 32 keys per word, read per step (_key_keep)
         # dQ adds in key-block order: the side tensor (mWords) is then one int32 turn flag per (query block, head,
         # batch), zeroed by the caller (_write_dq)
@@ -206,8 +211,9 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 bound = cutlass.max(bound, row[row.shape[0] - 1])
             if bound <= n_block * TILE_N * wgs:
                 steps = 0
+        producer_regs, mma_regs = (PRODUCER_REGS, MMA_REGS) if not self.draws else DRAW_REGS
         if role == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(producer_regs)
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             # whole warps: the DSL wraps each TMA copy and pipeline arrive in elect.sync over all 32 lanes
             if warp == 0:
@@ -224,7 +230,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                     self._draw_bits(drop, tidx - 32 * BITS_WARPS[0], n_block, head_kv, batch, group, mQ.shape[2],
                                     seqlen_q, seqlen_k, m_start, n_m, steps)
         else:
-            cute.arch.setmaxregister_increase(MMA_REGS)
+            cute.arch.setmaxregister_increase(mma_regs)
             self._mma(own_copy(mma_ss), own_copy(mma_rs), own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
                       bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
                       n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords, drop,
