@@ -19,10 +19,10 @@ own buffer, dS in two alternating tiles). What moves out of the MMA warpgroups i
   load_backward_bits), which the MMA warpgroups read once per step; without dropout at 64-row steps
   (rows_by_producer) the same two warps load each step's LSE / delta rows into a 2-stage full/empty ring instead
   of the MMA warpgroups (+2.5-4 % causal on the H200, twenty-ninth session);
-- warpgroups 1 and 2, the MMA warpgroups (setmaxnreg 240; ptxas allocates the code after setmaxnreg.inc with that
-  budget: docs/cute.md), synchronise with each other once per step (a named barrier of their 256 threads after the
-  dS stores, which also publishes step + 1's LSE / delta rows where they load them) and with the producer
-  warpgroup only through mbarriers;
+- warpgroups 1 and 2, the MMA warpgroups (setmaxnreg 240, 232 in the drawing dropout variant: DRAW_REGS; ptxas
+  allocates the code after setmaxnreg.inc with that budget: docs/cute.md), synchronise with each other once per
+  step (a named barrier of their 256 threads after the dS stores, which also publishes step + 1's LSE / delta rows
+  where they load them) and with the producer warpgroup only through mbarriers;
 - epilogue (tma_store, the default): once both MMA warpgroups are past their last GEMM (each one's dQ GEMMs read
   both key tiles), each writes its dK and dV in the input dtype into its own K and V tiles (stmatrix) and its first
   warp stores them with one TMA copy each (-2 to +14 % on the H200, eighteenth session; tma_store=False: from
