@@ -110,14 +110,27 @@ def test_restriction_inside_compiled_code():
 
 
 def test_fallback_reasons_reported_at_trace_time(caplog):
+    """The routing decision and its reasons are counted and logged when dynamo traces the call, not per call: one
+    count per graph dynamo compiles (one, unless dynamo recompiles for a reason of its own: a CI run once saw two,
+    order-dependent, not reproduced alone), however many times the compiled code runs."""
+    from torch._dynamo import utils as dynamo_utils
+
     q, k, v = _qkv(dtype=torch.float32)
     caplog.set_level(logging.INFO, logger="fa_backend")
-    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(block, fullgraph=True, backend=counting)
     with fa_backend.enabled():
         for _ in range(3):
             compiled(q, k, v)
     traced = fa_backend.stats()["traced"]
-    assert traced == {"torch (skipped cute:not_installed,triton:dtype)": 1}
+    why = dict(getattr(dynamo_utils, "guard_failures", {}))  # dynamo's recompile reasons, for the failure message
+    assert 1 <= len(graphs) < 3, why
+    assert traced == {"torch (skipped cute:not_installed,triton:dtype)": len(graphs)}, why
     msgs = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
     assert msgs == ["torch.compile: SDPA call routed to torch; skipped cute:not_installed,triton:dtype"]
 
