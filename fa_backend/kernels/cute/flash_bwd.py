@@ -691,8 +691,9 @@ class FlashBackwardSm90(ForwardVariant):
         row = cute.domain_offset((tScS[0][1],), sRows[which, None, stage])
         values = cute.make_rmem_tensor((columns,), Float32)
         if cutlass.const_expr(cute.size(sRows.layout.stride[1]) == 1 and sRows.layout.stride[1] == 1):
-            # one plane per statistic (flash_bwd_ws's 64-row steps): columns 8k + 2 (lane % 4) + {0, 1} are adjacent,
-            # one 8-byte read each (FA4 reads its LSE so: 8 reads a step instead of 16)
+            # one plane per statistic (flash_bwd_ws's 64-row steps; rows at a scalar stride of 1): columns
+            # 8k + 2 (lane % 4) + {0, 1} are adjacent, one 8-byte read each (FA4 reads its LSE so: 8 reads a step
+            # instead of 16)
             for k in cutlass.range_constexpr(columns // 2):
                 src = cute.make_tensor((row.iterator + tScS0[4 * k][1]).align(8), cute.make_layout(2))
                 cute.make_tensor(values.iterator + 2 * k, cute.make_layout(2)).store(src.load())
