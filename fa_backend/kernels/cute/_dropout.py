@@ -43,41 +43,31 @@ def mul_wide_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint64:
 
 
 @cute.jit
-def philox4x32(c0: Uint32, c1: Uint32, k0: Uint32, k1: Uint32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
-    """Philox-4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1): four uniform 32-bit words, those of
-    triton.language.randint4x for the 64-bit offset c0 + 2**32 c1 and a 64-bit seed k0 + 2**32 k1."""
-    c2, c3 = Uint32(0), Uint32(0)
+def philox4x32_lockstep(counters: list, k0: Uint32, k1: Uint32) -> list:
+    """Philox-4x32-10 of each counter (c0, c1, 0, 0) in `counters` under the key (k0, k1): four uniform 32-bit words
+    per counter, those of triton.language.randint4x for the 64-bit offset c0 + 2**32 c1 and a 64-bit seed
+    k0 + 2**32 k1. Several counters run their rounds in lockstep: independent chains for the scheduler to
+    interleave (one chain's multiplies wait on its previous round's)."""
+    n = len(counters)
+    c0, c1 = [c[0] for c in counters], [c[1] for c in counters]
+    c2, c3 = [Uint32(0)] * n, [Uint32(0)] * n
     for _ in cutlass.range_constexpr(ROUNDS):
         # 32 x 32 -> 64-bit products: one mul.wide each gives both the high word (mixed in) and the low one
-        pb = mul_wide_u32(c2, Uint32(ROUND_B))
-        pa = mul_wide_u32(c0, Uint32(ROUND_A))
-        c0 = Uint32(pb >> Uint64(32)) ^ c1 ^ k0
-        c2 = Uint32(pa >> Uint64(32)) ^ c3 ^ k1
-        c1 = Uint32(pb)
-        c3 = Uint32(pa)
+        pb = [mul_wide_u32(c2[i], Uint32(ROUND_B)) for i in range(n)]
+        pa = [mul_wide_u32(c0[i], Uint32(ROUND_A)) for i in range(n)]
+        c0 = [Uint32(pb[i] >> Uint64(32)) ^ c1[i] ^ k0 for i in range(n)]
+        c2 = [Uint32(pa[i] >> Uint64(32)) ^ c3[i] ^ k1 for i in range(n)]
+        c1 = [Uint32(pb[i]) for i in range(n)]
+        c3 = [Uint32(pa[i]) for i in range(n)]
         k0 = k0 + Uint32(KEY_A)
         k1 = k1 + Uint32(KEY_B)
-    return c0, c1, c2, c3
+    return [(c0[i], c1[i], c2[i], c3[i]) for i in range(n)]
 
 
 @cute.jit
-def philox4x32_pair(a0: Uint32, a1: Uint32, b0: Uint32, b1: Uint32, k0: Uint32,
-                    k1: Uint32) -> tuple[tuple[Uint32, ...], tuple[Uint32, ...]]:
-    """philox4x32 of two counters (a0, a1) and (b0, b1) under one key, their rounds in lockstep: two independent
-    chains for the scheduler to interleave (one chain's multiplies wait on the previous round's)."""
-    a2, a3, b2, b3 = Uint32(0), Uint32(0), Uint32(0), Uint32(0)
-    for _ in cutlass.range_constexpr(ROUNDS):
-        pb_a = mul_wide_u32(a2, Uint32(ROUND_B))
-        pb_b = mul_wide_u32(b2, Uint32(ROUND_B))
-        pa_a = mul_wide_u32(a0, Uint32(ROUND_A))
-        pa_b = mul_wide_u32(b0, Uint32(ROUND_A))
-        a0, b0 = Uint32(pb_a >> Uint64(32)) ^ a1 ^ k0, Uint32(pb_b >> Uint64(32)) ^ b1 ^ k0
-        a2, b2 = Uint32(pa_a >> Uint64(32)) ^ a3 ^ k1, Uint32(pa_b >> Uint64(32)) ^ b3 ^ k1
-        a1, b1 = Uint32(pb_a), Uint32(pb_b)
-        a3, b3 = Uint32(pa_a), Uint32(pa_b)
-        k0 = k0 + Uint32(KEY_A)
-        k1 = k1 + Uint32(KEY_B)
-    return (a0, a1, a2, a3), (b0, b1, b2, b3)
+def philox4x32(c0: Uint32, c1: Uint32, k0: Uint32, k1: Uint32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """philox4x32_lockstep of one counter."""
+    return philox4x32_lockstep([(c0, c1)], k0, k1)[0]
 
 
 class DropoutState:
@@ -186,7 +176,7 @@ def zero_unvisited_keep_tiles(bits: cute.Pointer, bh: Int32, row0: Int32, seqlen
 # (q = 2k + c, the query's column index among its 2 * tile_m / 8 columns, j = 0 for key r, 1 for r + 8; word w
 # holds bits 32w ... 32w + 31).
 BITS_STAGES = 2
-# Draws go in pairs (philox4x32_pair): one draw per loop iteration left ptxas a single dependent chain (each round's
+# Draws go in pairs (philox4x32_lockstep): one draw per loop iteration left ptxas a single dependent chain (each round's
 # multiplies wait on the last), and unrolling by 2 or 4 did not interleave them (the SASS kept one chain at a time)
 BITS_WARPS = (2, 3)  # the producer warpgroup's warps that draw (0 loads Q / dO, 1 writes dQ)
 MMA_THREADS = 256
@@ -232,8 +222,8 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
         # +3 % on the H200 at 24 registers, +7-9 % more at 40
         for k in cutlass.range(8, unroll=1):
             counter = base + Int64(8 * (8 * w + k)) * per_row  # query 8 (8w + k) of the group's columns
-            pair = philox4x32_pair(Uint32(counter), Uint32(counter >> Int64(32)), Uint32(counter + per_row),
-                                   Uint32((counter + per_row) >> Int64(32)), k0, k1)
+            pair = philox4x32_lockstep([(Uint32(x), Uint32(x >> Int64(32))) for x in (counter, counter + per_row)],
+                                       k0, k1)
             for x in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):
                     part = Uint32(0)
