@@ -176,8 +176,9 @@ def zero_unvisited_keep_tiles(bits: cute.Pointer, bh: Int32, row0: Int32, seqlen
 # (q = 2k + c, the query's column index among its 2 * tile_m / 8 columns, j = 0 for key r, 1 for r + 8; word w
 # holds bits 32w ... 32w + 31).
 BITS_STAGES = 2
-# Draws go in pairs (philox4x32_lockstep): one draw per loop iteration left ptxas a single dependent chain (each round's
-# multiplies wait on the last), and unrolling by 2 or 4 did not interleave them (the SASS kept one chain at a time)
+# Draws go four at a time (philox4x32_lockstep): one draw per loop iteration left ptxas a single dependent chain (each
+# round's multiplies wait on the last), and unrolling by 2 or 4 did not interleave them (the SASS kept one chain at a
+# time)
 BITS_WARPS = (2, 3)  # the producer warpgroup's warps that draw (0 loads Q / dO, 1 writes dQ)
 MMA_THREADS = 256
 
@@ -218,21 +219,23 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
         # twenty-ninth session, when 232 for the MMA warpgroups no longer made ptxas serialise their wgmmas; 240
         # beside more than 24 exceeds the CTA's pool, and the MMA warpgroups' setmaxnreg.inc waited forever on the
         # H200). With the bits in registers the kernel ran 4-6 % slower (sixteenth session).
-        # Two draws at a time, queries 8k and 8k + 1 (counters per_row apart), their Philox rounds in lockstep:
-        # +3 % on the H200 at 24 registers, +7-9 % more at 40
-        for k in cutlass.range(8, unroll=1):
-            counter = base + Int64(8 * (8 * w + k)) * per_row  # query 8 (8w + k) of the group's columns
-            pair = philox4x32_lockstep([(Uint32(x), Uint32(x >> Int64(32))) for x in (counter, counter + per_row)],
-                                       k0, k1)
+        # Four draws at a time, queries 8k + c for k = 2kk + g (g, c in {0, 1}; counters per_row apart), their
+        # Philox rounds in lockstep: two at a time gave +3 % on the H200 at 24 registers, +7-9 % more at 40; four
+        # need 56 (at 40 ptxas spilled 60 bytes)
+        for kk in cutlass.range(4, unroll=1):
+            counter = base + Int64(8 * (8 * w + 2 * kk)) * per_row  # query 8 (8w + 2kk) of the group's columns
+            counters = [counter + Int64(8 * g + c) * per_row for g in range(2) for c in range(2)]
+            draws = philox4x32_lockstep([(Uint32(x), Uint32(x >> Int64(32))) for x in counters], k0, k1)
             for x in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):
                     part = Uint32(0)
-                    for c in cutlass.range_constexpr(2):  # query 8k + c: bit 2 qq + j with qq = 2k + c
-                        for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h
-                            word = pair[c][2 * x + j]
-                            keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
-                            part = part | Uint32(cutlass.select_(keep, Uint32(1) << Uint32(4 * k + 2 * c + j),
-                                                                 Uint32(0)))
+                    for g in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2):  # query 8k + c, k = 2kk + g: bit 2 qq + j, qq = 2k + c
+                            for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h
+                                word = draws[2 * g + c][2 * x + j]
+                                keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
+                                part = part | Uint32(cutlass.select_(
+                                    keep, Uint32(1) << Uint32(8 * kk + 4 * g + 2 * c + j), Uint32(0)))
                     cute.arch.atomic_or(words_w[2 * x + h], part)
     cute.arch.mbarrier_arrive(bars + stage)
 
