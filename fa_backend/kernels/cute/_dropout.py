@@ -175,7 +175,7 @@ def zero_unvisited_keep_tiles(bits: cute.Pointer, bh: Int32, row0: Int32, seqlen
 # group of four MMA threads, and an MMA thread reads its bits with one load per step: bit 2q + j of its word w
 # (q = 2k + c, the query's column index among its 2 * tile_m / 8 columns, j = 0 for key r, 1 for r + 8; word w
 # holds bits 32w ... 32w + 31).
-BITS_STAGES = 2
+BITS_STAGES = 3  # the drawing warps up to two steps ahead of the MMA warpgroups (2: one)
 # Draws go four at a time (philox4x32_lockstep): one draw per loop iteration left ptxas a single dependent chain (each
 # round's multiplies wait on the last), and unrolling by 2 or 4 did not interleave them (the SASS kept one chain at a
 # time)
@@ -228,15 +228,17 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
             draws = philox4x32_lockstep([(Uint32(x), Uint32(x >> Int64(32))) for x in counters], k0, k1)
             for x in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):
+                    # the iteration's byte of the word: bits at compile-time positions, shifted once (a runtime
+                    # shift per bit cost 16 instructions an iteration)
                     part = Uint32(0)
                     for g in cutlass.range_constexpr(2):
                         for c in cutlass.range_constexpr(2):  # query 8k + c, k = 2kk + g: bit 2 qq + j, qq = 2k + c
                             for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h
                                 word = draws[2 * g + c][2 * x + j]
                                 keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
-                                part = part | Uint32(cutlass.select_(
-                                    keep, Uint32(1) << Uint32(8 * kk + 4 * g + 2 * c + j), Uint32(0)))
-                    cute.arch.atomic_or(words_w[2 * x + h], part)
+                                part = part | Uint32(cutlass.select_(keep, Uint32(1 << (4 * g + 2 * c + j)),
+                                                                     Uint32(0)))
+                    cute.arch.atomic_or(words_w[2 * x + h], part << Uint32(8 * kk))
     cute.arch.mbarrier_arrive(bars + stage)
 
 
