@@ -215,13 +215,13 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
         for i in cutlass.range_constexpr(4):
             cute.arch.atomic_and(words_w[i], Uint32(0))  # this step's word starts empty (ordered before the ORs)
         # each draw's bits go to shared memory at once (atomic ORs): no word of bits stays in registers, which the
-        # drawing warps have few of (the producer warpgroup's setmaxnreg, flash_bwd_ws.DRAW_REGS: 40 since the
-        # twenty-ninth session, when 232 for the MMA warpgroups no longer made ptxas serialise their wgmmas; 240
-        # beside more than 24 exceeds the CTA's pool, and the MMA warpgroups' setmaxnreg.inc waited forever on the
-        # H200). With the bits in registers the kernel ran 4-6 % slower (sixteenth session).
+        # drawing warps have few of (the producer warpgroup's setmaxnreg, flash_bwd_ws.DRAW_REGS: 56 since the
+        # thirtieth session, 40 in the twenty-ninth, when 232 for the MMA warpgroups no longer made ptxas serialise
+        # their wgmmas; 240 beside more than 24 exceeds the CTA's pool, and the MMA warpgroups' setmaxnreg.inc waited
+        # forever on the H200). With the bits in registers the kernel ran 4-6 % slower (sixteenth session).
         # Four draws at a time, queries 8k + c for k = 2kk + g (g, c in {0, 1}; counters per_row apart), their
         # Philox rounds in lockstep: two at a time gave +3 % on the H200 at 24 registers, +7-9 % more at 40; four
-        # need 56 (at 40 ptxas spilled 60 bytes)
+        # (at 56: 40 spilled 60 bytes) +5-6 % more (thirtieth session)
         for kk in cutlass.range(4, unroll=1):
             counter = base + Int64(8 * (8 * w + 2 * kk)) * per_row  # query 8 (8w + 2kk) of the group's columns
             counters = [counter + Int64(8 * g + c) * per_row for g in range(2) for c in range(2)]

@@ -57,10 +57,10 @@ TILES_M = (TILE_M, 80, 128)  # query rows per step: 64, or FA4's 80 at d=128 (th
 
 PRODUCER_REGS = 24
 MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512: the pool of 384 threads launched with 168 registers each
-# the dropout variant that draws its bits: 56 * 128 + 2 * 224 * 128 = 64512. H200 (twenty-ninth session): drawn
-# +7-9 % at 2k / 16k with two Philox chains at 40 / 232 registers, where that split cost the variants without
-# dropout 12 % and left the saved-bits one level; four chains need 56 (40 spilled 60 bytes); ptxas keeps the MMA
-# warpgroups' wgmmas asynchronous at 224
+# the dropout variant that draws its bits: 56 * 128 + 2 * 224 * 128 = 64512. H200: drawn +7-9 % at 2k / 16k with two
+# Philox chains at 40 / 232 registers (twenty-ninth session; that split cost the variants without dropout 12 % and left
+# the saved-bits one level), +5-6 % more with four chains, which need 56 (40 spilled 60 bytes; thirtieth); ptxas
+# keeps the MMA warpgroups' wgmmas asynchronous at 224
 DRAW_REGS = (56, 224)
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
 ROW_WARPS = (2, 3)  # rows_by_producer: the producer warpgroup's warps that load the rows (0 loads Q / dO, 1 writes dQ)

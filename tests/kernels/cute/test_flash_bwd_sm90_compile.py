@@ -458,7 +458,7 @@ def test_wide_head_dims_refuse_other_variants():
 def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, shared_ptx, causal, bottom_right):
     """The op's dropout backward (d=128, 64-row steps; ops.cute_flash.DROPOUT_BACKWARD): 56 registers for the
     producer warpgroup, whose drawing warps run four Philox draws per loop iteration in lockstep (80 wide multiplies;
-    fewer where LLVM shares the chains' first-round products of the zero counter word), and 224 for the MMA
+    77 where LLVM shares the chains' first-round products of the zero counter word), and 224 for the MMA
     warpgroups (flash_bwd_ws.DRAW_REGS: the CTA's pool of 384 x 168 holds no more), no spills, no C75xx
     serialisation, the exp2s still if-converted; the variant without dropout draws nothing."""
     from fa_backend.kernels.cute import flash_bwd
