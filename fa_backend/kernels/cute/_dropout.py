@@ -181,6 +181,8 @@ BITS_STAGES = 3  # the drawing warps up to two steps ahead of the MMA warpgroups
 # time)
 BITS_WARPS = (2, 3)  # the producer warpgroup's warps that draw (0 loads Q / dO, 1 writes dQ)
 MMA_THREADS = 256
+DRAW_BARRIER = 4  # named barrier of a drawing warpgroup's 128 threads (draw_backward_bits' halves; the backward's 0-3
+# are __syncthreads', the MMA warpgroups' and their epilogues')
 
 
 def bits_words(tile_m: int) -> int:
@@ -191,16 +193,22 @@ def bits_words(tile_m: int) -> int:
 @cute.jit
 def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor, threshold: Int32, gt: Int32,
                        key_block0: Int32, bh0: Int32, heads_step: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       step: Int32, row0: Int32, tile_m: cutlass.Constexpr):
-    """Drawing thread gt (0 ... 63) of one step: the keep bits of its four MMA threads (see above) into stage
+                       step: Int32, row0: Int32, tile_m: cutlass.Constexpr, halves: cutlass.Constexpr = 1,
+                       chains: cutlass.Constexpr = 4):
+    """Drawing thread gt (0 ... 64 halves - 1) of one step: the keep bits of its four MMA threads (see above) into stage
     step % BITS_STAGES of sBits ((stage, MMA thread, word) uint32), then an arrival on that stage's full barrier
     (bars: BITS_STAGES full barriers, then BITS_STAGES empty ones); waits for the stage to be empty first. key_block0:
     the CTA's first 32-key block; bh0 + heads_step: the step's head index batch * heads_q + head; row0: the step's
-    first query row."""
+    first query row. halves (2): threads gt and gt + 64 each draw half of the group's queries into the same words,
+    which the first half empties and all 128 drawing threads then wait for on named barrier DRAW_BARRIER before
+    their ORs; chains: draws per loop iteration, their Philox rounds in lockstep (2 or 4)."""
     stage = step % BITS_STAGES
     if step >= BITS_STAGES:
         cute.arch.mbarrier_wait(bars + BITS_STAGES + stage, (step // BITS_STAGES - 1) % 2)
-    wg, m, lp = gt // 32, (gt % 32) // 16, gt % 16
+    half, group = 0, gt  # the whole group's queries (halves == 1: gt < 64)
+    if cutlass.const_expr(halves > 1):
+        half, group = gt // 64, gt % 64
+    wg, m, lp = group // 32, (group % 32) // 16, group % 16
     lane0 = (lp // 4) * 8 + lp % 4  # the group's h = 0 lane; p = lane0 // 8
     seed = Int64(mRng[0])
     k0, k1 = Uint32(seed), Uint32(seed >> Int64(32))
@@ -209,36 +217,45 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
     per_row = Int64((seqlen_k + 31) // 32 * 4)
     base = ((Int64(bh0 + heads_step) * Int64(seqlen_q) + Int64(row0 + 2 * (lane0 % 4))) * per_row + Int64(mRng[1])
             + Int64(4 * (key_block0 + 2 * wg + m) + lp // 4))
+    per_iteration = chains // 2  # query columns k per loop iteration (each draw decides both c of one k)
+    iterations = 8 // per_iteration // halves  # of the word's 8 k, per drawing thread
     for w in cutlass.range_constexpr(bits_words(tile_m)):
         words_w = [sBits.iterator + cute.crd2idx((stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, w), sBits.layout)
                    for x in range(2) for h in range(2)]  # (x: warp 2m + x, h: lane lane0 + 4h)
-        for i in cutlass.range_constexpr(4):
-            cute.arch.atomic_and(words_w[i], Uint32(0))  # this step's word starts empty (ordered before the ORs)
+        if cutlass.const_expr(halves == 1):
+            for i in cutlass.range_constexpr(4):
+                cute.arch.atomic_and(words_w[i], Uint32(0))  # this step's word starts empty (ordered before the ORs)
+        else:
+            if half == 0:
+                for i in cutlass.range_constexpr(4):
+                    cute.arch.atomic_and(words_w[i], Uint32(0))
+            cute.arch.barrier(barrier_id=DRAW_BARRIER, number_of_threads=64 * halves)  # emptied before any OR
         # each draw's bits go to shared memory at once (atomic ORs): no word of bits stays in registers, which the
-        # drawing warps have few of (the producer warpgroup's setmaxnreg, flash_bwd_ws.DRAW_REGS: 56 since the
-        # thirtieth session, 40 in the twenty-ninth, when 232 for the MMA warpgroups no longer made ptxas serialise
-        # their wgmmas; 240 beside more than 24 exceeds the CTA's pool, and the MMA warpgroups' setmaxnreg.inc waited
-        # forever on the H200). With the bits in registers the kernel ran 4-6 % slower (sixteenth session).
-        # Four draws at a time, queries 8k + c for k = 2kk + g (g, c in {0, 1}; counters per_row apart), their
-        # Philox rounds in lockstep: two at a time gave +3 % on the H200 at 24 registers, +7-9 % more at 40; four
-        # (at 56: 40 spilled 60 bytes) +5-6 % more (thirtieth session)
-        for kk in cutlass.range(4, unroll=1):
-            counter = base + Int64(8 * (8 * w + 2 * kk)) * per_row  # query 8 (8w + 2kk) of the group's columns
-            counters = [counter + Int64(8 * g + c) * per_row for g in range(2) for c in range(2)]
+        # drawing warps have few of (flash_bwd_ws.DRAW_REGS: the producer warpgroup's 56, 40 in the twenty-ninth
+        # session, when 232 for the MMA warpgroups no longer made ptxas serialise their wgmmas; 240 beside more than
+        # 24 exceeds the CTA's pool, and the MMA warpgroups' setmaxnreg.inc waited forever on the H200; DRAW_WG_REGS:
+        # a drawing warpgroup's 40). With the bits in registers the kernel ran 4-6 % slower (sixteenth session).
+        # `chains` draws at a time, queries 8k + c for k = kbase + g (g < chains / 2, c in {0, 1}; counters per_row
+        # apart), their Philox rounds in lockstep: two at a time gave +3 % on the H200 at 24 registers, +7-9 % more
+        # at 40; four need 56 (at 40 ptxas spilled 60 bytes) and gave +5-6 % more (thirtieth session)
+        for it in cutlass.range(iterations, unroll=1):
+            kbase = (half * iterations + it) * per_iteration
+            counter = base + Int64(8 * (8 * w + kbase)) * per_row  # query 8 (8w + kbase) of the group's columns
+            counters = [counter + Int64(8 * g + c) * per_row for g in range(per_iteration) for c in range(2)]
             draws = philox4x32_lockstep([(Uint32(x), Uint32(x >> Int64(32))) for x in counters], k0, k1)
             for x in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):
-                    # the iteration's byte of the word: bits at compile-time positions, shifted once (a runtime
-                    # shift per bit cost 16 instructions an iteration)
+                    # the iteration's bits of the word at compile-time positions, shifted once (a runtime shift
+                    # per bit cost 16 instructions an iteration)
                     part = Uint32(0)
-                    for g in cutlass.range_constexpr(2):
-                        for c in cutlass.range_constexpr(2):  # query 8k + c, k = 2kk + g: bit 2 qq + j, qq = 2k + c
+                    for g in cutlass.range_constexpr(per_iteration):
+                        for c in cutlass.range_constexpr(2):  # query 8k + c, k = kbase + g: bit 2 qq + j, qq = 2k + c
                             for j in cutlass.range_constexpr(2):  # key r (word 2x) or r + 8 (word 2x + 1), half h
                                 word = draws[2 * g + c][2 * x + j]
                                 keep = (word >= thr_high) if h == 1 else ((word & Uint32(HALF_MASK)) >= thr)
                                 part = part | Uint32(cutlass.select_(keep, Uint32(1 << (4 * g + 2 * c + j)),
                                                                      Uint32(0)))
-                    cute.arch.atomic_or(words_w[2 * x + h], part << Uint32(8 * kk))
+                    cute.arch.atomic_or(words_w[2 * x + h], part << Uint32(4 * kbase))
     cute.arch.mbarrier_arrive(bars + stage)
 
 

@@ -14,12 +14,13 @@ own buffer, dS in two alternating tiles). What moves out of the MMA warpgroups i
   warpgroups have released it; its warp 1 writes dQ: it waits for the block (an mbarrier every MMA thread arrives
   on), adds it to the chunked fp32 buffer with one bulk reduce-add, waits for that read and arrives on a second
   mbarrier that frees the buffer;
-- dropout variant (d=128, 64-row steps, in the `column_reads` form): warps 2 and 3 of the producer warpgroup draw
-  each step's keep bits into shared memory (_dropout.draw_backward_bits, or load the forward's saved ones:
-  load_backward_bits), which the MMA warpgroups read once per step; without dropout at 64-row steps
+- dropout variant (d=128, 64-row steps, in the `column_reads` form): a fourth warpgroup (DRAW_WARPGROUP, 512
+  threads) draws each step's keep bits into shared memory (_dropout.draw_backward_bits), or warps 2 and 3 of the
+  producer warpgroup load the forward's saved ones (load_backward_bits), which the MMA warpgroups read once per
+  step; without dropout at 64-row steps
   (rows_by_producer) the same two warps load each step's LSE / delta rows into a 2-stage full/empty ring instead
   of the MMA warpgroups (+2.5-4 % causal on the H200, twenty-ninth session);
-- warpgroups 1 and 2, the MMA warpgroups (setmaxnreg 240, 232 in the drawing dropout variant: DRAW_REGS; ptxas
+- warpgroups 1 and 2, the MMA warpgroups (setmaxnreg 240, 224 in the drawing dropout variant: DRAW_WG_REGS; ptxas
   allocates the code after setmaxnreg.inc with that budget: docs/cute.md), synchronise with each other once per
   step (a named barrier of their 256 threads after the dS stores, which also publishes step + 1's LSE / delta rows
   where they load them) and with the producer warpgroup only through mbarriers;
@@ -62,6 +63,16 @@ MMA_REGS = 240  # 24 * 128 + 2 * 240 * 128 = 64512: the pool of 384 threads laun
 # the saved-bits one level), +5-6 % more with four chains, which need 56 (40 spilled 60 bytes; thirtieth); ptxas
 # keeps the MMA warpgroups' wgmmas asynchronous at 224
 DRAW_REGS = (56, 224)
+# DRAW_WARPGROUP: the drawing variant draws in a warpgroup of its own (512 threads), one warp on each of the SM's four
+# schedulers (the producer's warps 2-3 sat on two of them), two threads per group of four MMA threads, each half of
+# the group's queries (_dropout.draw_backward_bits' halves), two Philox chains a thread: the producer warpgroup 24
+# registers, the drawing one 40, the MMA ones 224: (24 + 40 + 2 * 224) * 128 = 65536, the 512 threads' pool
+# (thirty-first session, H200 A/B against the producer's warps drawing, two alternated processes each: drawn backward
+# +16 / +15 % non-causal at 2k / 16k, +10 / +13 % causal, which then runs in block order: self.longest_first; its
+# 51 backward dropout GPU tests passed)
+DRAW_WARPGROUP = True
+DRAW_WG_REGS = (PRODUCER_REGS, 40, 224)
+DRAW_WG_CHAINS = 2
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
 ROW_WARPS = (2, 3)  # rows_by_producer: the producer warpgroup's warps that load the rows (0 loads Q / dO, 1 writes dQ)
 ROW_STAGES = 2  # sRows' stages
@@ -96,12 +107,20 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         if keep_bits and not (dropout and tile_m == TILE_M):
             raise ValueError(f"keep_bits=True needs dropout=True and tile_m={TILE_M}")
         self.keep_bits = keep_bits
-        self.draws = dropout and not keep_bits  # its producer's warps 2-3 draw the keep bits (DRAW_REGS)
+        self.draws = dropout and not keep_bits  # it draws the keep bits (DRAW_REGS: in the producer's warps 2-3)
+        self.draw_warpgroup = self.draws and DRAW_WARPGROUP  # or a warpgroup of its own (DRAW_WG_REGS)
+        self.bits_halves = 2 if self.draw_warpgroup else 1
+        # causal CTAs in _schedule's longest-first order, except the deterministic variant (its dQ turns assume every
+        # key block of a head starts together) and the drawing warpgroup's: there its three remapped indices, live
+        # through the MMA loop instead of re-read from the block index, cost ptxas a 4-byte spill at 224 registers
+        # (sm_90a compile check), where the order gave the causal backward +1-3 % (twentieth session)
+        self.longest_first = causal and not deterministic and not self.draw_warpgroup
         self.key_mask = key_mask  # a bool key mask, packed 32 keys per word, read per step (_key_keep)
         # dQ adds in key-block order: the side tensor (mWords) is then one int32 turn flag per (query block, head,
         # batch), zeroed by the caller (_write_dq)
         self.deterministic = deterministic
-        self.cta_warpgroups = self.wgs + 1  # the producer warpgroup, then the MMA warpgroups
+        # the producer warpgroup, then the MMA warpgroups (then the drawing warpgroup)
+        self.cta_warpgroups = self.wgs + (2 if self.draw_warpgroup else 1)
         self.qdo_stages = QDO_STAGES  # Q / dO pipeline depth (flash_bwd_wide's may differ)
         self.tile_m = tile_m
         # 64-row steps (with dropout too, its keep selects after dP^T is waited for: 967 -> 735 SASS instructions per
@@ -143,11 +162,12 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         d = self.head_dim
         wgs = self.wgs
         tidx, _, _ = cute.arch.thread_idx()
-        role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: the producer warpgroup, 1 + wg: MMA warpgroup wg
+        # 0: the producer warpgroup, 1 + wg: MMA warpgroup wg, 1 + wgs: the drawing warpgroup (draw_warpgroup)
+        role = cute.arch.make_warp_uniform(tidx // THREADS)
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
-        if cutlass.const_expr(self.causal and not self.deterministic):
+        if cutlass.const_expr(self.longest_first):
             n_block, head_kv, batch = self._longest_first(n_block, head_kv, batch, seqlen_q, group)
 
         smem = SmemAllocator()
@@ -197,7 +217,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                     cute.arch.mbarrier_init(bars_rows + ROW_STAGES + st, wgs * THREADS)  # every MMA thread
             if cutlass.const_expr(self.dropout):
                 for st in cutlass.range_constexpr(BITS_STAGES):
-                    cute.arch.mbarrier_init(drop[0] + st, 32 * len(BITS_WARPS))  # every drawing thread
+                    cute.arch.mbarrier_init(drop[0] + st, 64 * self.bits_halves)  # every drawing thread
                     cute.arch.mbarrier_init(drop[0] + BITS_STAGES + st, MMA_THREADS)  # every MMA thread
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialised before anyone waits on it
@@ -213,6 +233,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             if bound <= n_block * TILE_N * wgs:
                 steps = 0
         producer_regs, mma_regs = (PRODUCER_REGS, MMA_REGS) if not self.draws else DRAW_REGS
+        if cutlass.const_expr(self.draw_warpgroup):
+            producer_regs, _, mma_regs = DRAW_WG_REGS
         if role == 0:
             cute.arch.setmaxregister_decrease(producer_regs)
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -226,16 +248,31 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                                     m_start, n_m, steps)
             if warp == 1:
                 self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps, n_block, mWords)
-            if cutlass.const_expr(self.dropout):
+            if cutlass.const_expr(self.dropout and not self.draw_warpgroup):
                 if warp >= BITS_WARPS[0]:
                     self._draw_bits(drop, tidx - 32 * BITS_WARPS[0], n_block, head_kv, batch, group, mQ.shape[2],
                                     seqlen_q, seqlen_k, m_start, n_m, steps)
         else:
-            cute.arch.setmaxregister_increase(mma_regs)
-            self._mma(own_copy(mma_ss), own_copy(mma_rs), own_copy(mma_dq), sK, sV, sQ, sdO, sdS, sdQ, sRows,
-                      bar_kv, bar_dq, pipe, mLSE, mDelta, mdK, mdV, scale_log2, scale, role - 1, tidx % THREADS,
-                      n_block, head_kv, batch, group, seqlen_k, offset, m_start, n_m, steps, mWords, drop,
-                      (tma_dk, tma_dv), bars_rows)
+            mma_args = (mma_regs, (mma_ss, mma_rs, mma_dq), (sK, sV, sQ, sdO, sdS, sdQ, sRows, bar_kv, bar_dq, pipe,
+                        mLSE, mDelta, mdK, mdV, scale_log2, scale), role, tidx, (n_block, head_kv, batch, group,
+                        seqlen_k, offset, m_start, n_m, steps, mWords, drop, (tma_dk, tma_dv), bars_rows))
+            if cutlass.const_expr(self.draw_warpgroup):
+                if role == wgs + 1:
+                    cute.arch.setmaxregister_decrease(DRAW_WG_REGS[1])
+                    self._draw_bits(drop, tidx - (wgs + 1) * THREADS, n_block, head_kv, batch, group, mQ.shape[2],
+                                    seqlen_q, seqlen_k, m_start, n_m, steps)
+                else:
+                    self._mma_role(*mma_args)
+            else:
+                self._mma_role(*mma_args)
+
+    @cute.jit
+    def _mma_role(self, mma_regs: int, mmas: tuple, before: tuple, role: Int32, tidx: Int32, after: tuple):
+        """MMA warpgroup role - 1: its registers raised to mma_regs, then _mma (arguments `before`, the warpgroup and
+        its thread, `after`) on copies of the tiled MMAs made inside this branch (an mma.set on an object from
+        outside a runtime branch fails IR verification)."""
+        cute.arch.setmaxregister_increase(mma_regs)
+        self._mma(*[own_copy(m) for m in mmas], *before, role - 1, tidx % THREADS, *after)
 
     @cute.jit
     def _longest_first(self, n_block: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32, group: Int32):
@@ -253,7 +290,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
     @cute.jit
     def _draw_bits(self, drop: tuple, gt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
                    heads_q: Int32, seqlen_q: Int32, seqlen_k: Int32, m_start: Int32, n_m: Int32, steps: Int32):
-        """The dropout variant's drawing warps (thread gt of 64): each step's keep bits for the MMA warpgroups."""
+        """The dropout variant's drawing warps (thread gt of 64, or of 128 with draw_warpgroup): each step's keep
+        bits for the MMA warpgroups."""
         bars, sBits, mRng, threshold, _, mBits = drop
         for step in cutlass.range(steps, unroll=1):
             if cutlass.const_expr(self.keep_bits):
@@ -263,7 +301,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             else:
                 draw_backward_bits(sBits, bars, mRng, threshold, gt, n_block * (TILE_N * self.wgs // 32),
                                    batch * heads_q + head_kv * group, step // n_m, seqlen_q, seqlen_k, step,
-                                   self._m_block(m_start, n_m, step) * self.tile_m, self.tile_m)
+                                   self._m_block(m_start, n_m, step) * self.tile_m, self.tile_m, self.bits_halves,
+                                   DRAW_WG_CHAINS if self.draw_warpgroup else 4)
 
     @cute.jit
     def _m_block(self, m_start: Int32, n_m: Int32, step: Int32) -> Int32:

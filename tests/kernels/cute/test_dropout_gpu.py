@@ -96,8 +96,8 @@ def _assert_kernel_grads_within_bar(grads, q, k, v, dout, p, rng, causal, bottom
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 4, 256, 256), (1, 8, 2, 300, 333), (2, 2, 1, 1000, 1100)])
 def test_dropout_backward_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
-    """The warp-specialised backward's dropout variant (d=128): the producer warpgroup's drawing warps give the MMA
-    warpgroups the forward's mask; gradients against the float64 reference with that mask."""
+    """The warp-specialised backward's dropout variant (d=128): a drawing warpgroup (flash_bwd_ws.DRAW_WARPGROUP)
+    gives the MMA warpgroups the forward's mask; gradients against the float64 reference with that mask."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
     from fa_backend.ops import new_rng_state

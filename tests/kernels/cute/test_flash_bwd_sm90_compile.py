@@ -456,17 +456,24 @@ def test_wide_head_dims_refuse_other_variants():
 @needs_ptxas
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
 def test_dropout_variant_draws_in_the_producer_warpgroup(tmp_path, shared_ptx, causal, bottom_right):
-    """The op's dropout backward (d=128, 64-row steps; ops.cute_flash.DROPOUT_BACKWARD): 56 registers for the
-    producer warpgroup, whose drawing warps run four Philox draws per loop iteration in lockstep (80 wide multiplies;
-    77 where LLVM shares the chains' first-round products of the zero counter word), and 224 for the MMA
-    warpgroups (flash_bwd_ws.DRAW_REGS: the CTA's pool of 384 x 168 holds no more), no spills, no C75xx
-    serialisation, the exp2s still if-converted; the variant without dropout draws nothing."""
-    from fa_backend.kernels.cute import flash_bwd
+    """The op's dropout backward (d=128, 64-row steps; ops.cute_flash.DROPOUT_BACKWARD). With
+    flash_bwd_ws.DRAW_WARPGROUP (the default): a fourth warpgroup draws (512 threads), two Philox chains per
+    loop iteration (40 wide multiplies; 39 where LLVM shares the chains' first-round product of the zero counter
+    word), 24 registers for the producer warpgroup, 40 for the drawing one, 224 for the MMA ones (DRAW_WG_REGS: the
+    512 threads' pool); otherwise the producer's warps 2-3 draw, four chains at 56 / 224 (DRAW_REGS). No spills, no
+    C75xx serialisation, the exp2s still if-converted; the variant without dropout draws nothing."""
+    from fa_backend.kernels.cute import flash_bwd, flash_bwd_ws
 
     ptx = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, bottom_right, wgs=2,
                      warp_specialized=True, pointer_args=True, dropout=True)
-    assert 76 <= ptx.count("mul.wide.u32") <= 80
-    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", "56"), ("inc", "224")]
+    regs = re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx)
+    if flash_bwd_ws.DRAW_WARPGROUP:
+        assert ".reqntid 512, 1, 1" in ptx
+        assert ptx.count("mul.wide.u32") in (39, 40)
+        assert regs == [("dec", "24"), ("dec", "40"), ("inc", "224")]
+    else:
+        assert 76 <= ptx.count("mul.wide.u32") <= 80
+        assert regs == [("dec", "56"), ("inc", "224")]
     _assert_asynchronous_and_if_converted(ptx, tmp_path)
     if not causal:
         plain = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, bottom_right, "sm_90a", str(tmp_path / "p"),
