@@ -9,8 +9,9 @@
 # twentieth session: SHARDS=11 TEST_TIMEOUT=530 ran 90-94 % of each shard in a 600 s call, then `tests_tail` (TAIL=380)
 # the rest in a second; twenty-first: one shard stopped at 89 %, one position short of TAIL=380's reach: use TAIL=420
 # thirty-first: each shard appends its finished test ids to $OUT/done_<i>.txt (FA_BACKEND_TEST_DONE, tests/conftest.py),
-# merged into $OUT/done.txt; copy it to .gpu_done/ and `tests_rest` runs exactly what the cut shards left (3912 tests:
-# SHARDS=11 TEST_TIMEOUT=540 ran 3471, tests_rest the other ~440 in 167 s)
+# merged into $OUT/done.txt; copy it alone to .gpu_done/ (older files there count as done too) and `tests_rest` runs
+# exactly what the cut shards left (3912 tests: SHARDS=11 TEST_TIMEOUT=540 ran 3471; the rest, by a one-off script of
+# the same logic before this step existed, in 167 s; the step itself checked on the CPU only)
 # env: PROFILE_ARGS, PROFILE_SCRIPT, PROFILE_TIMEOUT, SHARDS, TAIL, TUNE_DECODE_ARGS, TUNE_FEATURES_ARGS, BENCH_TIMEOUT, CUTE_BENCH_ARGS (e.g. --runners cute_ws_overlap cute_ws_pingpong), CUTE_BWD_ARGS, TEST_TIMEOUT, TUNE_KERNELS, TUNE_DIMS, TUNE_SEQLENS, TUNE_MATCH, TUNE_GROUP, BENCH_ARGS, DECODE_ARGS, TUNE_TIMEOUT, HOST_ARGS (e.g. --profile), PRODUCT_ARGS
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
