@@ -11,6 +11,8 @@ from .api import attention
 from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                    flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                    flash_attn_varlen_qkvpacked_func)
+from .dispatch.backends.cute import bind_ops as _bind_cute_ops
+from .dispatch.backends.triton import bind_ops as _bind_triton_ops
 from .dispatch import (BackendUnsupportedError, Explanation, Reason, ReasonCode, explain, reset_stats,
                        sdpa_backends, stats)
 from .integrations import provider as _provider
@@ -18,6 +20,8 @@ from .integrations.sdpa import disable, enable, enabled
 from .kvcache import flash_attn_with_kvcache  # noqa: F401  (FlashAttention-2 KV-cache API)
 
 _provider.register()  # lists "fa_backend" in torch.nn.attention's registry; activates nothing
+_bind_cute_ops()  # the backends' ops, now that both are imported (never inside a torch.compile trace)
+_bind_triton_ops()
 
 __version__ = "0.1.0"
 

@@ -49,9 +49,12 @@ if [[ " $steps " == *" tests_tail "* ]]; then
 fi
 if [[ " $steps " == *" tests_rest "* ]]; then
   # the tests that a cut `tests` call did not reach: every collected id not in DONE_DIR/done*.txt (that call's
-  # $OUT/done.txt, copied into the tree; .gpu_done by default), over pytest-xdist
+  # $OUT/done.txt, copied into the tree; .gpu_done by default, which git ignores: name it in the device call's carry,
+  # else nothing counts as done and every test runs; thirty-second session). done = finished, failed ones too: take
+  # failures' ids out of the file to run them again. xargs may split the ids over several pytest runs in turn
   python3 -m pytest tests --collect-only -q -p no:cacheprovider 2>/dev/null | grep "::" | sort > "$OUT/all_ids.txt"
-  cat "${DONE_DIR:-.gpu_done}"/done*.txt | sort -u > "$OUT/done_ids.txt"
+  [[ -n "$(ls "${DONE_DIR:-.gpu_done}"/done*.txt 2>/dev/null)" ]] || echo "tests_rest: no ${DONE_DIR:-.gpu_done}/done*.txt (not carried?)"
+  cat "${DONE_DIR:-.gpu_done}"/done*.txt 2>/dev/null | sort -u > "$OUT/done_ids.txt"
   comm -23 "$OUT/all_ids.txt" "$OUT/done_ids.txt" > "$OUT/rest_ids.txt"
   echo "tests_rest: $(wc -l < "$OUT/all_ids.txt") collected, $(wc -l < "$OUT/done_ids.txt") done, $(wc -l < "$OUT/rest_ids.txt") to run"
   if [[ -s "$OUT/rest_ids.txt" ]]; then

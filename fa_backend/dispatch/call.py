@@ -27,7 +27,10 @@ def _plain_tensor_types() -> tuple[type, ...]:
     return (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
 
 
-_PLAIN_TYPES: list[tuple[type, ...]] = []
+# Built at import, not on the first call: filled lazily inside a torch.compile trace, the list's mutation was a side
+# effect Dynamo guarded on (the process's first compiled call recompiled on its second run) and replayed on restart
+# (SpeculationLogDivergence with dynamic=True); seen on the H200 under pytest-xdist, where no eager call came first.
+_PLAIN_TYPES: tuple[type, ...] = _plain_tensor_types()
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -147,9 +150,7 @@ class AttentionCall:
             mask_shape, mask_dtype = tuple(attn_mask.shape), attn_mask.dtype
             mask_grad = torch.is_grad_enabled() and attn_mask.requires_grad
             mask_device = attn_mask.device == q.device
-        if not _PLAIN_TYPES:
-            _PLAIN_TYPES.append(_plain_tensor_types())
-        subclass = any(type(t) not in _PLAIN_TYPES[0] for t in (q, k, v, attn_mask) if t is not None)
+        subclass = any(type(t) not in _PLAIN_TYPES for t in (q, k, v, attn_mask) if t is not None)
         grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (q, k, v, attn_mask) if t is not None)
         return cls(

@@ -24,6 +24,14 @@ KERNELS_ENABLED = True
 _OPS: list = []
 
 
+def bind_ops() -> None:
+    """Fill _OPS with the CuTe op, which imports this module: at the package's import (fa_backend/__init__), not on
+    the first run, where a torch.compile trace would fill it and Dynamo would guard on the emptied list."""
+    from ...ops.cute_flash import cute_flash_attention
+
+    _OPS[:] = [cute_flash_attention]
+
+
 def _not_enabled() -> str | None:
     """Why the backend cannot run anything at all (DSL missing, or kernels turned off), or None."""
     if DSL_MISSING:
@@ -155,8 +163,6 @@ class CuteBackend(Backend):
     @classmethod
     def run(cls, call, sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         if not _OPS:
-            from ...ops.cute_flash import cute_flash_attention
-
-            _OPS.append(cute_flash_attention)
+            bind_ops()
         bottom_right = bool(is_causal) and call.causal_alignment == "bottom_right"
         return _OPS[0](q, k, v, scale, bool(is_causal), bottom_right, attn_mask, float(dropout_p))[0]

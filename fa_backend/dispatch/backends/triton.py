@@ -41,12 +41,17 @@ _OPS: list = []
 
 
 def _load_ops() -> list:
-    """[triton_flash_attention, sdpa_decode]: the ops import this module, so they are imported on first run."""
+    """[triton_flash_attention, sdpa_decode]: the ops import this module, so they are bound after both are imported
+    (bind_ops, at the package's import) and not on the first run, where a torch.compile trace would fill _OPS: Dynamo
+    guards on the emptied list and compiles the process's first routed graph a second time."""
     from ...ops import triton_flash_attention
     from ...ops.triton_decode import sdpa_decode
 
     _OPS[:] = [triton_flash_attention, sdpa_decode]
     return _OPS
+
+
+bind_ops = _load_ops
 
 
 class TritonBackend(Backend):
