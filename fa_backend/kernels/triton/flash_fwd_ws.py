@@ -1,0 +1,156 @@
+"""Warp-specialized forward for plain non-causal calls on Hopper (Triton's automatic warp specialization).
+
+With `tl.range(..., warp_specialize=True)`, 4 warps and TMA tiles, Triton 3.6 splits the key loop on sm90 into
+a TMA producer partition and two consumer warpgroups of BLOCK_M / 2 query rows each at 232 registers
+(FlashAttention-3's structure, without its ping-pong). What Triton 3.6's pass does not get right, found on an
+H100 in the thirty-third session: the general forward (`flash_fwd._attn_fwd`) and any kernel with two specialized
+loops fail the pass (a dominance assertion); a loop with an `if` on the tile index is left unspecialized; and a
+vector built by `tl.arange` over the query rows reaches both consumer warpgroups as the first half's rows, so a
+causal mask or a pointer store of the LSE puts the second half's rows wrong (the 128 x 64 tile returned NaNs
+too). So this kernel takes only non-causal plain calls (no mask, dropout, softcap, ALiBi or window), GQA, any
+strides TMA accepts, and stores O and the LSE by TMA (descriptor stores are split between the consumers
+correctly). Same contract as `_attn_fwd`: out in q's dtype, LSE (natural log) contiguous (b, hq, sq).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _configs, _launch
+from ._common import LN2
+from ._launch import grid_1d
+from ._tma import tma_ok
+
+
+@triton.jit
+def _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, SEQ_K, qk_scale, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
+             WARP_SPEC: tl.constexpr):
+    """Fold every key into (acc, l_i, m_i), hiding keys past SEQ_K (MASK_COLS: SEQ_K not a multiple of BLOCK_N;
+    applied to every tile, since an `if` on the tile index leaves the loop unspecialized)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(0, SEQ_K, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = k_desc.load([start_n, 0])
+        qk = tl.dot(q, tl.trans(k))
+        if MASK_COLS:
+            qk = tl.where((start_n + offs_n)[None, :] < SEQ_K, qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([start_n, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS"])
+def _attn_fwd_ws(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
+    WARP_SPEC: tl.constexpr = True,
+):
+    # qk_scale includes log2(e) and is > 0 (the host sends other scales to _attn_fwd); SEQ_K > 0, so every row
+    # sees a key. Query blocks of one head adjacent: their K / V shared in L2.
+    pid = tl.program_id(0)
+    pid_m = pid % NUM_M_BLOCKS
+    bh = pid // NUM_M_BLOCKS
+    off_b = (bh // NUM_HEADS_Q).to(tl.int64)
+    off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+    off_hk = off_h // GROUP
+    # Per-program descriptors over this head's rows: rows past the sequence come zero-filled on loads and are
+    # dropped on stores.
+    q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[SEQ_Q, HEAD_DIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[SEQ_K, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[SEQ_K, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(O + off_b * stride_ob + off_h * stride_oh, shape=[SEQ_Q, HEAD_DIM],
+                                       strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    lse_desc = tl.make_tensor_descriptor(LSE + bh.to(tl.int64) * SEQ_Q, shape=[SEQ_Q], strides=[1],
+                                         block_shape=[BLOCK_M])
+    m0 = pid_m * BLOCK_M
+    q = q_desc.load([m0, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, SEQ_K, qk_scale, BLOCK_N, MASK_COLS, WARP_SPEC)
+    lse_desc.store([m0], (m_i + tl.math.log2(l_i)) * LN2)
+    o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
+
+
+# Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. 4 warps is what the pass specializes (the
+# default partition becomes the producer, two 4-warp consumer partitions are added: 12 warps in all); 8
+# leave the loop unspecialized. 128-key tiles: with 64 the specialized loop returned NaNs on an H100, and at
+# d=64 three stages did too. d=128 only: at d=64 it was slower than `_attn_fwd` below 8k keys and within
+# noise of it above (scripts/time_fwd_ws.py, H100, two runs).
+WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 4, 2)}
+# Shortest key length at which this kernel was timed against `_attn_fwd` (H100, bf16, non-causal: 1.04x at
+# 512 keys, 1.10-1.16x from 1k to 16k).
+MIN_SEQ_K = 512
+
+# Off: every forward takes `_attn_fwd`. Tests and scripts switch it to compare both.
+ENABLED = True
+# Whether the interpreter (TRITON_INTERPRET=1, CPU tests) may take this kernel (off: the CPU suite keeps
+# exercising `_attn_fwd` on plain calls); the interpreter ignores the specialization and runs the same math,
+# so tests that turn it on check this kernel's bounds. MIN_SEQ_K does not apply there.
+INTERPRET = False
+_LOG2E = 1.4426950408889634
+_HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+_FAILED: set = set()  # (head dim, dtype) whose compile failed here: not tried again
+
+
+def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, causal: bool,
+                plain: bool) -> bool:
+    """Whether `flash_fwd_ws` may run this call: plain (no mask, dropout, softcap, ALiBi, window) and not
+    causal, scale > 0, equal head dims in WS_TILES, at least MIN_SEQ_K keys, fp16 / bf16, a query length
+    that is a multiple of 4 (the LSE rows' TMA alignment), on sm90 (or the interpreter) with strides TMA
+    accepts; and no forward tile pinned by `_configs.override`."""
+    if not (ENABLED and _HAS_WS and plain and not causal and scale > 0) or _configs._override.get("fwd"):
+        return False  # (a forward tile pinned by _configs.override: tuning and tests of `_attn_fwd`)
+    d, sq, sk = q.shape[-1], q.shape[2], k.shape[2]
+    if d not in WS_TILES or v.shape[-1] != d or q.dtype not in (torch.float16, torch.bfloat16) or sq % 4 or not sk:
+        return False
+    if _launch._INTERPRET:
+        if not INTERPRET:
+            return False
+    elif torch.cuda.get_device_capability(q.device) != (9, 0) or sk < MIN_SEQ_K:
+        return False
+    if (d, q.dtype) in _FAILED:
+        return False
+    return tma_ok(q, k, v, out)
+
+
+def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
+                 lse: torch.Tensor) -> bool:
+    """Fill out (b, hq, sq, d) and lse (b, hq, sq, contiguous) as `flash_fwd` would, for a call `ws_eligible`
+    accepted; False (nothing written) when the kernel does not compile with this Triton or lse is not a
+    16-byte-aligned contiguous buffer."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if not lse.is_contiguous() or lse.data_ptr() % 16:  # a caller's LSE buffer that TMA cannot write by rows
+        return False
+    block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
+    num_m_blocks = triton.cdiv(sq, block_m)
+    try:
+        _launch.launch(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), (
+            q, k, v, out, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
+        ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
+                num_stages=num_stages))
+    except Exception as e:  # noqa: BLE001 - a Triton whose pass cannot specialize this loop: the caller falls back
+        if "PassManager" not in str(e):
+            raise
+        _FAILED.add((d, q.dtype))
+        return False
+    return True

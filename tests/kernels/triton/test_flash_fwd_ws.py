@@ -1,0 +1,176 @@
+"""The warp-specialized non-causal forward (flash_fwd_ws): under the interpreter here (which runs the same math
+without the specialization), on sm90 in the GPU suite: outputs within the 2x rule, the LSE, which calls take it,
+and the fallback when the pass fails."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from fa_backend.kernels.triton import _configs, _launch, flash_fwd_ws
+from fa_backend.kernels.triton.flash_fwd import flash_fwd
+from tests.conftest import DEVICE
+from tests.reference import assert_within_bar, attention_math, attention_same_dtype
+
+pytestmark = pytest.mark.usefixtures("poisoned")
+
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture
+def ws_launches(monkeypatch):
+    """The WS kernel enabled (also under the interpreter); yields the list of kernels launched."""
+    monkeypatch.setattr(flash_fwd_ws, "INTERPRET", True)
+    monkeypatch.setattr(flash_fwd_ws, "ENABLED", True)
+    monkeypatch.setattr(flash_fwd_ws, "MIN_SEQ_K", 0)  # the small shapes of the fallback tests too
+    if DEVICE == "cpu":  # the kernel is generic in the head dim: d=64 keeps the interpreter tests cheap
+        monkeypatch.setattr(flash_fwd_ws, "WS_TILES", {64: (16, 16, 4, 1), 128: (16, 16, 4, 1)})
+    names = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
+                        or real(kernel, grid, args, kw))
+    return names
+
+
+def _qkv(b, hq, hkv, sq, sk, d, dtype, bshd):
+    def make(h, s):
+        if bshd:
+            return torch.randn(b, s, h, d, dtype=dtype, device=DEVICE).transpose(1, 2)
+        return torch.randn(b, h, s, d, dtype=dtype, device=DEVICE)
+    return make(hq, sq), make(hkv, sk), make(hkv, sk)
+
+
+def _lse(q, k):
+    """float64 natural-log sum-exp of the scaled scores."""
+    q, k = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return torch.logsumexp((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, -1)
+
+
+def _check(q, k, v, names):
+    out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
+    assert names and names[-1] == "_attn_fwd_ws", names
+    big = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > 2**27
+    ref_dtype = torch.float32 if big else torch.float64
+    ref = attention_math(*(t.to(ref_dtype) for t in (q, k, v)))
+    assert_within_bar("out", out, attention_same_dtype(q, k, v), ref)
+    lse_ref = _lse(q, k)
+    assert torch.isfinite(lse).all(), "unwritten LSE rows"
+    # fp32 sum-exp of dtype-rounded scores against float64: within a few units of the scores' rounding
+    assert (lse.double() - lse_ref).abs().max().item() < 2e-2
+
+
+CPU_CASES = [
+    # d, hq, hkv, sq, sk, bshd
+    (64, 4, 2, 44, 70, True),  # keys not a multiple of the tile (MASK_COLS), GQA, (b, s, h, d) layout
+    (64, 2, 2, 48, 64, False),  # no mask at all
+    (64, 2, 1, 72, 40, True),  # more queries than keys
+    (128, 2, 2, 32, 40, False),
+]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", CPU_CASES)
+def test_ws_forward_interpreted(ws_launches, d, hq, hkv, sq, sk, bshd):
+    _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_launches)
+
+
+GPU_CASES = [(d, hq, hkv, sq, sk, bshd) for d in (128,)
+             for hq, hkv, sq, sk, bshd in ((16, 16, 2048, 8192, True), (8, 2, 1000, 9001, False),
+                                           (4, 4, 3000, 8192, True), (2, 2, 8192, 16384, False))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", GPU_CASES)
+def test_ws_forward_real_size(ws_launches, dtype, d, hq, hkv, sq, sk, bshd):
+    _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90")
+def test_ws_forward_large_logits_finite(ws_launches):
+    q, k, v = _qkv(1, 4, 4, 1024, 1024, 128, torch.bfloat16, True)
+    out, lse = flash_fwd(q * 30, k * 30, v, 128 ** -0.5, False, False)
+    assert ws_launches[-1] == "_attn_fwd_ws"
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def _plain_qkv(d=64 if DEVICE == "cpu" else 128):
+    return _qkv(1, 2, 2, 40, 40, d, torch.float16, False)
+
+
+@pytest.mark.parametrize("kw", [dict(attn_mask="bool"), dict(dropout_p=0.1), dict(softcap=5.0),
+                                dict(window=(8, -1)), dict(alibi_slopes=True), dict(scale=-0.1), dict(d=96),
+                                dict(causal=True), dict(sq=38)],
+                         ids=lambda kw: next(iter(kw)))
+def test_ws_not_taken_for_features(ws_launches, kw):
+    q, k, v = _plain_qkv(kw.pop("d", 64 if DEVICE == "cpu" else 128))
+    causal = kw.pop("causal", False)
+    q = q[:, :, :kw.pop("sq", 40)]  # a query length that is not a multiple of 4: the LSE rows' TMA alignment
+    scale = kw.pop("scale", q.shape[-1] ** -0.5)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(40, 40, device=DEVICE) > 0.2
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = torch.rand(2, device=DEVICE)
+    if "dropout_p" in kw:
+        kw["rng"] = (1, 0)
+    flash_fwd(q, k, v, scale, causal, True, **kw)
+    assert "_attn_fwd_ws" not in ws_launches and ws_launches[-1] == "_attn_fwd"
+
+
+def test_ws_switches(ws_launches, monkeypatch):
+    q, k, v = _plain_qkv()
+    out = torch.empty_like(q)
+    assert flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True) == (DEVICE == "cpu" or ON_SM90)
+    monkeypatch.setattr(flash_fwd_ws, "ENABLED", False)
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
+    monkeypatch.setattr(flash_fwd_ws, "ENABLED", True)
+    monkeypatch.setattr(flash_fwd_ws, "INTERPRET", False)
+    if DEVICE == "cpu":  # the CPU suite keeps testing _attn_fwd on plain calls unless a test asks
+        assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
+    monkeypatch.setattr(flash_fwd_ws, "INTERPRET", True)
+    with _configs.override(fwd=_configs.TileConfig(16, 16, 4, 1)):  # a pinned tile is one for _attn_fwd
+        assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
+    monkeypatch.setattr(flash_fwd_ws, "MIN_SEQ_K", 41)  # 40 keys
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True) or DEVICE == "cpu"
+
+
+def test_ws_compile_failure_falls_back(ws_launches, monkeypatch):
+    # A Triton whose pass cannot specialize the loop: the call runs _attn_fwd, and later calls skip the try.
+    q, k, v = _plain_qkv()
+    real = _launch.launch
+
+    def failing(kernel, grid, args, kw):
+        if kernel.fn.__name__ == "_attn_fwd_ws":
+            raise RuntimeError("PassManager::run failed")
+        return real(kernel, grid, args, kw)
+
+    monkeypatch.setattr(_launch, "launch", failing)
+    monkeypatch.setattr(flash_fwd_ws, "_FAILED", set())
+    out, _ = flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
+    ref = attention_math(q.double(), k.double(), v.double())
+    assert_within_bar("out", out, attention_same_dtype(q, k, v), ref)
+    assert (q.shape[-1], torch.float16) in flash_fwd_ws._FAILED
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
+
+
+def test_ws_unaligned_lse_buffer_falls_back(ws_launches):
+    q, k, v = _plain_qkv()
+    out = torch.empty_like(q)
+    lse = torch.empty(2 * 40 + 1, dtype=torch.float32, device=DEVICE)[1:].view(1, 2, 40)  # 4-byte offset
+    flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True, out, lse)
+    assert ws_launches[-1] == "_attn_fwd"
+    assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
+
+
+def test_ws_other_errors_propagate(ws_launches, monkeypatch):
+    q, k, v = _plain_qkv()
+
+    def failing(kernel, grid, args, kw):
+        raise ValueError("not a compile failure")
+
+    monkeypatch.setattr(_launch, "launch", failing)
+    with pytest.raises(ValueError, match="not a compile failure"):
+        flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
