@@ -11,12 +11,17 @@ For each head dim, causal mode and seqlen (bf16, batch = 16384 / seqlen, heads =
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _records import write_records  # noqa: E402
 
 from fa_backend.kernels.triton import flash_fwd_ws
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
@@ -73,10 +78,7 @@ def main() -> None:
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v
     flash_fwd_ws.ENABLED = True
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+    write_records(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from ._features import kernel_features, tile_class
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 from ._tma import tma_ok as _tma_ok
+from .flash_bwd_ws import bwd_dkdv_ws, dkdv_ws_eligible
 from .flash_fwd import flash_fwd, flash_fwd_varlen, varlen_strides
 
 # Small calls (at most this many scores per head: 256 x 256) take delta from an fp32 recomputation of O instead of
@@ -620,6 +621,26 @@ def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None =
     return delta
 
 
+def _launch_dkdv(q, k, v, dout, lse, delta, dk, dv, feat, cfg, n_blocks, scale, attn_mask, atomic, use_tma, dq_acc,
+                 exact_ds, block_d, block_dv):
+    """The general dK / dV kernel (`_bwd_dkdv`) on a dense call (flash_bwd's arguments)."""
+    b, hq, sq, d = q.shape
+    hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
+    _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
+        q, k, v, dout, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+        hq, hkv, hq // hkv, sq, sk, n_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
+    ), dict(
+        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
+        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
+        **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
+        **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True} if use_tma else {}),
+        **({"KEY_MAJOR": True} if cfg.dkdv.key_major else {}), **exact_ds,
+        **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
+    ))
+
+
 def flash_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
@@ -666,19 +687,14 @@ def flash_bwd(
     cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv))
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
-    _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (
-        q, k, v, dout, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        hq, hkv, hq // hkv, sq, sk, n_blocks, feat.causal_offset, feat.qk_scale, scale, *feat.args,
-    ), dict(
-        HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
-        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
-        **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
-        **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True} if use_tma else {}),
-        **({"KEY_MAJOR": True} if cfg.dkdv.key_major else {}), **exact_ds,
-        **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
-    ))
+    plain = (attn_mask is None and dropout_p == 0.0 and window[0] < 0 and window[1] < 0 and softcap == 0.0
+             and alibi_slopes is None)
+    # dK / dV by the warp-specialized kernel where it applies (flash_bwd_ws.py), else the general one; dQ below
+    if not (not atomic and not exact_ds and lse.is_contiguous()
+            and dkdv_ws_eligible(q, k, v, dout, dk, dv, scale, causal, plain)
+            and bwd_dkdv_ws(q, k, v, dout, lse, delta, dk, dv, scale)):
+        _launch_dkdv(q, k, v, dout, lse, delta, dk, dv, feat, cfg, n_blocks, scale, attn_mask, atomic, use_tma,
+                     dq_acc, exact_ds, block_d, block_dv)
     if atomic:
         convert_block = 64 if q.device.type == "cuda" else 16
         m_blocks = cdiv(sq, convert_block)

@@ -14,8 +14,6 @@ correctly). Same contract as `_attn_fwd`: out in q's dtype, LSE (natural log) co
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +22,7 @@ from . import _configs, _launch
 from ._common import LN2
 from ._launch import grid_1d
 from ._tma import tma_ok
+from ._ws import HAS_WS, _head_rows, launch_or_mark, platform_ok
 
 
 @triton.jit
@@ -67,14 +66,10 @@ def _attn_fwd_ws(
     off_hk = off_h // GROUP
     # Per-program descriptors over this head's rows: rows past the sequence come zero-filled on loads and are
     # dropped on stores.
-    q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[SEQ_Q, HEAD_DIM],
-                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[SEQ_K, HEAD_DIM],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[SEQ_K, HEAD_DIM],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    o_desc = tl.make_tensor_descriptor(O + off_b * stride_ob + off_h * stride_oh, shape=[SEQ_Q, HEAD_DIM],
-                                       strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N)
+    o_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM, BLOCK_M)
     lse_desc = tl.make_tensor_descriptor(LSE + bh.to(tl.int64) * SEQ_Q, shape=[SEQ_Q], strides=[1],
                                          block_shape=[BLOCK_M])
     m0 = pid_m * BLOCK_M
@@ -104,7 +99,7 @@ ENABLED = True
 # so tests that turn it on check this kernel's bounds. MIN_SEQ_K does not apply there.
 INTERPRET = False
 _LOG2E = 1.4426950408889634
-_HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+_HAS_WS = HAS_WS
 _FAILED: set = set()  # (head dim, dtype) whose compile failed here: not tried again
 
 
@@ -119,12 +114,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     d, sq, sk = q.shape[-1], q.shape[2], k.shape[2]
     if d not in WS_TILES or v.shape[-1] != d or q.dtype not in (torch.float16, torch.bfloat16) or sq % 4 or not sk:
         return False
-    if _launch._INTERPRET:
-        if not INTERPRET:
-            return False
-    elif torch.cuda.get_device_capability(q.device) != (9, 0) or sk < MIN_SEQ_K:
-        return False
-    if (d, q.dtype) in _FAILED:
+    if not platform_ok(q, INTERPRET) or (sk < MIN_SEQ_K and not _launch._INTERPRET) or (d, q.dtype) in _FAILED:
         return False
     return tma_ok(q, k, v, out)
 
@@ -140,17 +130,10 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         return False
     block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
     num_m_blocks = triton.cdiv(sq, block_m)
-    try:
-        _launch.launch(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), (
-            q, k, v, out, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
-        ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
-                num_stages=num_stages))
-    except Exception as e:  # noqa: BLE001 - a Triton whose pass cannot specialize this loop: the caller falls back
-        if "PassManager" not in str(e):
-            raise
-        _FAILED.add((d, q.dtype))
-        return False
-    return True
+    return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), (
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
+    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
+            num_stages=num_stages), _FAILED, (d, q.dtype))

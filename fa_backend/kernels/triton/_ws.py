@@ -1,0 +1,44 @@
+"""Shared pieces of the warp-specialized kernels (flash_fwd_ws.py, flash_bwd_ws.py): per-head TMA descriptors, the
+platform check, and the launch that falls back when Triton's pass cannot specialize a loop."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+
+# Triton builds with `tl.range(..., warp_specialize=...)` (3.4 and later).
+HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+@triton.jit
+def _head_rows(T, off_b, off_h, stride_b, stride_h, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """TMA descriptor over the n_rows x HEAD_DIM rows of head (off_b, off_h) of a (b, h, s, d) tensor with a unit
+    last stride, read and written in BLOCK-row tiles: rows past n_rows come zero-filled and are dropped on stores."""
+    return tl.make_tensor_descriptor(T + off_b * stride_b + off_h * stride_h, shape=[n_rows, HEAD_DIM],
+                                     strides=[stride_row, 1], block_shape=[BLOCK, HEAD_DIM])
+
+
+def platform_ok(t: torch.Tensor, interpret: bool) -> bool:
+    """sm90 (Hopper, where these kernels were measured and checked); under TRITON_INTERPRET only when the module's
+    INTERPRET switch (`interpret`) asks for it."""
+    if _launch._INTERPRET:
+        return interpret
+    return torch.cuda.get_device_capability(t.device) == (9, 0)
+
+
+def launch_or_mark(kernel, grid: tuple, args: tuple, kwargs: dict, failed: set, key) -> bool:
+    """_launch.launch, or False with key added to failed when this Triton's pass cannot build the kernel (other
+    errors propagate)."""
+    try:
+        _launch.launch(kernel, grid, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - only the pass's failure is caught (re-raised otherwise)
+        if "PassManager" not in str(e):
+            raise
+        failed.add(key)
+        return False
+    return True

@@ -1,0 +1,103 @@
+"""Warp-specialized dK / dV kernel for plain non-causal MHA backwards on Hopper (Triton's automatic warp
+specialization; see flash_fwd_ws.py for what Triton 3.6's pass gets wrong, which shapes what this kernel does).
+
+Key-block stationary as `flash_bwd._bwd_dkdv`: a program holds BLOCK_N keys (split between the two consumer
+warpgroups: the dots' M dimension) and walks every query block; K / V / Q / dO by TMA, dK / dV stored by TMA (a
+pointer store over the key rows would hit the pass's row-index fault), LSE and delta read per query block by
+pointer over the query axis (the dots' N dimension, not split). No GQA (the group loop would be a second loop
+around the specialized one), no causal mask, no mask / dropout / softcap / ALiBi / window. dQ stays with the
+general kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _configs, _launch
+from ._launch import grid_1d
+from ._tma import tma_ok
+from ._common import LOG2E
+from ._ws import HAS_WS as _HAS_WS, _head_rows, launch_or_mark, platform_ok
+
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS"])
+def _bwd_dkdv_ws(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    NUM_HEADS, SEQ_Q, SEQ_K, NUM_N_BLOCKS, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr = True,
+):
+    pid = tl.program_id(0)
+    pid_n = pid % NUM_N_BLOCKS
+    bh = pid // NUM_N_BLOCKS
+    off_b = (bh // NUM_HEADS).to(tl.int64)
+    off_h = (bh % NUM_HEADS).to(tl.int64)
+    q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M)
+    do_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, off_b, off_h, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, off_b, off_h, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N)
+    dk_desc = _head_rows(DK, off_b, off_h, stride_dkb, stride_dkh, stride_dkn, SEQ_K, HEAD_DIM, BLOCK_N)
+    dv_desc = _head_rows(DV, off_b, off_h, stride_dvb, stride_dvh, stride_dvn, SEQ_K, HEAD_DIM, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    k = k_desc.load([n0, 0])
+    v = v_desc.load([n0, 0])
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    LSE_bh = LSE + bh.to(tl.int64) * SEQ_Q
+    DELTA_bh = DELTA + bh.to(tl.int64) * SEQ_Q
+    for start_m in tl.range(0, SEQ_Q, BLOCK_M, warp_specialize=WARP_SPEC):
+        rows = start_m + offs_m
+        q = q_desc.load([start_m, 0])
+        lse = tl.load(LSE_bh + rows, mask=rows < SEQ_Q, other=float("inf")) * LOG2E
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        do = do_desc.load([start_m, 0])
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        delta = tl.load(DELTA_bh + rows, mask=rows < SEQ_Q, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    dk_desc.store([n0, 0], (dk * sm_scale).to(DK.dtype.element_ty))
+    dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim: FA3's d=128 backward tile (64 queries a step, 128 keys,
+# 64 per consumer warpgroup); 4 warps is what the pass specializes.
+WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (64, 128, 4, 2)}
+ENABLED = True
+INTERPRET = False  # as flash_fwd_ws.INTERPRET: tests turn it on under the interpreter
+_FAILED: set = set()
+_LOG2E = 1.4426950408889634
+
+
+def dkdv_ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dk: torch.Tensor,
+                     dv: torch.Tensor, scale: float, causal: bool, plain: bool) -> bool:
+    """Whether `bwd_dkdv_ws` may compute this backward's dK / dV: plain, non-causal, MHA, equal head dims in
+    WS_TILES, fp16 / bf16, scale > 0, on sm90 (or the interpreter with INTERPRET) with strides TMA accepts, no
+    tile pinned by `_configs.override`."""
+    if not (ENABLED and _HAS_WS and plain and not causal and scale > 0) or _configs._override.get("bwd"):
+        return False
+    d = q.shape[-1]
+    if d not in WS_TILES or v.shape[-1] != d or q.shape[1] != k.shape[1] or (d, q.dtype) in _FAILED:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not platform_ok(q, INTERPRET):
+        return False
+    return tma_ok(q, k, v, dout, dk, dv)
+
+
+def bwd_dkdv_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float) -> bool:
+    """Write dk, dv for a call `dkdv_ws_eligible` accepted (lse, delta: fp32 contiguous (b, h, sq)); False
+    (nothing written) when the kernel does not compile with this Triton."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
+    n_blocks = triton.cdiv(sk, block_n)
+    return launch_or_mark(_bwd_dkdv_ws, grid_1d(n_blocks * b * h), (
+        q, k, v, dout, lse, delta, dk, dv,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
+        *dv.stride()[:3], h, sq, sk, n_blocks, scale * _LOG2E, scale,
+    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages),
+        _FAILED, (d, q.dtype))

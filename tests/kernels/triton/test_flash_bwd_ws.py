@@ -1,0 +1,83 @@
+"""The warp-specialized dK / dV kernel (flash_bwd_ws): gradients within the 2x rule under the interpreter here
+(which runs the same math without the specialization) and on sm90 in the GPU suite; which calls take it."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import fa_backend
+from fa_backend.kernels.triton import _launch, flash_bwd_ws
+from tests.conftest import DEVICE
+from tests.reference import check_attention
+
+pytestmark = pytest.mark.usefixtures("poisoned")
+
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+_FLASH_BWD = sys.modules["fa_backend.kernels.triton.flash_bwd"]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The WS dK / dV kernel enabled (also under the interpreter); yields the kernels launched."""
+    monkeypatch.setattr(flash_bwd_ws, "INTERPRET", True)
+    monkeypatch.setattr(flash_bwd_ws, "ENABLED", True)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(flash_bwd_ws, "WS_TILES", {64: (16, 16, 4, 1), 128: (16, 16, 4, 1)})
+        # small calls take the exact-dS path of the general kernel: off, so that these shapes reach this kernel
+        monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
+    names = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
+                        or real(kernel, grid, args, kw))
+    return names
+
+
+def _qkv(b, h, sq, sk, d, dtype, bshd):
+    def make(s):
+        if bshd:
+            return torch.randn(b, s, h, d, dtype=dtype, device=DEVICE).transpose(1, 2)
+        return torch.randn(b, h, s, d, dtype=dtype, device=DEVICE)
+    return make(sq), make(sk), make(sk)
+
+
+def _check(q, k, v, names):
+    check_attention(lambda q, k, v: fa_backend.attention(q, k, v), q, k, v)
+    assert "_bwd_dkdv_ws" in names and "_bwd_dkdv" not in names, names
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,sq,sk,bshd", [(64, 44, 70, True), (64, 64, 32, False), (128, 33, 40, True)])
+def test_ws_dkdv_interpreted(launches, d, sq, sk, bshd):
+    _check(*_qkv(2, 2, sq, sk, d, torch.float16, bshd), launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sq,sk,bshd", [(2048, 2048, True), (1000, 3001, False), (3001, 1000, True),
+                                        (4096, 8192, True)])
+def test_ws_dkdv_real_size(launches, dtype, sq, sk, bshd):
+    _check(*_qkv(2, 4, sq, sk, 128, dtype, bshd), launches)
+
+
+@pytest.mark.parametrize("case", ["causal", "gqa", "dropout", "window"])
+def test_ws_dkdv_not_taken(launches, case):
+    d = 64 if DEVICE == "cpu" else 128
+    q, k, v = _qkv(1, 2, 40, 40, d, torch.float16, False)
+    kw = {}
+    if case == "gqa":
+        k, v = k[:, :1], v[:, :1]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if case == "causal":
+        out = fa_backend.attention(*leaves, is_causal=True)
+    elif case == "dropout":
+        out = fa_backend.attention(*leaves, dropout_p=0.1)
+    elif case == "window":
+        out = fa_backend.attention(*leaves, window_size=(8, 8))
+    else:
+        out = fa_backend.attention(*leaves, **kw)
+    out.sum().backward()
+    assert "_bwd_dkdv" in launches and "_bwd_dkdv_ws" not in launches, launches

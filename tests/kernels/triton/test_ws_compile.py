@@ -1,0 +1,55 @@
+"""The warp-specialized kernels (forward, dK / dV) compiled for sm90 on any machine (no GPU needed): Triton still
+specializes their loops (the producer and two consumer warpgroups: 12 warps, setmaxnreg) and fits them in shared
+memory. A Triton that stops doing so would leave them slow 4-warp kernels without any numerics test failing.
+Compiled in a fresh interpreter without TRITON_INTERPRET (under it @triton.jit functions cannot be compiled)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fa_backend.kernels.triton import _ws, flash_bwd_ws, flash_fwd_ws
+
+pytestmark = pytest.mark.skipif(not _ws.HAS_WS, reason="this Triton has no warp_specialize")
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fa_backend.kernels.triton import flash_bwd_ws, flash_fwd_ws
+
+kind, d, mask_cols = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+mod = flash_fwd_ws if kind == "fwd" else flash_bwd_ws
+block_m, block_n, num_warps, num_stages = mod.WS_TILES[d]
+fn = flash_fwd_ws._attn_fwd_ws if kind == "fwd" else flash_bwd_ws._bwd_dkdv_ws
+constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPEC=True)
+if kind == "fwd":
+    constexprs["MASK_COLS"] = mask_cols
+types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV")}
+types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
+signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=num_warps, num_stages=num_stages))
+ptx = k.asm["ptx"]
+print(json.dumps(dict(num_warps=k.metadata.num_warps, asked=num_warps, shared=k.metadata.shared,
+                      setmaxnreg="setmaxnreg" in ptx, wgmma="wgmma.mma_async" in ptx,
+                      tma="cp.async.bulk.tensor" in ptx)))
+"""
+
+
+@pytest.mark.parametrize("kind,d,mask_cols", [("fwd", d, m) for d in sorted(flash_fwd_ws.WS_TILES) for m in (0, 1)]
+                         + [("bwd", d, 0) for d in sorted(flash_bwd_ws.WS_TILES)])
+def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE, kind, str(d), str(mask_cols)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["num_warps"] == 3 * info["asked"], info  # producer (default partition) + two consumer warpgroups
+    assert info["setmaxnreg"] and info["wgmma"] and info["tma"], info
+    assert info["shared"] <= 232448, info  # sm90's per-block limit
