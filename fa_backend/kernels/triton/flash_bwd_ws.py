@@ -82,7 +82,8 @@ def dkdv_ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: to
     d = q.shape[-1]
     if d not in WS_TILES or v.shape[-1] != d or q.shape[1] != k.shape[1] or (d, q.dtype) in _FAILED:
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or not platform_ok(q, INTERPRET):
+    if q.dtype not in (torch.float16, torch.bfloat16) or not platform_ok(q, INTERPRET) or not (
+            q.dtype == k.dtype == dout.dtype == dk.dtype == dv.dtype):
         return False
     return tma_ok(q, k, v, dout, dk, dv)
 

@@ -106,13 +106,15 @@ _FAILED: set = set()  # (head dim, dtype) whose compile failed here: not tried a
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, causal: bool,
                 plain: bool) -> bool:
     """Whether `flash_fwd_ws` may run this call: plain (no mask, dropout, softcap, ALiBi, window) and not
-    causal, scale > 0, equal head dims in WS_TILES, at least MIN_SEQ_K keys, fp16 / bf16, a query length
+    causal, scale > 0, equal head dims in WS_TILES, at least MIN_SEQ_K keys, fp16 / bf16 (out too), a query length
     that is a multiple of 4 (the LSE rows' TMA alignment), on sm90 (or the interpreter) with strides TMA
     accepts; and no forward tile pinned by `_configs.override`."""
     if not (ENABLED and _HAS_WS and plain and not causal and scale > 0) or _configs._override.get("fwd"):
         return False  # (a forward tile pinned by _configs.override: tuning and tests of `_attn_fwd`)
     d, sq, sk = q.shape[-1], q.shape[2], k.shape[2]
     if d not in WS_TILES or v.shape[-1] != d or q.dtype not in (torch.float16, torch.bfloat16) or sq % 4 or not sk:
+        return False
+    if out.dtype != q.dtype:  # (flash_bwd's fp32 recomputation of O for small calls: the general kernel)
         return False
     if not platform_ok(q, INTERPRET) or (sk < MIN_SEQ_K and not _launch._INTERPRET) or (d, q.dtype) in _FAILED:
         return False

@@ -165,6 +165,15 @@ def test_ws_unaligned_lse_buffer_falls_back(ws_launches):
     assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
 
 
+def test_ws_not_taken_for_fp32_out(ws_launches):
+    # flash_bwd recomputes O in fp32 for small calls: that buffer is the general kernel's
+    q, k, v = _plain_qkv()
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True, out)
+    assert ws_launches[-1] == "_attn_fwd"
+    assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
+
+
 def test_ws_other_errors_propagate(ws_launches, monkeypatch):
     q, k, v = _plain_qkv()
 
