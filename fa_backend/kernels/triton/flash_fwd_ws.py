@@ -116,8 +116,8 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
         return False
     if out.dtype != q.dtype:  # (flash_bwd's fp32 recomputation of O for small calls: the general kernel)
         return False
-    if not platform_ok(q, INTERPRET) or (sk < MIN_SEQ_K and not _launch._INTERPRET) or (d, q.dtype) in _FAILED:
-        return False
+    if (sk < MIN_SEQ_K and not _launch._INTERPRET) or (d, q.dtype) in _FAILED or not platform_ok(q, INTERPRET):
+        return False  # (the cheap checks first: this runs on every plain forward, small ones included)
     return tma_ok(q, k, v, out)
 
 
