@@ -69,6 +69,12 @@ def dropout_draw(dropout_p: float) -> tuple[int, int]:
 _NO_FEATURE_ARGS = (None,) * 15  # Mask + 4 strides, Alibi + 3, softcap_in, left_offset, dropout's 4
 
 
+def plain_call(attn_mask, dropout_p: float, window: tuple[int, int], softcap: float, alibi_slopes) -> bool:
+    """No optional feature: no mask, dropout, window, softcap or ALiBi (causal either way)."""
+    return (attn_mask is None and alibi_slopes is None and dropout_p <= 0 and softcap <= 0 and window[0] < 0
+            and window[1] < 0)
+
+
 def kernel_features(
     q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, rng: tuple[int, int] | None = None,
@@ -83,7 +89,7 @@ def kernel_features(
     seqlen_k - seqlen_q, which the kernels add)."""
     sq, sk = q.shape[2], k.shape[2]
     left, right = window
-    if (attn_mask is None and alibi_slopes is None and dropout_p <= 0 and softcap <= 0 and left < 0 and right < 0):
+    if plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes):
         # the plain call (most calls): no feature arguments to build
         return KernelFeatures(causal, ((sk - sq if shift is None else shift) if bottom_right else 0) if causal else 0,
                               scale * _LOG2E, _NO_FEATURE_ARGS, {})

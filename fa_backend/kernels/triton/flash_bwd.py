@@ -24,7 +24,7 @@ from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep
                       _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
                       _score_mods, _tile_ptrs, _window_lo)
 from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config, bwd_config_varlen
-from ._features import kernel_features, tile_class
+from ._features import kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 from ._tma import tma_ok as _tma_ok
@@ -687,8 +687,7 @@ def flash_bwd(
     cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv))
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
-    plain = (attn_mask is None and dropout_p == 0.0 and window[0] < 0 and window[1] < 0 and softcap == 0.0
-             and alibi_slopes is None)
+    plain = plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes)
     # dK / dV by the warp-specialized kernel where it applies (flash_bwd_ws.py), else the general one; dQ below
     if not (not atomic and not exact_ds and lse.is_contiguous()
             and dkdv_ws_eligible(q, k, v, dout, dk, dv, scale, causal, plain)

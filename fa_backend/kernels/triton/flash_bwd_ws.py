@@ -21,6 +21,7 @@ from ._tma import tma_ok
 from ._common import LOG2E
 from ._ws import HAS_WS as _HAS_WS, _head_rows, launch_or_mark, platform_ok
 
+
 @triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS"])
 def _bwd_dkdv_ws(
     Q, K, V, DO, LSE, DELTA, DK, DV,

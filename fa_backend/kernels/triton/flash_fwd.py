@@ -20,7 +20,7 @@ from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCA
                       _window_lo)
 from ._configs import fwd_config, fwd_without_tma
 from .flash_fwd_ws import flash_fwd_ws, ws_eligible
-from ._features import dropout_draw, kernel_features, tile_class
+from ._features import dropout_draw, kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
 from ._tma import tma_ok
 from ._launch import cdiv, grid_1d, tile_dims
@@ -354,8 +354,7 @@ def flash_fwd(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    plain = (attn_mask is None and dropout_p == 0.0 and window[0] < 0 and window[1] < 0 and softcap == 0.0
-             and alibi_slopes is None)
+    plain = plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes)
     if ws_eligible(q, k, v, out, scale, causal, plain) and flash_fwd_ws(q, k, v, scale, out, lse):
         return out, lse
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
