@@ -16,6 +16,7 @@ import sys
 
 NAME = re.compile(r"ab_(\d+)_(new|old)(\d+)\.json$")
 KEY = ("d", "causal", "seqlen")
+LABELS = ("runner", "direction", "case")
 
 
 def records(path: pathlib.Path) -> list[dict]:
@@ -34,12 +35,15 @@ def summary(directory: pathlib.Path) -> list[str]:
         command, side = int(match[1]), match[2]
         for record in records(path):
             cell = tuple(record.get(k) for k in KEY)
+            # scripts whose records name what was timed (time_keep_bits.py: direction and case; runners) keep
+            # those apart in the column
+            label = " ".join(str(record[k]) for k in LABELS if isinstance(record.get(k), str))
             for column, value in record.items():
                 if column in KEY or isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
                 if column.endswith("_s") or column in ("batch", "heads"):  # first-call times, shapes
                     continue
-                figures[command, cell, column][side].append(float(value))
+                figures[command, cell, f"{label}: {column}" if label else column][side].append(float(value))
     rows = ["| cmd | d | causal | s | column | old | new | change |", "|---|---|---|---:|---|---:|---:|---:|"]
     def order(item):
         (command, cell, column), _ = item

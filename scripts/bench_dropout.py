@@ -91,7 +91,8 @@ def main() -> None:
                 row = {}
                 for name in args.runners:
                     rec = dict(runner=name, d=d, causal=causal, seqlen=s, batch=b, heads=h, p=args.p,
-                               keep_bits_budget=keep_bits.KEEP_BITS_BUDGET)
+                               keep_bits_budget=keep_bits.KEEP_BITS_BUDGET,
+                               keep_period=keep_bits.keep_period(b, h, h, s, s, d, d, 2))  # where cute saves bits
                     try:
                         fn = _fn(name, args.p, causal)
                         with torch.no_grad():

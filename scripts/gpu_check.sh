@@ -144,13 +144,23 @@ fi
 if [[ " $steps " == *" dropout "* ]]; then
   # dropout on the CuTe kernels (saved keep bits: kernels/keep_bits.py): its GPU tests and routing test, then the
   # kernels with and without saved bits (time_keep_bits.py) and the op against cuDNN (bench_dropout.py --backward)
+  # DROPOUT_TESTS: a pytest -k expression (all by default); KEEP_BITS_ARGS / DROPOUT_ARGS: the two scripts' arguments
+  # (e.g. --periods 1 2 4; --seqlens 16384); DROPOUT_STEPS: which of tests / kernels / op run (all three by default)
+  if [[ " ${DROPOUT_STEPS:-tests kernels op} " == *" tests "* ]]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/kernels/cute/test_dropout_gpu.py tests/integrations/test_routing_gpu.py \
-    -q -p no:cacheprovider -n ${CUTE_WORKERS:-14} > "$OUT/dropout_tests.log" 2>&1 || status=1
-  tail -n 3 "$OUT/dropout_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/dropout_tests.log" | head -20
-  timeout ${BENCH_TIMEOUT:-300} python3 scripts/time_keep_bits.py --json "$OUT/keep_bits.json" 2>&1 | grep -v -i warn \
+    -q -p no:cacheprovider -n ${CUTE_WORKERS:-14} ${DROPOUT_TESTS:+-k "$DROPOUT_TESTS"} > "$OUT/dropout_tests.log" 2>&1 \
     || status=1
+  tail -n 3 "$OUT/dropout_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/dropout_tests.log" | head -20
+  grep -h -E "^E " "$OUT/dropout_tests.log" | head -30
+  fi
+  if [[ " ${DROPOUT_STEPS:-tests kernels op} " == *" kernels "* ]]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/time_keep_bits.py ${KEEP_BITS_ARGS:-} --json "$OUT/keep_bits.json" 2>&1 \
+    | grep -v -i warn || status=1
+  fi
+  if [[ " ${DROPOUT_STEPS:-tests kernels op} " == *" op "* ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_dropout.py --dims 128 --backward --runners cute cudnn \
-    --json "$OUT/bench_dropout.json" 2>&1 | grep -v -i warn || status=1
+    ${DROPOUT_ARGS:-} --json "$OUT/bench_dropout.json" 2>&1 | grep -v -i warn || status=1
+  fi
 fi
 if [[ " $steps " == *" op "* ]]; then
   # the CuTe op and its eager twin (ops/cute_flash.py): the op's GPU tests with dropout and routing, then the op

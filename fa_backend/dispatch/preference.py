@@ -104,19 +104,23 @@ CUDNN_ONLY = frozenset({"cudnn_attention"})
 
 # The saved-keep-bits backward was timed from 2k tokens (docs/benchmarks.md, "Saved keep bits")
 KEEP_BITS_MIN_SEQLEN = 2048
+# the periods of saved rows of tiles (kernels/keep_bits.KEEP_PERIODS) whose backward was timed against cuDNN's: every
+# row (2k-8k, H200), every second (16k) and fourth (32k; thirty-fourth session, H100: the op's backward 1.15-1.21x /
+# 1.06-1.15x cuDNN's dropout backward; docs/benchmarks.md "Masks and dropout")
+ROUTED_KEEP_PERIODS = frozenset({1, 2, 4})
 
 
 def saves_keep_bits(call: AttentionCall) -> bool:
     """Whether the CuTe op would save this dropout call's keep bits for its backward (ops/cute_flash.save_keep_bits:
     gradients, d = dv = 128, no mask, within kernels/keep_bits.KEEP_BITS_BUDGET, no deterministic algorithms),
-    for an MHA call of at least KEEP_BITS_MIN_SEQLEN queries (what was timed)."""
-    from ..kernels.keep_bits import keep_bits_fit
+    for an MHA call of at least KEEP_BITS_MIN_SEQLEN queries at a period of ROUTED_KEEP_PERIODS (what was timed)."""
+    from ..kernels.keep_bits import keep_period
 
     return (call.dropout_p > 0.0 and call.requires_grad and call.mask_kind == "none" and call.head_dim == 128
             and call.head_dim_v == 128 and call.heads_q == call.heads_kv and call.seqlen_q >= KEEP_BITS_MIN_SEQLEN
             and call.scale != 0.0 and not torch.are_deterministic_algorithms_enabled()
-            and keep_bits_fit(call.batch, call.heads_q, call.heads_kv, call.seqlen_q, call.seqlen_k, call.head_dim,
-                              call.head_dim_v, call.dtype.itemsize))
+            and keep_period(call.batch, call.heads_q, call.heads_kv, call.seqlen_q, call.seqlen_k, call.head_dim,
+                            call.head_dim_v, call.dtype.itemsize) in ROUTED_KEEP_PERIODS)
 
 
 def fwd_flops(call: AttentionCall) -> int:
@@ -312,7 +316,8 @@ CUTE_PREFERENCES: tuple[FasterPeer, ...] = (
     # "Masks and dropout", d=128, p=0.1, seqlen 2k-16k: a training step about 0.8x cuDNN's at 2k). Except (twenty-
     # second session) MHA calls from 2k tokens whose forward saves the keep bits (saves_keep_bits): the CuTe backward
     # that reads them ran 1.03-1.12x cuDNN's dropout backward, a training step 1.03-1.13x cuDNN's (2k-8k; at 16k the
-    # bits exceed the memory budget and the backward draws again).
+    # bits exceed the memory budget: since the thirty-fourth session every second row of tiles is saved there, every
+    # fourth at 32k, and the backward draws the rest).
     FasterPeer(backend="cute", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128, 192, 256}),
                masks=True, dropout=True, dropout_only=True, grad_only=True, gqa=True, unless_keep_bits=True,

@@ -23,7 +23,8 @@ d=128 (DROPOUT_BACKWARD) the warp-specialised CuTe backward, whose producer warp
 under deterministic algorithms or with a key mask the Triton backward with the same rng_state. A d=128 forward
 that will be differentiated (cute_flash_attention decides: save_keep_bits) also saves its keep decisions, one bit
 per score, as its third output, and the CuTe backward loads them instead of drawing them again (the draws had set its
-pace): kernels/keep_bits.py, within its KEEP_BITS_BUDGET. Only dropout_p whose
+pace): kernels/keep_bits.py, within its KEEP_BITS_BUDGET (beyond it those of every second or fourth row of
+tiles, and the backward draws the rest: _keep_period). Only dropout_p whose
 16-bit rounding the kernels accept (kernels/triton/_features.dropout_draw: every p in [1/16, 15/16], among others)
 runs here; the cute backend declines the rest with reason `dropout`.
 
@@ -141,11 +142,21 @@ def save_keep_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                          q.element_size())
 
 
-def _keep_bits_out(q: torch.Tensor, k: torch.Tensor, keep: bool) -> torch.Tensor:
-    """The third output of cute_flash_fwd: the buffer of the saved keep bits, or an empty one."""
+def _keep_period(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """The period of the rows of tiles whose keep bits a keep_bits forward saves (kernels/keep_bits.keep_period: every
+    row within the budget, else every second or fourth)."""
+    from ..kernels.keep_bits import keep_period
+
+    return keep_period(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], v.shape[-1],
+                       q.element_size())
+
+
+def _keep_bits_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: bool) -> torch.Tensor:
+    """The third output of cute_flash_fwd: the buffer of the saved keep bits (of _keep_period's rows of tiles; the
+    backward reads the period from its size), or an empty one."""
     from ..kernels.keep_bits import keep_bits_bytes
 
-    size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if keep else 0
+    size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], _keep_period(q, k, v)) if keep else 0
     return torch.empty(size, dtype=torch.uint8, device=q.device)
 
 
@@ -216,7 +227,7 @@ _EMPTY_BITS: dict[torch.device, torch.Tensor] = {}
 def _no_bits(q: torch.Tensor, k: torch.Tensor, fresh: bool) -> torch.Tensor:
     """The empty keep-bits output: a new one for the op (its outputs must not alias), else one per device."""
     if fresh:
-        return _keep_bits_out(q, k, False)
+        return _keep_bits_out(q, k, k, False)
     bits = _EMPTY_BITS.get(q.device)
     if bits is None:
         bits = _EMPTY_BITS[q.device] = torch.empty(0, dtype=torch.uint8, device=q.device)
@@ -245,7 +256,7 @@ def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p,
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_fwd_ws import flash_fwd_fastest
 
-    bits = _keep_bits_out(q, k, keep_bits)
+    bits = _keep_bits_out(q, k, v, keep_bits)
     bottom_right = bottom_right and is_causal
     fallback = (q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state)
     if scale == 0.0:  # -inf * 0 on masked keys: the kernels need a nonzero scale
@@ -265,7 +276,7 @@ def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p,
             from ..kernels.triton.keep_bits import fill_keep_bits
 
             fill_keep_bits(bits, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p,
-                           tuple(rng_state.tolist()))
+                           tuple(rng_state.tolist()), _keep_period(q, k, v))
         return out, lse, bits
     counters.record_run("cute")
     return out, lse, bits
@@ -298,7 +309,7 @@ def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None, 
       keep_bits=False):
     validate(q, k, v)
     return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32),
-            _keep_bits_out(q, k, keep_bits))
+            _keep_bits_out(q, k, v, keep_bits))
 
 
 def _save(ctx, inputs, out, lse, bits) -> None:

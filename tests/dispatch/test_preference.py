@@ -63,22 +63,24 @@ def test_dropout_with_gradients_prefers_cudnn_over_cute(d):
 
 def test_dropout_calls_whose_keep_bits_are_saved_stay_on_cute(monkeypatch):
     """d=128 MHA dropout calls with gradients from 2k tokens, whose CuTe forward saves the keep bits within the
-    budget, run ours (the backward reading them was measured faster than cuDNN's); shorter ones, GQA, masks, other
-    head dims and calls over the budget keep the cuDNN rule (as deterministic algorithms would: no bits saved)."""
+    budget (all of them, or every second or fourth row of tiles), run ours (the backward reading them was measured
+    faster than cuDNN's); shorter ones, GQA, masks, other head dims and calls over the budget keep the cuDNN rule (as
+    deterministic algorithms would: no bits saved)."""
     from fa_backend.kernels import keep_bits
 
     training = dataclasses.replace(PLAIN, is_causal=False, dropout_p=0.1, requires_grad=True)
     for changes in ({}, dict(is_causal=True), dict(seqlen_q=8192, seqlen_k=8192), dict(batch=1, heads_q=1,
-                                                                                        heads_kv=1)):
+                                                                                        heads_kv=1),
+                    dict(seqlen_q=16384, seqlen_k=16384), dict(seqlen_q=32768, seqlen_k=32768)):
         assert slower_than_peer("cute", dataclasses.replace(training, **changes)) is None, changes
-    for changes in (dict(seqlen_q=1024, seqlen_k=1024), dict(seqlen_q=16384, seqlen_k=16384),
+    for changes in (dict(seqlen_q=1024, seqlen_k=1024), dict(seqlen_q=65536, seqlen_k=65536),
                     dict(heads_kv=2, enable_gqa=True), dict(head_dim=64, head_dim_v=64),
                     dict(mask_kind="bool", mask_shape=(2, 1, 1, 2048), mask_dtype=torch.bool)):
         assert "dropout backward" in slower_than_peer("cute", dataclasses.replace(training, **changes)).message
     monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 0.0)
     assert "dropout backward" in slower_than_peer("cute", training).message
-    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 2.0)  # 16k tokens then fit
-    assert slower_than_peer("cute", dataclasses.replace(training, seqlen_q=16384, seqlen_k=16384)) is None
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 2.0)  # 64k tokens then fit every fourth row of tiles
+    assert slower_than_peer("cute", dataclasses.replace(training, seqlen_q=65536, seqlen_k=65536)) is None
     assert saves_keep_bits(training)
     torch.use_deterministic_algorithms(True)  # the op's backward is then Triton's (and PyTorch runs no cuDNN)
     try:

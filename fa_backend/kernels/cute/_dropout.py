@@ -42,6 +42,17 @@ def mul_wide_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint64:
     return Uint64(product)
 
 
+@dsl_user_op
+def store_byte_if(ptr: cute.Pointer, value: Uint32, store: Int32, *, loc=None, ip=None) -> None:
+    """*ptr (global) = value's low byte where store != 0: one predicated st.global.u8, never a branch. (With a
+    period, LLVM turned `if row0 < select(saved, seqlen_q, 0)` around each byte store of the causal forward's loops
+    into branches: 15-19 % slower on the H100, thirty-fourth session.)"""
+    llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(), Uint32(value).ir_value(loc=loc, ip=ip),
+                           Int32(store).ir_value(loc=loc, ip=ip)],
+                    "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\n@p st.global.u8 [$0], $1;\n}", "l,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @cute.jit
 def philox4x32_lockstep(counters: list, k0: Uint32, k1: Uint32) -> list:
     """Philox-4x32-10 of each counter (c0, c1, 0, 0) in `counters` under the key (k0, k1): four uniform 32-bit words
@@ -77,19 +88,22 @@ class DropoutState:
     whether the tile's rows are within the buffer."""
 
     def __init__(self, k0: Uint32, k1: Uint32, threshold: Uint32, row_counters: cute.Tensor,
-                 bits: cute.Pointer = None, bits_rows: cute.Pointer = None, bits_store=None):
+                 bits: cute.Pointer = None, bits_rows: cute.Pointer = None, bits_store=None,
+                 store_predicated: bool = False):
         self.k0, self.k1, self.threshold, self.row_counters = k0, k1, threshold, row_counters
         self.threshold_high = threshold << Uint32(16)
         self.bits, self.bits_rows, self.bits_store = bits, bits_rows, bits_store
+        self.store_predicated = store_predicated  # bits_store an Int32 for store_byte_if, else a Boolean for `if`
 
 
 @cute.jit
 def dropout_state(mRng: cute.Tensor, threshold: Int32, bh: Int32, seqlen_q: Int32, seqlen_k: Int32,
                   row_half0: Int32, row_half1: Int32, lane: Int32, bits: cute.Pointer = None,
-                  row0: Int32 = None) -> DropoutState:
+                  row0: Int32 = None, period: cutlass.Constexpr = 1) -> DropoutState:
     """The state for a thread whose rows are row_half0 / row_half1 (query indices) of head bh = batch * heads_q +
     head; mRng: (seed, rng_offset), int64 in global memory. bits (the keep-bits variant): the buffer the forward
-    saves its keep decisions in for the backward; row0: the consumer's first row, a multiple of KEEP_ROWS."""
+    saves its keep decisions in for the backward, every period-th row of tiles (kernels/keep_bits.py); row0: the
+    consumer's first row, a multiple of KEEP_ROWS."""
     seed = Int64(mRng[0])
     offset = Int64(mRng[1])
     draws_per_row = Int64((seqlen_k + 31) // 32 * 4)
@@ -100,12 +114,15 @@ def dropout_state(mRng: cute.Tensor, threshold: Int32, bh: Int32, seqlen_q: Int3
     bits_rows, bits_store = None, None
     if cutlass.const_expr(bits is not None):
         # one address for both rows: row_half1 = row_half0 + 8 is keep_byte's + 2
-        bits_rows = bits + keep_tile(bh, row0 // KEEP_ROWS, Int32(0), seqlen_q, seqlen_k) + Int64(
+        bits_rows = bits + keep_tile(bh, row0 // KEEP_ROWS, Int32(0), seqlen_q, seqlen_k, period) + Int64(
             keep_byte(0, lane % 4, row_half0 - row0))
         # a consumer's 64 rows past seqlen_q would be the next head's tile (a 128-row tile's second half)
         bits_store = row0 < seqlen_q
+        if cutlass.const_expr(period > 1):  # nor are the rows of tiles between the saved ones stored
+            bits_store = cutlass.select_(row0 // KEEP_ROWS % period == 0, cutlass.select_(bits_store, Int32(1),
+                                                                                          Int32(0)), Int32(0))
     return DropoutState(Uint32(seed), Uint32(seed >> Int64(32)), Uint32(threshold), counters, bits, bits_rows,
-                        bits_store)
+                        bits_store, period > 1)
 
 
 @cute.jit
@@ -134,10 +151,13 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
                         byte = byte | Uint32(cutlass.select_(keep, bit, Uint32(0)))
             if cutlass.const_expr(state.bits is not None):
                 at = Int64(col0 // KEEP_KEYS) * Int64(KEEP_TILE_BYTES) + Int64(keep_byte(a, 0, 8 * half))
-                dst = cute.make_tensor(state.bits_rows + at, cute.make_layout(1))
-                store = state.bits_store
-                if store:
-                    dst[0] = cutlass.Uint8(byte)
+                if cutlass.const_expr(state.store_predicated):
+                    store_byte_if(state.bits_rows + at, byte, state.bits_store)
+                else:
+                    dst = cute.make_tensor(state.bits_rows + at, cute.make_layout(1))
+                    store = state.bits_store
+                    if store:
+                        dst[0] = cutlass.Uint8(byte)
 
 
 # Saved keep bits (d=128 with gradients, within kernels/keep_bits.py's KEEP_BITS_BUDGET, its layout): the
@@ -145,21 +165,28 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
 # step's bytes instead of drawing them again (load_backward_bits; ten Philox rounds per draw in two warps set the
 # backward's pace: sixteenth session).
 @cute.jit
-def keep_tile(bh: Int32, row_block: Int32, key_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int64:
-    """Byte offset of tile (bh, row_block, key_block) in the saved bits."""
+def keep_tile(bh: Int32, row_block: Int32, key_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+              period: cutlass.Constexpr = 1) -> Int64:
+    """Byte offset of tile (bh, row_block, key_block) in the saved bits (row_block % period == 0: a saved one)."""
     row_blocks = Int64((seqlen_q + KEEP_ROWS - 1) // KEEP_ROWS)
+    if cutlass.const_expr(period > 1):  # every period-th row of tiles (keep_bits.keep_row_blocks)
+        row_blocks = (row_blocks + Int64(period - 1)) // Int64(period)
+        row_block = row_block // period
     key_blocks = Int64((seqlen_k + KEEP_KEYS - 1) // KEEP_KEYS)
     return ((Int64(bh) * row_blocks + Int64(row_block)) * key_blocks + Int64(key_block)) * Int64(KEEP_TILE_BYTES)
 
 
 @cute.jit
 def zero_unvisited_keep_tiles(bits: cute.Pointer, bh: Int32, row0: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                              n_blocks: Int32, tid: Int32):
+                              n_blocks: Int32, tid: Int32, period: cutlass.Constexpr = 1):
     """A causal forward's consumer (thread tid of 128, rows row0 ... row0 + 63: one tile row of the saved bits):
     zeros in the tiles of the key blocks it did not visit (n_blocks and after), 8 bytes a thread, so that the whole
-    buffer is defined (the op's output; no backward step reads those tiles)."""
-    if row0 < seqlen_q:
-        tile = keep_tile(bh, row0 // KEEP_ROWS, n_blocks, seqlen_q, seqlen_k)
+    buffer is defined (the op's output; no backward step reads those tiles). Saved rows of tiles only (period)."""
+    limit = seqlen_q
+    if cutlass.const_expr(period > 1):
+        limit = cutlass.select_(row0 // KEEP_ROWS % period == 0, seqlen_q, Int32(0))
+    if row0 < limit:
+        tile = keep_tile(bh, row0 // KEEP_ROWS, n_blocks, seqlen_q, seqlen_k, period)
         for _ in cutlass.range(n_blocks, (seqlen_k + KEEP_KEYS - 1) // KEEP_KEYS, unroll=1):
             dst = cute.make_tensor(cute.recast_ptr((bits + tile + Int64(8 * tid)).align(8), dtype=Uint64),
                                    cute.make_layout(1))
@@ -261,20 +288,26 @@ def draw_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, mRng: cute.Tensor
 
 @cute.jit
 def load_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, bits: cute.Pointer, tile: Int64, gt: Int32,
-                       step: Int32):
+                       step: Int32, halves: cutlass.Constexpr = 1):
     """draw_backward_bits from the forward's saved bits (64-row steps): drawing thread gt's 16 bytes of the step's
     tile (byte offset `tile` in `bits`) into the words of its four MMA threads, plain stores (each thread owns its
-    words whole), then the arrival on the stage's full barrier. The loads are issued before the wait for the stage."""
+    words whole), then the arrival on the stage's full barrier. The loads are issued before the wait for the stage.
+    halves (2: a drawing warpgroup of 128 threads, whose steps between saved rows of tiles draw): threads gt and
+    gt + 64 load the same bytes, the first stores them, both arrive."""
     stage = step % BITS_STAGES
+    group = gt
+    if cutlass.const_expr(halves > 1):
+        group = gt % 64
     # 16-byte aligned (the buffer is; tiles and threads are 16-byte multiples): one vector load
-    src = cute.make_tensor(cute.recast_ptr((bits + tile + Int64(16 * gt)).align(16), dtype=Uint32),
+    src = cute.make_tensor(cute.recast_ptr((bits + tile + Int64(16 * group)).align(16), dtype=Uint32),
                            cute.make_layout(4))
     loaded = src.load()
     regs = [loaded[i] for i in range(4)]  # bytes 4 i ... 4 i + 3 (queries q of the drawing thread) of word i
     if step >= BITS_STAGES:
         cute.arch.mbarrier_wait(bars + BITS_STAGES + stage, (step // BITS_STAGES - 1) % 2)
-    wg, m, lp = gt // 32, (gt % 32) // 16, gt % 16
+    wg, m, lp = group // 32, (group % 32) // 16, group % 16
     lane0 = (lp // 4) * 8 + lp % 4
+    words = []
     for x in cutlass.range_constexpr(2):
         for h in cutlass.range_constexpr(2):
             # bits 2 q + j of the MMA thread's word: bits keep_bit(2 x + j, h) = s + j of byte q
@@ -285,8 +318,21 @@ def load_backward_bits(sBits: cute.Tensor, bars: cute.Pointer, bits: cute.Pointe
                 v = (v | (v >> Uint32(6))) & Uint32(0x000F000F)
                 v = (v | (v >> Uint32(12))) & Uint32(0xFF)  # ... at 2 b
                 word = word | (v << Uint32(8 * i))
-            sBits[stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, 0] = word
+            if cutlass.const_expr(halves == 1):
+                sBits[stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, 0] = word
+            words.append(word)
+    if cutlass.const_expr(halves > 1):
+        if gt < 64:
+            _store_words(sBits, stage, wg, m, lane0, words)
     cute.arch.mbarrier_arrive(bars + stage)
+
+
+@cute.jit
+def _store_words(sBits: cute.Tensor, stage: Int32, wg: Int32, m: Int32, lane0: Int32, words: list):
+    """The four MMA threads' words (x, h order) of load_backward_bits into the stage."""
+    for x in cutlass.range_constexpr(2):
+        for h in cutlass.range_constexpr(2):
+            sBits[stage, wg * 128 + (2 * m + x) * 32 + lane0 + 4 * h, 0] = words[2 * x + h]
 
 
 @cute.jit

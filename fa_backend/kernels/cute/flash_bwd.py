@@ -832,7 +832,8 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     dim where it differs from head_dim (flash_bwd_wide's HEAD_DIM_V_PAIRS, no dropout); `tma_store`
     (warp_specialized only; None: True there): dK and dV through shared memory and TMA stores (suffix "_tmastore");
     `keep_bits` (dropout at head_dim 128, 64 query rows): the keep bits the forward saved instead of drawn ones
-    (_dropout: "Saved keep bits"; suffix "_keepbits").
+    (_dropout: "Saved keep bits"; suffix "_keepbits"); a period of keep_bits.KEEP_PERIODS: those of every period-th
+    row of tiles, the other steps' bits drawn (suffix "_keepbits2" ...).
 
     The compiled function takes (q, k, v, do, lse, delta, dk, dv, dqacc, scale * log2(e), scale, stream).
     Cached per variant in _compile_cache.CACHE (except with `dump_dir`, which always compiles).
@@ -868,6 +869,10 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
                          "mask, deterministic=False and pointer_args=True")
     if keep_bits and not (dropout and head_dim == 128 and tile_m == TILE_M):
         raise ValueError(f"keep_bits=True needs dropout=True at head_dim 128 with tile_m={TILE_M}")
+    from ..keep_bits import KEEP_PERIODS
+
+    if keep_bits not in (False, *KEEP_PERIODS):
+        raise ValueError(f"keep_bits={keep_bits} (supported: False, True or a period of {KEEP_PERIODS})")
     if tma_store and not warp_specialized:
         raise ValueError("tma_store=True needs warp_specialized=True")
     if tma_store is None:
@@ -917,7 +922,7 @@ def compile_flash_bwd(dtype: torch.dtype, head_dim: int, causal: bool, bottom_ri
     name = (KERNEL_NAME + ("_atomic_dq" if dq_atomic else "") + ("_dq_buffer" if dq_buffer else "")
             + ("_ws" if warp_specialized else "") + ("_keymask" if key_mask else "")
             + ("_deterministic" if deterministic else "") + ("_dropout" if dropout else "")
-            + ("_keepbits" if keep_bits else "")
+            + ("" if not keep_bits else "_keepbits" if keep_bits == 1 else f"_keepbits{int(keep_bits)}")
             + ("_tmastore" if tma_store else "") + ("_ptrargs" if pointer_args else ""))
     key = CompileKey(name, dtype, head_dim, dim_v, causal, alignment, 0, (TILE_N * (1 if wide else wgs), tile_m), arch)
     return CACHE.get_or_compile(key, build)
@@ -969,7 +974,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                  tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic,
                                  dropout=dropout is not None,
                                  head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3], tma_store=tma_store,
-                                 keep_bits=_keep_bits(dropout) is not None)
+                                 keep_bits=0 if _keep_bits(dropout) is None else check_keep_bits(dropout[3], q, k))
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -1077,13 +1082,17 @@ def _keep_bits(dropout: tuple | None) -> torch.Tensor | None:
     return dropout[3] if dropout is not None and len(dropout) > 3 else None
 
 
-def check_keep_bits(bits: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-    """ValueError unless `bits` can hold the saved keep bits of a call with these q and k (keep_bits.keep_bits_bytes:
-    uint8, contiguous, on q's device, 16-byte aligned)."""
-    from ..keep_bits import keep_bits_bytes
+def check_keep_bits(bits: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> int:
+    """The period of the saved keep bits `bits` of a call with these q and k (keep_bits.keep_period_of: its size is
+    keep_bits.keep_bits_bytes of one of KEEP_PERIODS); ValueError unless they are uint8, contiguous, on q's device,
+    16-byte aligned and of such a size."""
+    from ..keep_bits import keep_bits_bytes, keep_period_of
 
-    size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if (bits.dtype != torch.uint8 or bits.device != q.device or not bits.is_contiguous() or bits.numel() < size
+    period = keep_period_of(bits.numel(), q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if (bits.dtype != torch.uint8 or bits.device != q.device or not bits.is_contiguous() or not period
             or bits.data_ptr() % 16):
-        raise ValueError(f"keep bits must be uint8, contiguous, 16-byte aligned, on {q.device} and hold {size} bytes, "
-                         f"got {bits.dtype} ({bits.numel()}) on {bits.device}")
+        size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        raise ValueError(f"keep bits must be uint8, contiguous, 16-byte aligned, on {q.device} and of "
+                         f"keep_bits_bytes' size ({size} bytes, or that of every second or fourth row of tiles), got "
+                         f"{bits.dtype} ({bits.numel()}) on {bits.device}")
+    return period

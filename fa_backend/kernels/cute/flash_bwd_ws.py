@@ -17,9 +17,10 @@ own buffer, dS in two alternating tiles). What moves out of the MMA warpgroups i
 - dropout variant (d=128, 64-row steps, in the `column_reads` form): a fourth warpgroup (DRAW_WARPGROUP, 512
   threads) draws each step's keep bits into shared memory (_dropout.draw_backward_bits), or warps 2 and 3 of the
   producer warpgroup load the forward's saved ones (load_backward_bits), which the MMA warpgroups read once per
-  step; without dropout at 64-row steps
-  (rows_by_producer) the same two warps load each step's LSE / delta rows into a 2-stage full/empty ring instead
-  of the MMA warpgroups (+2.5-4 % causal on the H200, twenty-ninth session);
+  step; where every second or fourth row of tiles was saved (keep_bits=2 or 4, kernels/keep_bits.py) the drawing
+  warpgroup loads those steps' bits and draws the others'; without dropout at 64-row steps, and beside a drawing
+  warpgroup, (rows_by_producer) warps 2 and 3 load each step's LSE / delta rows into a 2-stage full/empty ring
+  instead of the MMA warpgroups (+2.5-4 % causal on the H200, twenty-ninth session);
 - warpgroups 1 and 2, the MMA warpgroups (setmaxnreg 240, 224 in the drawing dropout variant: DRAW_WG_REGS; ptxas
   allocates the code after setmaxnreg.inc with that budget: docs/cute.md), synchronise with each other once per
   step (a named barrier of their 256 threads after the dS stores, which also publishes step + 1's LSE / delta rows
@@ -73,6 +74,8 @@ DRAW_REGS = (56, 224)
 DRAW_WARPGROUP = True
 DRAW_WG_REGS = (PRODUCER_REGS, 40, 224)
 DRAW_WG_CHAINS = 2
+# the drawing warpgroup's variants with rows_by_producer (thirty-fourth session, A/B on the H100: see docs/perf-log.md)
+ROWS_BESIDE_DRAWS = True
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
 ROW_WARPS = (2, 3)  # rows_by_producer: the producer warpgroup's warps that load the rows (0 loads Q / dO, 1 writes dQ)
 ROW_STAGES = 2  # sRows' stages
@@ -106,8 +109,11 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # drawing them; 64-row steps (the saved tiles' rows)
         if keep_bits and not (dropout and tile_m == TILE_M):
             raise ValueError(f"keep_bits=True needs dropout=True and tile_m={TILE_M}")
-        self.keep_bits = keep_bits
-        self.draws = dropout and not keep_bits  # it draws the keep bits (DRAW_REGS: in the producer's warps 2-3)
+        self.keep_bits = bool(keep_bits)
+        # a period (kernels/keep_bits.py, 2 or 4): only every period-th row of tiles was saved; the drawing
+        # warpgroup loads the steps of those and draws the others' bits
+        self.keep_period = int(keep_bits)
+        self.draws = dropout and self.keep_period != 1  # it draws (DRAW_REGS: in the producer's warps 2-3)
         self.draw_warpgroup = self.draws and DRAW_WARPGROUP  # or a warpgroup of its own (DRAW_WG_REGS)
         self.bits_halves = 2 if self.draw_warpgroup else 1
         # causal CTAs in _schedule's longest-first order, except the deterministic variant (its dQ turns assume every
@@ -139,8 +145,9 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         self.shuffle_rows = tile_m != TILE_M
         # 64-row steps without dropout: two producer warps (ROW_WARPS, idle there) load each step's LSE / delta rows
         # into sRows behind full / empty mbarriers (FA4 leaves them to its producer too), instead of the last MMA
-        # warpgroup's first 64 threads loading, converting and storing them inside the step
-        self.rows_by_producer = self.column_reads and not dropout
+        # warpgroup's first 64 threads loading, converting and storing them inside the step; with dropout where a
+        # warpgroup of its own draws (draw_warpgroup: those producer warps are idle there too)
+        self.rows_by_producer = self.column_reads and (not dropout or (self.draw_warpgroup and ROWS_BESIDE_DRAWS))
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
         self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
         # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
@@ -188,7 +195,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # (LSE, delta) of a row side by side (the 80- / 128-row steps read both at once), or with column_reads one
         # plane per statistic (one 8-byte read per two adjacent rows of one: 16 reads a step instead of 32); not
         # with dropout, whose causal builds then spilled 4 bytes
-        planes = self.column_reads and not self.dropout
+        planes = self.column_reads and (not self.dropout or self.rows_by_producer)
         rows_layout = cute.make_layout((2, self.tile_m, 2)) if cutlass.const_expr(not planes) else \
             cute.make_layout((2, self.tile_m, 2), stride=(self.tile_m, 1, 2 * self.tile_m))
         sRows = smem.allocate_tensor(Float32, rows_layout, byte_alignment=16)
@@ -294,15 +301,32 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         bits for the MMA warpgroups."""
         bars, sBits, mRng, threshold, _, mBits = drop
         for step in cutlass.range(steps, unroll=1):
-            if cutlass.const_expr(self.keep_bits):
+            if cutlass.const_expr(self.keep_period == 1):
                 tile = keep_tile(batch * heads_q + head_kv * group + step // n_m, self._m_block(m_start, n_m, step),
                                  n_block, seqlen_q, seqlen_k)
                 load_backward_bits(sBits, bars, mBits.iterator, tile, gt, step)
+            elif cutlass.const_expr(self.keep_period > 1):
+                m_block = self._m_block(m_start, n_m, step)
+                if m_block % self.keep_period == 0:  # a saved row of tiles
+                    tile = keep_tile(batch * heads_q + head_kv * group + step // n_m, m_block, n_block, seqlen_q,
+                                     seqlen_k, self.keep_period)
+                    load_backward_bits(sBits, bars, mBits.iterator, tile, gt, step, self.bits_halves)
+                else:
+                    self._draw_step(drop, gt, n_block, head_kv, batch, group, heads_q, seqlen_q, seqlen_k, m_block,
+                                    n_m, step)
             else:
-                draw_backward_bits(sBits, bars, mRng, threshold, gt, n_block * (TILE_N * self.wgs // 32),
-                                   batch * heads_q + head_kv * group, step // n_m, seqlen_q, seqlen_k, step,
-                                   self._m_block(m_start, n_m, step) * self.tile_m, self.tile_m, self.bits_halves,
-                                   DRAW_WG_CHAINS if self.draw_warpgroup else 4)
+                self._draw_step(drop, gt, n_block, head_kv, batch, group, heads_q, seqlen_q, seqlen_k,
+                                self._m_block(m_start, n_m, step), n_m, step)
+
+    @cute.jit
+    def _draw_step(self, drop: tuple, gt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
+                   heads_q: Int32, seqlen_q: Int32, seqlen_k: Int32, m_block: Int32, n_m: Int32, step: Int32):
+        """One step's keep bits drawn (_dropout.draw_backward_bits) by drawing thread gt."""
+        bars, sBits, mRng, threshold, _, _ = drop
+        draw_backward_bits(sBits, bars, mRng, threshold, gt, n_block * (TILE_N * self.wgs // 32),
+                           batch * heads_q + head_kv * group, step // n_m, seqlen_q, seqlen_k, step,
+                           m_block * self.tile_m, self.tile_m, self.bits_halves,
+                           DRAW_WG_CHAINS if self.draw_warpgroup else 4)
 
     @cute.jit
     def _m_block(self, m_start: Int32, n_m: Int32, step: Int32) -> Int32:

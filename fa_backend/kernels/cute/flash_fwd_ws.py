@@ -56,6 +56,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._dropout import KEEP_KEYS, drop_scores, dropout_state, zero_unvisited_keep_tiles  # noqa: E402
+from ..keep_bits import KEEP_PERIODS  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
     ForwardVariant, convert_in_place, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores,
     online_softmax, own_copy, rescale_rows, sdpa_views, select_i32, softmax_scores, store_rows)
@@ -108,12 +109,19 @@ def tile_n(head_dim: int, head_dim_v: int | None = None) -> int:
     return TILE_N if _smem_bytes(TILE_M, TILE_N, head_dim, head_dim_v) <= SMEM_LIMIT else 64
 
 
-def _check_keep_bits(keep_bits: bool, dropout: bool, key_mask: bool, head_dim: int, head_dim_v: int | None) -> None:
+def _check_keep_bits(keep_bits: int, dropout: bool, key_mask: bool, head_dim: int, head_dim_v: int | None) -> None:
     """ValueError unless a keep_bits variant can save the bits: dropout without a key mask, on blocks as wide as the
-    saved tiles (KEEP_KEYS keys, the backward's CTA)."""
+    saved tiles (KEEP_KEYS keys, the backward's CTA), every keep_bits-th row of tiles (True: 1; KEEP_PERIODS)."""
     if keep_bits and not (dropout and not key_mask and tile_n(head_dim, head_dim_v) == KEEP_KEYS):
         raise ValueError(f"keep_bits=True needs dropout=True, no key mask and {KEEP_KEYS}-key blocks (head_dim "
                          f"{head_dim})")
+    if keep_bits not in (False, *KEEP_PERIODS):
+        raise ValueError(f"keep_bits={keep_bits} (supported: False, True or a period of {KEEP_PERIODS})")
+
+
+def _keep_suffix(keep_bits: int) -> str:
+    """A keep_bits variant's kernel-name suffix: _keepbits, with the period where it is not 1."""
+    return "" if not keep_bits else "_keepbits" if keep_bits == 1 else f"_keepbits{int(keep_bits)}"
 
 
 def _check_block_n(block_n: int | None, head_dim: int, head_dim_v: int | None, causal: bool, key_mask: bool,
@@ -207,7 +215,8 @@ class FlashForwardSm90WS(ForwardVariant):
         self.dropout = dropout
         # keep_bits: each draw's keep byte also goes to a buffer the backward reads (_dropout, "Saved keep bits")
         _check_keep_bits(keep_bits, dropout, key_mask, head_dim, head_dim_v)
-        self.keep_bits = keep_bits
+        self.keep_bits = bool(keep_bits)
+        self.keep_period = int(keep_bits)  # every keep_period-th row of tiles saved (kernels/keep_bits.py)
         self.tma_store = _tma_store(tma_store)
         _check_consumers(consumers, overlap, pingpong, persistent, head_dim)
         _check_persistent(persistent, consumers, head_dim, head_dim_v)
@@ -629,7 +638,8 @@ class FlashForwardSm90WS(ForwardVariant):
             if cutlass.const_expr(self.keep_bits):
                 bits = mBits.iterator
             drop = dropout_state(mRng, drop_threshold, batch * mO.shape[2] + head, mO.shape[0], seqlen_k,
-                                 row0 + tScS[0][0], row0 + tScS[2][0], wg_tidx % 32, bits, row0)
+                                 row0 + tScS[0][0], row0 + tScS[2][0], wg_tidx % 32, bits, row0,
+                                 self.keep_period)
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
         t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
         cute.arch.mbarrier_wait(bar_q, q_phase)
@@ -644,7 +654,7 @@ class FlashForwardSm90WS(ForwardVariant):
             cute.arch.mbarrier_arrive(bar_q_free)
         if cutlass.const_expr(self.keep_bits and self.causal):  # the blocks past the diagonal: their tiles zeroed
             zero_unvisited_keep_tiles(mBits.iterator, batch * mO.shape[2] + head, row0, mO.shape[0], seqlen_k,
-                                      n_blocks, wg_tidx)
+                                      n_blocks, wg_tidx, self.keep_period)
 
         if cutlass.const_expr(self.tma_store):
             finish_rows(acc_o, row_max, row_sum, tOcO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
@@ -887,7 +897,8 @@ def compile_flash_fwd_ws(dtype: torch.dtype, head_dim: int, causal: bool, bottom
     head dim where it differs from head_dim ((head_dim, head_dim_v) in HEAD_DIM_V_PAIRS; the cache key's dv);
     `tma_store`: O through shared memory and one TMA store per consumer (suffix "_tmastore"; None: True, the
     default); `keep_bits` (dropout, 128-key blocks): the variant that also saves its keep decisions for
-    the backward (_dropout, "Saved keep bits"; suffix "_keepbits"); `block_n`: keys per block where not
+    the backward (_dropout, "Saved keep bits"; suffix "_keepbits"), or with a period of KEEP_PERIODS those of
+    every period-th row of tiles (kernels/keep_bits.py; suffix "_keepbits2" ...); `block_n`: keys per block where not
     tile_n's (non-causal, no key mask or dropout: _check_block_n; the cache key's tile); `kv_stages`: the K / V
     rings' depth where not KV_STAGES (_check_kv_stages; the cache key's tile)."""
     # before the cache: a bad request is not a build failure
@@ -915,7 +926,7 @@ def _name_and_tile(overlap: bool, pingpong: bool, consumers: int, persistent: bo
                    kv_stages: int | None = None) -> tuple[str, tuple[int, ...]]:
     """The kernel name and tile (query rows, keys per block, K / V stages) of a variant in its compile-cache key."""
     suffix = (("_pingpong" if pingpong else "_overlap" if overlap else "") + ("_persistent" if persistent else "")
-              + ("_keymask" if key_mask else "") + ("_dropout" if dropout else "") + ("_keepbits" if keep_bits else "")
+              + ("_keymask" if key_mask else "") + ("_dropout" if dropout else "") + _keep_suffix(keep_bits)
               + ("_tmastore" if tma_store else ""))
     return KERNEL_NAME + suffix, (WG_M * consumers, block_n or tile_n(head_dim, head_dim_v), kv_stages or KV_STAGES)
 
@@ -1032,11 +1043,16 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     (0 where broadcast: _mask_bounds.row_bits' words expanded): the key-mask variant; `dropout`: (the (seed,
     rng_offset) int64 pair on q's device, the 16-bit keep threshold round(dropout_p * 2**16), 1 / (1 - dropout_p)):
     the dropout variant, whose mask is the Triton kernels' for that RNG state (_dropout), with a fourth element, a
-    uint8 buffer of _dropout.keep_bits_bytes (128-key blocks), the variant that also saves the mask there for the
-    backward (flash_bwd.flash_bwd's dropout argument with it); `tma_store`: O through
+    uint8 buffer of keep_bits.keep_bits_bytes (128-key blocks; of any of its periods, which the size names), the
+    variant that also saves the mask there for the backward (flash_bwd.flash_bwd's dropout argument with it); `tma_store`: O through
     shared memory and a TMA store (None: the default, True; False: from registers); `block_n`: keys per block where
     not tile_n's (non-causal calls without key mask or dropout; ValueError otherwise); `kv_stages`: the K / V
     rings' depth where not KV_STAGES (2 to 4, within shared memory; ValueError otherwise)."""
+    keep = 0  # the saved bits' period, from the buffer's size
+    if dropout is not None and len(dropout) > 3:
+        from .flash_bwd import check_keep_bits
+
+        keep = check_keep_bits(dropout[3], q, k)
     return _run(_compile_fn(overlap, pingpong, consumers, persistent, key_words is not None, dropout is not None,
-                            tma_store, dropout is not None and len(dropout) > 3, block_n, kv_stages),
+                            tma_store, keep, block_n, kv_stages),
                 q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)

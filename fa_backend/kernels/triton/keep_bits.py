@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_bits_bytes, keep_byte
+from ..keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_bits_bytes, keep_byte, keep_row_blocks
 from ._features import DROP_HALVES, dropout_draw
 
 
@@ -26,9 +26,10 @@ def _halves_bits(word, thr, W: tl.constexpr):
 
 @triton.jit
 def _keep_bits_kernel(BITS, seed, rng_offset, drop_threshold, SEQ_Q, SEQ_K, ROW_BLOCKS, KEY_BLOCKS,
-                      TILE_BYTES: tl.constexpr):
+                      TILE_BYTES: tl.constexpr, PERIOD: tl.constexpr):
     c = tl.program_id(0)
-    r = tl.program_id(1)
+    saved = tl.program_id(1)  # the saved row of tiles; its rows are those of row of tiles saved * PERIOD
+    r = saved * PERIOD
     bh = tl.program_id(2)
     t = tl.arange(0, TILE_BYTES)
     g, qq = t // 16, t % 16
@@ -39,32 +40,37 @@ def _keep_bits_kernel(BITS, seed, rng_offset, drop_threshold, SEQ_Q, SEQ_K, ROW_
     r0, r1, r2, r3 = tl.randint4x(seed, counter)
     thr = tl.full([], drop_threshold, tl.int64).to(tl.uint32)
     byte = _halves_bits(r0, thr, 0) | _halves_bits(r1, thr, 1) | _halves_bits(r2, thr, 2) | _halves_bits(r3, thr, 3)
-    tile = ((bh.to(tl.int64) * ROW_BLOCKS + r) * KEY_BLOCKS + c) * TILE_BYTES
+    tile = ((bh.to(tl.int64) * ROW_BLOCKS + saved) * KEY_BLOCKS + c) * TILE_BYTES
     tl.store(BITS + tile + t, byte.to(tl.uint8))
 
 
 def fill_keep_bits(bits: torch.Tensor, b: int, hq: int, sq: int, sk: int, dropout_p: float,
-                   rng: tuple[int, int]) -> torch.Tensor:
+                   rng: tuple[int, int], period: int = 1) -> torch.Tensor:
     """Write the keep bits of this call's mask (the RNG state (seed, offset), 16-bit draws) into `bits`, a uint8
-    buffer of at least keep_bits_bytes(b, hq, sq, sk); returns it."""
+    buffer of at least keep_bits_bytes(b, hq, sq, sk, period), for every period-th row of tiles; returns it."""
     draw, threshold = dropout_draw(dropout_p)
     if draw != DROP_HALVES:
         raise ValueError(f"dropout_p={dropout_p} needs 32-bit draws; saved keep bits hold 16-bit ones")
-    size = keep_bits_bytes(b, hq, sq, sk)
+    size = keep_bits_bytes(b, hq, sq, sk, period)
     if bits.dtype != torch.uint8 or not bits.is_contiguous() or bits.numel() < size:
         raise ValueError(f"keep bits must be a contiguous uint8 buffer of at least {size} bytes, got {bits.dtype} "
                          f"({bits.numel()})")
     if size:
-        rows, keys = -(-sq // KEEP_ROWS), -(-sk // KEEP_KEYS)
+        rows, keys = keep_row_blocks(sq, period), -(-sk // KEEP_KEYS)
         _keep_bits_kernel[(keys, rows, b * hq)](bits, int(rng[0]), int(rng[1]), threshold, sq, sk, rows, keys,
-                                                TILE_BYTES=KEEP_TILE_BYTES)
+                                                TILE_BYTES=KEEP_TILE_BYTES, PERIOD=period)
     return bits
 
 
-def unpack_keep_bits(bits: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> torch.Tensor:
-    """The (b, hq, sq, sk) bool keep mask a buffer of saved keep bits holds."""
-    rows, keys = -(-sq // KEEP_ROWS), -(-sk // KEEP_KEYS)
-    tiles = bits[:keep_bits_bytes(b, hq, sq, sk)].view(b * hq, rows, keys, KEEP_TILE_BYTES).to(torch.int32)
+def unpack_keep_bits(bits: torch.Tensor, b: int, hq: int, sq: int, sk: int, period: int = 1) -> torch.Tensor:
+    """The (b, hq, sq, sk) bool keep mask a buffer of saved keep bits holds; with a period, the rows of the rows of
+    tiles it does not save are False (keep_saved_rows tells them)."""
+    saved, keys = keep_row_blocks(sq, period), -(-sk // KEEP_KEYS)
+    rows = -(-sq // KEEP_ROWS)
+    tiles = bits[:keep_bits_bytes(b, hq, sq, sk, period)].view(b * hq, saved, keys, KEEP_TILE_BYTES).to(torch.int32)
+    full = tiles.new_zeros(b * hq, rows, keys, KEEP_TILE_BYTES)
+    full[:, ::period] = tiles
+    tiles = full
     i = torch.arange(KEEP_ROWS, device=bits.device)[:, None]
     j = torch.arange(KEEP_KEYS, device=bits.device)[None, :]
     a, w, p, h = j // 32, j % 32 // 8, j % 8 // 2, j % 2
@@ -72,3 +78,8 @@ def unpack_keep_bits(bits: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> t
     keep = (tiles[..., byte] >> keep_bit(w, h)) & 1  # (bh, R, C, row, key)
     keep = keep.permute(0, 1, 3, 2, 4).reshape(b, hq, rows * KEEP_ROWS, keys * KEEP_KEYS)
     return keep[:, :, :sq, :sk].bool()
+
+
+def keep_saved_rows(sq: int, period: int, device: torch.device | str) -> torch.Tensor:
+    """(sq,) bool: the query rows whose keep bits a buffer of this period holds."""
+    return torch.arange(sq, device=device) // KEEP_ROWS % period == 0

@@ -124,38 +124,44 @@ def _visible(q, k, causal, bottom_right):
                                                                                      device="cuda")
 
 
+@pytest.mark.parametrize("period", [1, 2, 4])
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SAVED_SHAPES)
-def test_forward_saves_the_mask_it_draws(causal, bottom_right, b, hq, hkv, sq, sk):
-    """The forward that saves its keep bits (kernels/keep_bits.py) into a poisoned buffer: out and lse bit
-    for bit those of the forward that does not; the bits are the kernels' mask on every visible score, and without a
-    causal mask (every tile visited) the whole buffer is what fill_keep_bits writes for the same RNG state."""
+def test_forward_saves_the_mask_it_draws(causal, bottom_right, b, hq, hkv, sq, sk, period):
+    """The forward that saves its keep bits (kernels/keep_bits.py; of every period-th row of tiles) into a poisoned
+    buffer: out and lse bit for bit those of the forward that does not; the bits are the kernels' mask on every
+    visible score of the saved rows, and without a causal mask (every tile visited) the whole buffer is what
+    fill_keep_bits writes for the same RNG state."""
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
     from fa_backend.kernels.keep_bits import keep_bits_bytes
-    from fa_backend.kernels.triton.keep_bits import fill_keep_bits, unpack_keep_bits
+    from fa_backend.kernels.triton.keep_bits import fill_keep_bits, keep_saved_rows, unpack_keep_bits
     from fa_backend.ops import new_rng_state
 
     p = 0.17
     q, k, v = _qkv(b, hq, hkv, sq, sk, 128, torch.bfloat16)
     rng = new_rng_state()
     dropout = _kernel_dropout(p, rng)
-    bits = torch.full((keep_bits_bytes(b, hq, sq, sk),), 0xA5, dtype=torch.uint8, device="cuda")
+    bits = torch.full((keep_bits_bytes(b, hq, sq, sk, period),), 0xA5, dtype=torch.uint8, device="cuda")
     out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=(*dropout, bits))
     plain_out, plain_lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=dropout)
     assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
-    seen = _visible(q, k, causal, bottom_right).expand(b, hq, sq, sk)
-    assert torch.equal(unpack_keep_bits(bits, b, hq, sq, sk)[seen], _keep(q, k, p, rng)[seen])
+    seen = _visible(q, k, causal, bottom_right) & keep_saved_rows(sq, period, "cuda")[:, None]
+    seen = seen.expand(b, hq, sq, sk)
+    assert torch.equal(unpack_keep_bits(bits, b, hq, sq, sk, period)[seen], _keep(q, k, p, rng)[seen])
     if not causal:
-        assert torch.equal(bits, fill_keep_bits(torch.zeros_like(bits), b, hq, sq, sk, p, tuple(rng.tolist())))
+        assert torch.equal(bits, fill_keep_bits(torch.zeros_like(bits), b, hq, sq, sk, p, tuple(rng.tolist()),
+                                                period))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SAVED_SHAPES)
-def test_backward_on_saved_bits(dtype, causal, bottom_right, b, hq, hkv, sq, sk):
-    """The backward's keep_bits variant, whose drawing warps load the forward's saved bytes instead of drawing: dK
-    and dV bit for bit those of the variant that draws (the same mask, the same sums in each CTA), dQ (added by
-    several CTAs in any order) and all three within the 2x bar of the float64 reference with the kernels' mask."""
+@pytest.mark.parametrize("period", [1, 2, 4])
+def test_backward_on_saved_bits(dtype, causal, bottom_right, b, hq, hkv, sq, sk, period):
+    """The backward's keep_bits variant, whose drawing warps load the forward's saved bytes instead of drawing (with
+    a period: of the saved rows of tiles, and draw the others' bits): dK and dV bit for bit those of the variant that
+    draws (the same mask, the same sums in each CTA), dQ (added by several CTAs in any order) and all three within
+    the 2x bar of the float64 reference with the kernels' mask."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
     from fa_backend.kernels.keep_bits import keep_bits_bytes
@@ -165,7 +171,7 @@ def test_backward_on_saved_bits(dtype, causal, bottom_right, b, hq, hkv, sq, sk)
     q, k, v = _qkv(b, hq, hkv, sq, sk, 128, dtype)
     rng = new_rng_state()
     dropout = _kernel_dropout(p, rng)
-    bits = torch.empty(keep_bits_bytes(b, hq, sq, sk), dtype=torch.uint8, device="cuda")
+    bits = torch.empty(keep_bits_bytes(b, hq, sq, sk, period), dtype=torch.uint8, device="cuda")
     out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=(*dropout, bits))
     dout = torch.randn_like(out)
     args = dict(causal=causal, bottom_right=bottom_right, wgs=2, warp_specialized=True)
@@ -187,7 +193,8 @@ def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
     monkeypatch.setattr(flash_bwd, "flash_bwd", lambda *a, **kw: kinds.append(len(kw["dropout"])) or real(*a, **kw))
     saved = []
     real_fwd = cute_flash._keep_bits_out
-    monkeypatch.setattr(cute_flash, "_keep_bits_out", lambda q, k, keep: saved.append(keep) or real_fwd(q, k, keep))
+    monkeypatch.setattr(cute_flash, "_keep_bits_out",
+                        lambda q, k, v, keep: saved.append(keep) or real_fwd(q, k, v, keep))
     q, k, v = _qkv(2, 8, 2, 700, 900, 128, torch.bfloat16, grad=True)
     rng = new_rng_state()
     with torch.no_grad():
@@ -199,6 +206,15 @@ def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
         runs.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     assert saved == [False, True, False] and kinds == [4, 3]
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+    # a budget that holds every second row of tiles only: those are saved, the backward draws the rest
+    inputs = 2 * (2 * 8 * 700 + 2 * 2 * 900) * 256
+    half_budget = keep_bits.keep_bits_bytes(2, 8, 700, 900, 2) / inputs * (1 + 1e-6)
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", half_budget)
+    assert cute_flash._keep_period(q, k, v) == 2
+    out = cute_flash_attention(q, k, v, None, True, dropout_p=0.2, rng_state=rng)[0]
+    halves = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert saved[-1] and kinds[-1] == 4
+    assert torch.equal(halves[1], runs[1][1]) and torch.equal(halves[2], runs[1][2])
     # dQ: fp32 adds from several CTAs in either order, then one rounding to bf16 (a flip of its last bit at most)
     torch.testing.assert_close(runs[0][0].float(), runs[1][0].float(), atol=1e-3, rtol=2**-6)
 

@@ -499,6 +499,27 @@ def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, shared_ptx, causal
     _assert_asynchronous_and_if_converted(ptx, tmp_path)
 
 
+@needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+def test_keep_bits_with_a_period_loads_and_draws(tmp_path, shared_ptx, causal):
+    """The dropout backward on every second row of tiles saved (keep_bits=2, kernels/keep_bits.py): the drawing
+    variant (its warpgroup, its Philox draws and register split) plus one 16-byte load of a saved step's bytes per
+    drawing thread; no spills or C75xx serialisation, the exp2s still if-converted."""
+    from fa_backend.kernels.cute import flash_bwd, flash_bwd_ws
+
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
+                                      warp_specialized=True, pointer_args=True, dropout=True, keep_bits=2).__ptx__
+    drawn = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, False, wgs=2, warp_specialized=True,
+                       pointer_args=True, dropout=True)
+    regs = re.compile(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);")
+    assert regs.findall(ptx) == regs.findall(drawn)
+    if flash_bwd_ws.DRAW_WARPGROUP:
+        assert ".reqntid 512, 1, 1" in ptx
+    assert ptx.count("mul.wide.u32") == drawn.count("mul.wide.u32") > 0
+    assert ptx.count("ld.global.v4.b32") == drawn.count("ld.global.v4.b32") + 1
+    _assert_asynchronous_and_if_converted(ptx, tmp_path)
+
+
 def test_keep_bits_needs_the_dropout_variant_with_64_row_steps():
     from fa_backend.kernels.cute import flash_bwd
 
@@ -506,6 +527,9 @@ def test_keep_bits_needs_the_dropout_variant_with_64_row_steps():
         args = dict(wgs=2, warp_specialized=True, pointer_args=True, dropout=True, keep_bits=True) | kw
         with pytest.raises(ValueError, match=match):
             flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, **args)
+    with pytest.raises(ValueError, match="keep_bits=3"):
+        flash_bwd.compile_flash_bwd(torch.bfloat16, 128, False, wgs=2, warp_specialized=True, pointer_args=True,
+                                    dropout=True, keep_bits=3)
 
 
 def test_dropout_backward_refuses_what_it_does_not_take():

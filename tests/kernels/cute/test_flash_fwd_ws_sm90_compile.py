@@ -463,16 +463,17 @@ def test_dropout_variants_compile_without_spills(tmp_path, shared_ptx, d, causal
 
 @needs_ptxas
 @pytest.mark.parametrize("causal", [False, True])
-def test_keep_bits_variant_stores_a_byte_per_draw(tmp_path, causal):
-    """The d=128 dropout forward that saves its keep bits for the backward (keep_bits, kernels/keep_bits.py):
-    one byte store per draw, eight per thread and block (two rows x four 32-key blocks) at each place a block's
-    probabilities are made (the first block and the loop, the causal build's masked loop too), no local memory, no
-    spills."""
+@pytest.mark.parametrize("keep_bits", [True, 2])
+def test_keep_bits_variant_stores_a_byte_per_draw(tmp_path, causal, keep_bits):
+    """The d=128 dropout forward that saves its keep bits for the backward (keep_bits, kernels/keep_bits.py; 2: of
+    every second row of tiles, the stores predicated): one byte store per draw, eight per thread and block (two rows
+    x four 32-key blocks) at each place a block's probabilities are made (the first block and the loop, the causal
+    build's masked loop too), no local memory, no spills."""
     from fa_backend.kernels.cute import flash_fwd_ws
 
     kw = flash_fwd_ws.fastest_kwargs(128, causal, dropout=True)
     ptx = flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), dropout=True,
-                                            pointer_args=True, keep_bits=True, **kw).__ptx__
+                                            pointer_args=True, keep_bits=keep_bits, **kw).__ptx__
     assert "ld.local" not in ptx and "st.local" not in ptx
     sites = 3 if causal else 2
     assert len(re.findall(r"st\.global(?:\.\w+)*\.[ub]8", ptx)) == 8 * sites
@@ -488,6 +489,8 @@ def test_keep_bits_needs_dropout_on_128_key_blocks():
         with pytest.raises(ValueError, match="keep_bits=True needs"):
             flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, d, False, dropout=dropout, pointer_args=True,
                                               keep_bits=True)
+    with pytest.raises(ValueError, match="keep_bits=3"):
+        flash_fwd_ws.compile_flash_fwd_ws(torch.bfloat16, 128, False, dropout=True, pointer_args=True, keep_bits=3)
 
 
 def test_dropout_variants_take_the_pointer_convention_only(tmp_path):

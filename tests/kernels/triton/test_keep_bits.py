@@ -12,8 +12,10 @@ import torch
 
 from fa_backend.kernels import keep_bits
 from fa_backend.kernels.triton import dropout_keep_mask
-from fa_backend.kernels.keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_bits_bytes, keep_byte
-from fa_backend.kernels.triton.keep_bits import fill_keep_bits, unpack_keep_bits
+from fa_backend.kernels.keep_bits import (
+    KEEP_KEYS, KEEP_PERIODS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_bits_bytes, keep_byte, keep_period,
+    keep_period_of)
+from fa_backend.kernels.triton.keep_bits import fill_keep_bits, keep_saved_rows, unpack_keep_bits
 from tests.conftest import DEVICE
 
 
@@ -41,6 +43,50 @@ def test_filled_bits_are_the_kernels_mask(b, hq, sq, sk, p):
     assert not torch.equal(unpack_keep_bits(other, b, hq, sq, sk), keep)
 
 
+@pytest.mark.parametrize("period", [2, 4])
+@pytest.mark.parametrize("b,hq,sq,sk", [(1, 2, 300, 200), (2, 1, 64, 128), (1, 1, 129, 33)])
+def test_a_period_saves_every_periodth_row_of_tiles(b, hq, sq, sk, period):
+    """With a period, the buffer holds the mask's bits of the rows of tiles R % period == 0 (their rows of 64
+    queries), in keep_bits_bytes(..., period) bytes, and nothing of the others."""
+    p, rng = 0.25, (int(torch.randint(0, 2**62, ())), 16 * int(torch.randint(0, 2**20, ())))
+    bits = torch.full((keep_bits_bytes(b, hq, sq, sk, period),), 0xA5, dtype=torch.uint8, device=DEVICE)
+    fill_keep_bits(bits, b, hq, sq, sk, p, rng, period)
+    rows = keep_saved_rows(sq, period, DEVICE)
+    assert rows[:KEEP_ROWS].all() and (rows.sum() < sq if sq > KEEP_ROWS else rows.all())
+    keep = unpack_keep_bits(bits, b, hq, sq, sk, period)
+    assert torch.equal(keep[:, :, rows], dropout_keep_mask(b, hq, sq, sk, p, rng, DEVICE)[:, :, rows])
+    assert not keep[:, :, ~rows].any()
+    whole = fill_keep_bits(torch.empty(keep_bits_bytes(b, hq, sq, sk), dtype=torch.uint8, device=DEVICE), b, hq, sq,
+                           sk, p, rng)
+    assert torch.equal(unpack_keep_bits(whole, b, hq, sq, sk)[:, :, rows], keep[:, :, rows])
+
+
+def test_the_period_is_the_smallest_within_the_budget(monkeypatch):
+    """keep_period: every row of tiles while all the bits fit the budget (8k tokens at d=128, MHA), then every
+    second (16k) or fourth (32k), then none; a larger budget saves more."""
+    def period(s, b=1, h=16, hkv=16):
+        return keep_period(b, h, hkv, s, s, 128, 128, 2)
+
+    assert [period(s) for s in (1024, 8192, 8192 + 128, 16384, 32768, 32768 + 512, 65536)] == [1, 1, 2, 2, 4, 0, 0]
+    assert period(8192, hkv=4) == 2  # GQA: fewer K / V bytes in the budget
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 2.0)
+    assert period(16384) == 1 and period(65536) == 4
+    monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 0.0)
+    assert period(1024) == 0
+
+
+def test_the_size_names_the_period():
+    """Two periods whose buffers have one size save the same tiles, so the backward may read the period from the
+    size (keep_period_of); any other size names none."""
+    for sq in range(1, 64 * 20, 37):
+        for period in KEEP_PERIODS:
+            size = keep_bits_bytes(1, 2, sq, 300, period)
+            found = keep_period_of(size, 1, 2, sq, 300)
+            saved = {r for r in range(-(-sq // KEEP_ROWS)) if r % period == 0}
+            assert {r for r in range(-(-sq // KEEP_ROWS)) if r % found == 0} == saved, (sq, period, found)
+    assert keep_period_of(keep_bits_bytes(1, 2, 640, 300) + 1, 1, 2, 640, 300) == 0
+
+
 def test_fill_refuses_what_it_cannot_hold():
     bits = torch.empty(keep_bits_bytes(1, 1, 64, 128) - 1, dtype=torch.uint8, device=DEVICE)
     with pytest.raises(ValueError, match="at least 1024 bytes"):
@@ -50,8 +96,9 @@ def test_fill_refuses_what_it_cannot_hold():
 
 
 def test_which_calls_save_keep_bits(monkeypatch):
-    """d = dv = 128 dropout without a mask, a nonzero scale or deterministic algorithms, while one bit per score is
-    within KEEP_BITS_BUDGET times q, k, v and out (at 1.0: 8k tokens at d=128 for MHA, 5k with GQA 4:1)."""
+    """d = dv = 128 dropout without a mask, a nonzero scale or deterministic algorithms, while one bit per score of
+    every fourth row of tiles at least is within KEEP_BITS_BUDGET times q, k, v and out (at 1.0: 32k tokens at d=128
+    for MHA, 20k with GQA 4:1)."""
     from fa_backend.ops import cute_flash
 
     def call(sq=1024, sk=1024, d=128, dv=128, hkv=4, p=0.1, mask=None, scale=None):
@@ -59,8 +106,9 @@ def test_which_calls_save_keep_bits(monkeypatch):
         return cute_flash.save_keep_bits(q, k, v, scale, mask, p)
 
     assert call() and call(sq=8192, sk=8192) and call(sq=100, sk=300)
-    assert not call(sq=8192, sk=8192 + 128)  # over the budget
-    assert call(sq=5120, sk=5120, hkv=1) and not call(sq=5248, sk=5248, hkv=1)
+    assert call(sq=8192, sk=8192 + 128) and call(sq=16384, sk=16384)  # every second row of tiles
+    assert call(sq=32768, sk=32768) and not call(sq=32768 + 512, sk=32768 + 512)  # every fourth; then none
+    assert call(sq=20480, sk=20480, hkv=1) and not call(sq=20992, sk=20992, hkv=1)
     assert not call(p=0.0) and not call(d=64, dv=64) and not call(dv=64) and not call(scale=0.0)
     assert not call(mask=torch.ones(1, 1, 1, 1024, dtype=torch.bool))
     monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", 0.0)
