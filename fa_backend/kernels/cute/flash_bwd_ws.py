@@ -194,7 +194,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # each query row's (LSE in log2 units, delta) side by side, for this step and the next
         # (LSE, delta) of a row side by side (the 80- / 128-row steps read both at once), or with column_reads one
         # plane per statistic (one 8-byte read per two adjacent rows of one: 16 reads a step instead of 32); not
-        # with dropout, whose causal builds then spilled 4 bytes
+        # with dropout where the MMA warpgroups load the rows (its causal builds then spilled 4 bytes), but with
+        # dropout beside rows_by_producer (side by side, ptxas spilled 16-28 bytes in that MMA loop at 224)
         planes = self.column_reads and (not self.dropout or self.rows_by_producer)
         rows_layout = cute.make_layout((2, self.tile_m, 2)) if cutlass.const_expr(not planes) else \
             cute.make_layout((2, self.tile_m, 2), stride=(self.tile_m, 1, 2 * self.tile_m))

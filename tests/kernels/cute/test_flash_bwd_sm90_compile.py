@@ -500,16 +500,16 @@ def test_keep_bits_variant_loads_instead_of_drawing(tmp_path, shared_ptx, causal
 
 
 @needs_ptxas
-@pytest.mark.parametrize("causal", [False, True])
-def test_keep_bits_with_a_period_loads_and_draws(tmp_path, shared_ptx, causal):
+def test_keep_bits_with_a_period_loads_and_draws(tmp_path, shared_ptx):
     """The dropout backward on every second row of tiles saved (keep_bits=2, kernels/keep_bits.py): the drawing
     variant (its warpgroup, its Philox draws and register split) plus one 16-byte load of a saved step's bytes per
-    drawing thread; no spills or C75xx serialisation, the exp2s still if-converted."""
+    drawing thread; no spills or C75xx serialisation, the exp2s still if-converted. Causal bottom-right only (the
+    drawing test's build, compiled once; the non-causal one differs in the mask code: CI time)."""
     from fa_backend.kernels.cute import flash_bwd, flash_bwd_ws
 
-    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, causal, False, "sm_90a", str(tmp_path), wgs=2,
+    ptx = flash_bwd.compile_flash_bwd(torch.bfloat16, 128, True, True, "sm_90a", str(tmp_path), wgs=2,
                                       warp_specialized=True, pointer_args=True, dropout=True, keep_bits=2).__ptx__
-    drawn = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, causal, False, wgs=2, warp_specialized=True,
+    drawn = shared_ptx(flash_bwd.compile_flash_bwd, torch.bfloat16, 128, True, True, wgs=2, warp_specialized=True,
                        pointer_args=True, dropout=True)
     regs = re.compile(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);")
     assert regs.findall(ptx) == regs.findall(drawn)

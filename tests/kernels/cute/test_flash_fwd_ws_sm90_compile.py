@@ -462,13 +462,13 @@ def test_dropout_variants_compile_without_spills(tmp_path, shared_ptx, d, causal
 
 
 @needs_ptxas
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("keep_bits", [True, 2])
+@pytest.mark.parametrize("causal,keep_bits", [(False, True), (True, True), (True, 2)])
 def test_keep_bits_variant_stores_a_byte_per_draw(tmp_path, causal, keep_bits):
     """The d=128 dropout forward that saves its keep bits for the backward (keep_bits, kernels/keep_bits.py; 2: of
-    every second row of tiles, the stores predicated): one byte store per draw, eight per thread and block (two rows
-    x four 32-key blocks) at each place a block's probabilities are made (the first block and the loop, the causal
-    build's masked loop too), no local memory, no spills."""
+    every second row of tiles, the stores predicated PTX: with an `if`, the causal build's loops branched around
+    them): one byte store per draw, eight per thread and block (two rows x four 32-key blocks) at each place a
+    block's probabilities are made (the first block and the loop, the causal build's masked loop too), no local
+    memory, no spills."""
     from fa_backend.kernels.cute import flash_fwd_ws
 
     kw = flash_fwd_ws.fastest_kwargs(128, causal, dropout=True)
