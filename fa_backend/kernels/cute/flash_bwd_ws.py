@@ -76,6 +76,11 @@ DRAW_WG_REGS = (PRODUCER_REGS, 40, 224)
 DRAW_WG_CHAINS = 2
 # the drawing warpgroup's variants with rows_by_producer (thirty-fourth session, A/B on the H100: see docs/perf-log.md)
 ROWS_BESIDE_DRAWS = True
+# the keep-bits variant (every row saved) with rows_by_producer: its bit-loading warps 2-3 load each step's rows too
+# (_draw_bits; sm_90a step loop 670 -> 590 SASS instructions non-causal, 719 -> 634 causal). Thirty-fifth session,
+# H100, A/B in alternated processes (ab_cute.sh, time_keep_bits.py --periods 1, two rounds): saved-bits backward
+# +5.5 / +4.2 / +3.4 % non-causal at 2k / 4k / 16k, +2.5 / +2.3 / +7.3 % causal; its controls -1.9 to +1.3 %
+ROWS_BESIDE_LOADS = True
 MMA_BARRIER = 1  # named barrier of the two MMA warpgroups (0 is __syncthreads')
 ROW_WARPS = (2, 3)  # rows_by_producer: the producer warpgroup's warps that load the rows (0 loads Q / dO, 1 writes dQ)
 ROW_STAGES = 2  # sRows' stages
@@ -120,7 +125,10 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # key block of a head starts together) and the drawing warpgroup's: there its three remapped indices, live
         # through the MMA loop instead of re-read from the block index, cost ptxas a 4-byte spill at 224 registers
         # (sm_90a compile check), where the order gave the causal backward +1-3 % (twentieth session)
-        self.longest_first = causal and not deterministic and not self.draw_warpgroup
+        # (nor the keep-bits variant whose bit-loading warps load the rows too: ptxas spilled 4 bytes in the producer's
+        # code with the order's indices, outside the step loops; sm_90a compile check)
+        self.longest_first = (causal and not deterministic and not self.draw_warpgroup
+                              and not (dropout and int(keep_bits) == 1 and ROWS_BESIDE_LOADS))
         self.key_mask = key_mask  # a bool key mask, packed 32 keys per word, read per step (_key_keep)
         # dQ adds in key-block order: the side tensor (mWords) is then one int32 turn flag per (query block, head,
         # batch), zeroed by the caller (_write_dq)
@@ -147,7 +155,8 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         # into sRows behind full / empty mbarriers (FA4 leaves them to its producer too), instead of the last MMA
         # warpgroup's first 64 threads loading, converting and storing them inside the step; with dropout where a
         # warpgroup of its own draws (draw_warpgroup: those producer warps are idle there too)
-        self.rows_by_producer = self.column_reads and (not dropout or (self.draw_warpgroup and ROWS_BESIDE_DRAWS))
+        self.rows_by_producer = self.column_reads and (not dropout or (self.draw_warpgroup and ROWS_BESIDE_DRAWS)
+                                                       or (self.keep_period == 1 and ROWS_BESIDE_LOADS))
         self.dq_transposed = dq_split(tile_m) == "transposed"  # wgmma's M is 64: an 80-row block as its transpose
         self.dq_rows = dq_split(tile_m) == "rows"  # d=64: each MMA warpgroup 64 rows of the block, every column
         # 80-row steps: the barriers (56 bytes) and the first 1024-byte alignment only (every later allocation keeps
@@ -250,16 +259,17 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
             if warp == 0:
                 self._produce(tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, sK, sV, sQ, sdO, bar_kv, pipe, n_block,
                               head_kv, batch, group, m_start, n_m, steps)
-            if cutlass.const_expr(self.rows_by_producer):
+            rows = (mLSE, mDelta, sRows, bars_rows)
+            if cutlass.const_expr(self.rows_by_producer and not self._bits_in_row_warps()):
                 if warp >= ROW_WARPS[0]:
-                    self._load_rows(mLSE, mDelta, sRows, bars_rows, tidx - 32 * ROW_WARPS[0], head_kv, batch, group,
-                                    m_start, n_m, steps)
+                    self._load_rows(*rows, tidx - 32 * ROW_WARPS[0], head_kv, batch, group, m_start, n_m, steps)
             if warp == 1:
                 self._write_dq(sdQ, mdQacc, bar_dq, head_kv, batch, group, m_start, n_m, steps, n_block, mWords)
             if cutlass.const_expr(self.dropout and not self.draw_warpgroup):
                 if warp >= BITS_WARPS[0]:
                     self._draw_bits(drop, tidx - 32 * BITS_WARPS[0], n_block, head_kv, batch, group, mQ.shape[2],
-                                    seqlen_q, seqlen_k, m_start, n_m, steps)
+                                    seqlen_q, seqlen_k, m_start, n_m, steps,
+                                    rows if cutlass.const_expr(self._bits_in_row_warps()) else None)
         else:
             mma_args = (mma_regs, (mma_ss, mma_rs, mma_dq), (sK, sV, sQ, sdO, sdS, sdQ, sRows, bar_kv, bar_dq, pipe,
                         mLSE, mDelta, mdK, mdV, scale_log2, scale), role, tidx, (n_block, head_kv, batch, group,
@@ -295,17 +305,25 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                                          section, cutlass.min)
         return blocks - 1 - last_first, pair % heads, pair // heads
 
+    def _bits_in_row_warps(self) -> bool:
+        """Whether the producer's warps that load the bits (BITS_WARPS) load the rows too, step by step."""
+        return self.rows_by_producer and self.dropout and not self.draw_warpgroup and BITS_WARPS == ROW_WARPS
+
     @cute.jit
     def _draw_bits(self, drop: tuple, gt: Int32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
-                   heads_q: Int32, seqlen_q: Int32, seqlen_k: Int32, m_start: Int32, n_m: Int32, steps: Int32):
+                   heads_q: Int32, seqlen_q: Int32, seqlen_k: Int32, m_start: Int32, n_m: Int32, steps: Int32,
+                   rows: tuple = None):
         """The dropout variant's drawing warps (thread gt of 64, or of 128 with draw_warpgroup): each step's keep
-        bits for the MMA warpgroups."""
+        bits for the MMA warpgroups; with `rows` (_load_rows' first arguments; _bits_in_row_warps) each step's LSE /
+        delta rows after its bits."""
         bars, sBits, mRng, threshold, _, mBits = drop
         for step in cutlass.range(steps, unroll=1):
             if cutlass.const_expr(self.keep_period == 1):
                 tile = keep_tile(batch * heads_q + head_kv * group + step // n_m, self._m_block(m_start, n_m, step),
                                  n_block, seqlen_q, seqlen_k)
                 load_backward_bits(sBits, bars, mBits.iterator, tile, gt, step)
+                if cutlass.const_expr(rows is not None):
+                    self._load_row_step(*rows, gt, head_kv, batch, group, m_start, n_m, step)
             elif cutlass.const_expr(self.keep_period > 1):
                 m_block = self._m_block(m_start, n_m, step)
                 if m_block % self.keep_period == 0:  # a saved row of tiles
@@ -504,14 +522,21 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         every step into sRows stage step % ROW_STAGES, once the MMA threads released it, then arrives on its full
         barrier; the global loads are issued before the wait."""
         for step in cutlass.range(steps, unroll=1):
-            stage = step % ROW_STAGES
-            row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group + step // n_m,
-                                            self._m_block(m_start, n_m, step) * self.tile_m + gt, batch)
-            if step >= ROW_STAGES:
-                cute.arch.mbarrier_wait(bars + ROW_STAGES + stage, (step // ROW_STAGES - 1) % 2)
-            sRows[0, gt, stage] = self._lse_log2(row_lse)
-            sRows[1, gt, stage] = row_delta
-            cute.arch.mbarrier_arrive(bars + stage)
+            self._load_row_step(mLSE, mDelta, sRows, bars, gt, head_kv, batch, group, m_start, n_m, step)
+
+    @cute.jit
+    def _load_row_step(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sRows: cute.Tensor, bars: cute.Pointer,
+                       gt: Int32, head_kv: Int32, batch: Int32, group: Int32, m_start: Int32, n_m: Int32,
+                       step: Int32):
+        """_load_rows' work for one step."""
+        stage = step % ROW_STAGES
+        row_lse, row_delta = self._rows(mLSE, mDelta, head_kv * group + step // n_m,
+                                        self._m_block(m_start, n_m, step) * self.tile_m + gt, batch)
+        if step >= ROW_STAGES:
+            cute.arch.mbarrier_wait(bars + ROW_STAGES + stage, (step // ROW_STAGES - 1) % 2)
+        sRows[0, gt, stage] = self._lse_log2(row_lse)
+        sRows[1, gt, stage] = row_delta
+        cute.arch.mbarrier_arrive(bars + stage)
 
     @cute.jit
     def _issue_dv(self, mma_rs: cute.TiledMma, acc_dv: cute.Tensor, t_p: cute.Tensor, tVrdOt: cute.Tensor,
