@@ -92,7 +92,8 @@ def main() -> None:
                 for name in args.runners:
                     rec = dict(runner=name, d=d, causal=causal, seqlen=s, batch=b, heads=h, p=args.p,
                                keep_bits_budget=keep_bits.KEEP_BITS_BUDGET,
-                               keep_period=keep_bits.keep_period(b, h, h, s, s, d, d, 2))  # where cute saves bits
+                               # where cute saves bits (a causal call's in the causal layout)
+                               keep_period=keep_bits.keep_period(b, h, h, s, s, d, d, 2, 0 if causal else None))
                     try:
                         fn = _fn(name, args.p, causal)
                         with torch.no_grad():

@@ -39,7 +39,9 @@ def main() -> None:
             b, h, d = 16384 // s, 16, 128
             q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             drop = _dropout_args(q, 0.1, new_rng_state())
-            bits = {n: torch.empty(keep_bits_bytes(b, h, s, s, n), dtype=torch.uint8, device="cuda")
+            # a causal call's bits in the causal layout (its rows' visible tiles: kernels/keep_bits.py)
+            bits = {n: torch.empty(keep_bits_bytes(b, h, s, s, n, 0 if causal else None), dtype=torch.uint8,
+                                   device="cuda")
                     for n in args.periods}
             for n in args.periods:
                 out, lse = flash_fwd_fastest(q, k, v, None, causal, dropout=(*drop, bits[n]))

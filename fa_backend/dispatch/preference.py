@@ -105,8 +105,9 @@ CUDNN_ONLY = frozenset({"cudnn_attention"})
 # The saved-keep-bits backward was timed from 2k tokens (docs/benchmarks.md, "Saved keep bits")
 KEEP_BITS_MIN_SEQLEN = 2048
 # the periods of saved rows of tiles (kernels/keep_bits.KEEP_PERIODS) whose backward was timed against cuDNN's: every
-# row (2k-8k, H200), every second (16k) and fourth (32k; thirty-fourth session, H100: the op's backward 1.15-1.21x /
-# 1.06-1.15x cuDNN's dropout backward; docs/benchmarks.md "Masks and dropout")
+# row (2k-8k, H200; 16k causal in the causal layout, thirty-fifth session, H100: 1.30x), every second (16k) and fourth
+# (32k; thirty-fourth session, H100: the op's backward 1.15-1.21x / 1.06-1.15x cuDNN's dropout backward;
+# docs/benchmarks.md "Masks and dropout")
 ROUTED_KEEP_PERIODS = frozenset({1, 2, 4})
 
 
@@ -114,13 +115,14 @@ def saves_keep_bits(call: AttentionCall) -> bool:
     """Whether the CuTe op would save this dropout call's keep bits for its backward (ops/cute_flash.save_keep_bits:
     gradients, d = dv = 128, no mask, within kernels/keep_bits.KEEP_BITS_BUDGET, no deterministic algorithms),
     for an MHA call of at least KEEP_BITS_MIN_SEQLEN queries at a period of ROUTED_KEEP_PERIODS (what was timed)."""
-    from ..kernels.keep_bits import keep_period
+    from ..kernels.keep_bits import causal_offset, keep_period
 
+    diagonal = causal_offset(call.seqlen_q, call.seqlen_k, call.is_causal, call.causal_alignment == "bottom_right")
     return (call.dropout_p > 0.0 and call.requires_grad and call.mask_kind == "none" and call.head_dim == 128
             and call.head_dim_v == 128 and call.heads_q == call.heads_kv and call.seqlen_q >= KEEP_BITS_MIN_SEQLEN
             and call.scale != 0.0 and not torch.are_deterministic_algorithms_enabled()
             and keep_period(call.batch, call.heads_q, call.heads_kv, call.seqlen_q, call.seqlen_k, call.head_dim,
-                            call.head_dim_v, call.dtype.itemsize) in ROUTED_KEEP_PERIODS)
+                            call.head_dim_v, call.dtype.itemsize, diagonal) in ROUTED_KEEP_PERIODS)
 
 
 def fwd_flops(call: AttentionCall) -> int:

@@ -128,35 +128,42 @@ def _words_and_bound(attn_mask: torch.Tensor, b: int, hq: int, sk: int) -> torch
 
 
 def save_keep_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                   attn_mask: torch.Tensor | None, dropout_p: float) -> bool:
+                   attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool = False,
+                   bottom_right: bool = False) -> bool:
     """Whether a dropout forward that will be differentiated saves its keep bits for the CuTe backward: d = dv = 128
     (DROPOUT_BACKWARD, whose 64-row steps read them), no mask, a nonzero scale, not under deterministic algorithms
-    (whose backward is Triton's), within kernels/keep_bits.KEEP_BITS_BUDGET."""
-    from ..kernels.keep_bits import keep_bits_fit
+    (whose backward is Triton's), within kernels/keep_bits.KEEP_BITS_BUDGET (a causal call's in the causal layout)."""
+    from ..kernels.keep_bits import causal_offset, keep_bits_fit
 
     if (dropout_p <= 0 or attn_mask is not None or scale == 0.0 or q.dim() != 4 or k.dim() != 4
             or q.shape[-1] not in DROPOUT_BACKWARD or v.shape[-1] != q.shape[-1]
             or torch.are_deterministic_algorithms_enabled()):
         return False
     return keep_bits_fit(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], v.shape[-1],
-                         q.element_size())
+                         q.element_size(), causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
 
 
-def _keep_period(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+def _keep_period(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                 bottom_right: bool = False) -> int:
     """The period of the rows of tiles whose keep bits a keep_bits forward saves (kernels/keep_bits.keep_period: every
     row within the budget, else every second or fourth)."""
-    from ..kernels.keep_bits import keep_period
+    from ..kernels.keep_bits import causal_offset, keep_period
 
     return keep_period(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], v.shape[-1],
-                       q.element_size())
+                       q.element_size(), causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
 
 
-def _keep_bits_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: bool) -> torch.Tensor:
-    """The third output of cute_flash_fwd: the buffer of the saved keep bits (of _keep_period's rows of tiles; the
-    backward reads the period from its size), or an empty one."""
-    from ..kernels.keep_bits import keep_bits_bytes
+def _keep_bits_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: bool, is_causal: bool = False,
+                   bottom_right: bool = False) -> torch.Tensor:
+    """The third output of cute_flash_fwd: the buffer of the saved keep bits (of _keep_period's rows of tiles, in the
+    causal layout for a causal call; the backward reads the period from its size), or an empty one."""
+    from ..kernels.keep_bits import causal_offset, keep_bits_bytes
 
-    size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], _keep_period(q, k, v)) if keep else 0
+    size = 0
+    if keep:
+        size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                               _keep_period(q, k, v, is_causal, bottom_right),
+                               causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
     return torch.empty(size, dtype=torch.uint8, device=q.device)
 
 
@@ -250,13 +257,13 @@ def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p,
             return (*launch(q, k, v), _no_bits(q, k, fresh_bits))
     if check:
         check_cute_inputs(q, k, v, scale, is_causal, attn_mask, dropout_p, rng_state)
-    if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p):
+    if keep_bits and not save_keep_bits(q, k, v, scale, attn_mask, dropout_p, is_causal, bottom_right):
         raise ValueError("keep_bits=True needs dropout at head dim 128 without a mask, a nonzero scale, no "
                          "deterministic algorithms and bits within keep_bits.KEEP_BITS_BUDGET (see save_keep_bits)")
     from ..kernels.cute._compile_cache import CompileFailedError
     from ..kernels.cute.flash_fwd_ws import flash_fwd_fastest
 
-    bits = _keep_bits_out(q, k, v, keep_bits)
+    bits = _keep_bits_out(q, k, v, keep_bits, is_causal, bottom_right)
     bottom_right = bottom_right and is_causal
     fallback = (q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p, rng_state)
     if scale == 0.0:  # -inf * 0 on masked keys: the kernels need a nonzero scale
@@ -273,10 +280,12 @@ def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p,
     except CompileFailedError:  # logged once by the compile cache; the Triton forward keeps the contract
         out, lse = _triton_forward(*fallback)
         if keep_bits:  # the same mask's bits, drawn by a Triton kernel of their own
+            from ..kernels.keep_bits import causal_offset
             from ..kernels.triton.keep_bits import fill_keep_bits
 
             fill_keep_bits(bits, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p,
-                           tuple(rng_state.tolist()), _keep_period(q, k, v))
+                           tuple(rng_state.tolist()), _keep_period(q, k, v, is_causal, bottom_right),
+                           causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
         return out, lse, bits
     counters.record_run("cute")
     return out, lse, bits
@@ -309,7 +318,7 @@ def _(q, k, v, scale=None, is_causal=False, bottom_right=False, attn_mask=None, 
       keep_bits=False):
     validate(q, k, v)
     return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32),
-            _keep_bits_out(q, k, v, keep_bits))
+            _keep_bits_out(q, k, v, keep_bits, is_causal, bottom_right))
 
 
 def _save(ctx, inputs, out, lse, bits) -> None:
@@ -538,7 +547,7 @@ def cute_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
         rng_state = new_rng_state()
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    keep = dropout_p > 0 and grad and save_keep_bits(q, k, v, scale, attn_mask, dropout_p)
+    keep = dropout_p > 0 and grad and save_keep_bits(q, k, v, scale, attn_mask, dropout_p, is_causal, bottom_right)
     args = (q, k, v, scale, bool(is_causal), bool(bottom_right), attn_mask, float(dropout_p),
             rng_state if dropout_p > 0 else None, keep)
     if torch.compiler.is_compiling() or not _plain(q, k, v, attn_mask):

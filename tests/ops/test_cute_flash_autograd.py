@@ -36,7 +36,7 @@ def test_the_backward_materialises_no_gradient_for_unused_outputs(keep_bits):
     score: 67 MB of zeros per 2k training call before) nor for lse, and runs one cute_flash_bwd."""
     inputs, (out, lse, bits) = _forward(keep_bits)
     assert out.requires_grad and lse.requires_grad and not bits.requires_grad
-    assert bits.numel() == (cute_flash._keep_bits_out(*inputs[:3], True).numel() if keep_bits else 0)
+    assert bits.numel() == (cute_flash._keep_bits_out(*inputs[:3], True, True).numel() if keep_bits else 0)
     dout = torch.randn_like(out)
     ops = _Ops()
     with ops:

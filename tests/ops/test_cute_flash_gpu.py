@@ -434,7 +434,7 @@ def test_eager_twin_matches_the_op_bit_for_bit(case):
     p = 0.1 if case == "dropout_keep_bits" else 0.0
     rng = new_rng_state() if p else None
     causal = case != "key_mask"
-    keep = bool(p) and cute_flash.save_keep_bits(q, k, v, None, mask, p)
+    keep = bool(p) and cute_flash.save_keep_bits(q, k, v, None, mask, p, causal)
     assert keep == (case == "dropout_keep_bits")
     dout = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
     dlse = torch.randn(2, 4, 1000, device="cuda") if case == "gqa_lse" else None

@@ -22,7 +22,8 @@ from cutlass import Float32, Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..keep_bits import KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_byte
+from ..keep_bits import (KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, dsl_ops, keep_bit, keep_byte, keep_row_start,
+                         keep_row_width)
 
 # Philox-4x32 constants (Salmon et al. 2011; triton.language.random's)
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57
@@ -40,6 +41,14 @@ def mul_wide_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint64:
                               "mul.wide.u32 $0, $1, $2;", "=l,r,r", has_side_effects=False, is_align_stack=False,
                               asm_dialect=llvm.AsmDialect.AD_ATT)
     return Uint64(product)
+
+
+@dsl_user_op
+def opaque_i64(x: Int64, *, loc=None, ip=None) -> Int64:
+    """x through a PTX mov: LLVM can neither sink its computation into the loops that use it nor recompute it there
+    (the causal layout's closed-form row start, computed once per tile)."""
+    return Int64(llvm.inline_asm(T.i64(), [Int64(x).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
@@ -99,11 +108,11 @@ class DropoutState:
 @cute.jit
 def dropout_state(mRng: cute.Tensor, threshold: Int32, bh: Int32, seqlen_q: Int32, seqlen_k: Int32,
                   row_half0: Int32, row_half1: Int32, lane: Int32, bits: cute.Pointer = None,
-                  row0: Int32 = None, period: cutlass.Constexpr = 1) -> DropoutState:
+                  row0: Int32 = None, period: cutlass.Constexpr = 1, causal_offset: Int32 = None) -> DropoutState:
     """The state for a thread whose rows are row_half0 / row_half1 (query indices) of head bh = batch * heads_q +
     head; mRng: (seed, rng_offset), int64 in global memory. bits (the keep-bits variant): the buffer the forward
-    saves its keep decisions in for the backward, every period-th row of tiles (kernels/keep_bits.py); row0: the
-    consumer's first row, a multiple of KEEP_ROWS."""
+    saves its keep decisions in for the backward, every period-th row of tiles (kernels/keep_bits.py; in the causal
+    layout where causal_offset is given); row0: the consumer's first row, a multiple of KEEP_ROWS."""
     seed = Int64(mRng[0])
     offset = Int64(mRng[1])
     draws_per_row = Int64((seqlen_k + 31) // 32 * 4)
@@ -114,8 +123,8 @@ def dropout_state(mRng: cute.Tensor, threshold: Int32, bh: Int32, seqlen_q: Int3
     bits_rows, bits_store = None, None
     if cutlass.const_expr(bits is not None):
         # one address for both rows: row_half1 = row_half0 + 8 is keep_byte's + 2
-        bits_rows = bits + keep_tile(bh, row0 // KEEP_ROWS, Int32(0), seqlen_q, seqlen_k, period) + Int64(
-            keep_byte(0, lane % 4, row_half0 - row0))
+        bits_rows = bits + opaque_i64(keep_tile(bh, row0 // KEEP_ROWS, Int32(0), seqlen_q, seqlen_k, period,
+                                                causal_offset)) + Int64(keep_byte(0, lane % 4, row_half0 - row0))
         # a consumer's 64 rows past seqlen_q would be the next head's tile (a 128-row tile's second half)
         bits_store = row0 < seqlen_q
         if cutlass.const_expr(period > 1):  # nor are the rows of tiles between the saved ones stored
@@ -166,28 +175,33 @@ def drop_scores(acc_s: cute.Tensor, tScS0: cute.Tensor, col0: Int32, state: Drop
 # backward's pace: sixteenth session).
 @cute.jit
 def keep_tile(bh: Int32, row_block: Int32, key_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-              period: cutlass.Constexpr = 1) -> Int64:
-    """Byte offset of tile (bh, row_block, key_block) in the saved bits (row_block % period == 0: a saved one)."""
-    row_blocks = Int64((seqlen_q + KEEP_ROWS - 1) // KEEP_ROWS)
-    if cutlass.const_expr(period > 1):  # every period-th row of tiles (keep_bits.keep_row_blocks)
-        row_blocks = (row_blocks + Int64(period - 1)) // Int64(period)
-        row_block = row_block // period
-    key_blocks = Int64((seqlen_k + KEEP_KEYS - 1) // KEEP_KEYS)
-    return ((Int64(bh) * row_blocks + Int64(row_block)) * key_blocks + Int64(key_block)) * Int64(KEEP_TILE_BYTES)
+              period: cutlass.Constexpr = 1, causal_offset: Int32 = None) -> Int64:
+    """Byte offset of tile (bh, row_block, key_block) in the saved bits (row_block % period == 0: a saved one; in
+    the causal layout where causal_offset is given: key_block < keep_row_width)."""
+    saved = ((seqlen_q + KEEP_ROWS - 1) // KEEP_ROWS + period - 1) // period
+    ops = dsl_ops(cutlass.max, cutlass.min, cutlass.select_)
+    head_tiles = keep_row_start(saved * period, seqlen_k, period, causal_offset, ops)
+    start = keep_row_start(row_block, seqlen_k, period, causal_offset, ops)
+    return (Int64(bh) * Int64(head_tiles) + Int64(start) + Int64(key_block)) * Int64(KEEP_TILE_BYTES)
 
 
 @cute.jit
 def zero_unvisited_keep_tiles(bits: cute.Pointer, bh: Int32, row0: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                              n_blocks: Int32, tid: Int32, period: cutlass.Constexpr = 1):
+                              n_blocks: Int32, tid: Int32, period: cutlass.Constexpr = 1, causal_offset: Int32 = None):
     """A causal forward's consumer (thread tid of 128, rows row0 ... row0 + 63: one tile row of the saved bits):
-    zeros in the tiles of the key blocks it did not visit (n_blocks and after), 8 bytes a thread, so that the whole
-    buffer is defined (the op's output; no backward step reads those tiles). Saved rows of tiles only (period)."""
+    zeros in the tiles of its row that it did not visit (key blocks n_blocks ... keep_row_width - 1: in the causal
+    layout at most one, the second 64 rows of a 128-query tile), 8 bytes a thread, so that the whole buffer is
+    defined (the op's output; no backward step reads those tiles). Saved rows of tiles only (period). (The address
+    from the bits' base again, not from dropout_state's: with that one used after the loops, ptxas built their keep
+    bytes in 20 % more instructions.)"""
     limit = seqlen_q
     if cutlass.const_expr(period > 1):
         limit = cutlass.select_(row0 // KEEP_ROWS % period == 0, seqlen_q, Int32(0))
     if row0 < limit:
-        tile = keep_tile(bh, row0 // KEEP_ROWS, n_blocks, seqlen_q, seqlen_k, period)
-        for _ in cutlass.range(n_blocks, (seqlen_k + KEEP_KEYS - 1) // KEEP_KEYS, unroll=1):
+        tile = opaque_i64(keep_tile(bh, row0 // KEEP_ROWS, n_blocks, seqlen_q, seqlen_k, period, causal_offset))
+        width = keep_row_width(row0 // KEEP_ROWS, seqlen_k, causal_offset,
+                               dsl_ops(cutlass.max, cutlass.min, cutlass.select_))
+        for _ in cutlass.range(n_blocks, width, unroll=1):
             dst = cute.make_tensor(cute.recast_ptr((bits + tile + Int64(8 * tid)).align(8), dtype=Uint64),
                                    cute.make_layout(1))
             dst[0] = Uint64(0)

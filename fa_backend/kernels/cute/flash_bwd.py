@@ -974,7 +974,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                  tile_m=tile_m, key_mask=key_words is not None, deterministic=deterministic,
                                  dropout=dropout is not None,
                                  head_dim_v=None if v.shape[3] == q.shape[3] else v.shape[3], tma_store=tma_store,
-                                 keep_bits=0 if _keep_bits(dropout) is None else check_keep_bits(dropout[3], q, k))
+                                 keep_bits=0 if _keep_bits(dropout) is None else check_keep_bits(
+                                     dropout[3], q, k, causal, bottom_right))
     delta = bwd_delta(out, dout, dlse)  # rowsum(dO * O) - dlse, (b, hq, sq): one Triton pass
     dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))  # as dq: contiguous
     b, hq, sq, d = q.shape
@@ -995,7 +996,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         _check_rng(rng, q)
         bits = _keep_bits(dropout)
         if bits is not None:
-            check_keep_bits(bits, q, k)
+            check_keep_bits(bits, q, k, causal, bottom_right)
         call = _fast_call.caller(compiled, _fast_call.backward_pointer_types(_DTYPES[q.dtype], dropout=True))
         tensors = (q, k, v, dout, lse, delta, dk, dv, dqacc)
         # the words pointer is unread (no key mask), the bits pointer unread without saved bits (q: any 16-byte
@@ -1082,16 +1083,18 @@ def _keep_bits(dropout: tuple | None) -> torch.Tensor | None:
     return dropout[3] if dropout is not None and len(dropout) > 3 else None
 
 
-def check_keep_bits(bits: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> int:
+def check_keep_bits(bits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: bool = False,
+                    bottom_right: bool = False) -> int:
     """The period of the saved keep bits `bits` of a call with these q and k (keep_bits.keep_period_of: its size is
-    keep_bits.keep_bits_bytes of one of KEEP_PERIODS); ValueError unless they are uint8, contiguous, on q's device,
-    16-byte aligned and of such a size."""
-    from ..keep_bits import keep_bits_bytes, keep_period_of
+    keep_bits.keep_bits_bytes of one of KEEP_PERIODS, in the causal layout for a causal call); ValueError unless
+    they are uint8, contiguous, on q's device, 16-byte aligned and of such a size."""
+    from ..keep_bits import causal_offset, keep_bits_bytes, keep_period_of
 
-    period = keep_period_of(bits.numel(), q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    diagonal = causal_offset(q.shape[2], k.shape[2], causal, bottom_right)
+    period = keep_period_of(bits.numel(), q.shape[0], q.shape[1], q.shape[2], k.shape[2], diagonal)
     if (bits.dtype != torch.uint8 or bits.device != q.device or not bits.is_contiguous() or not period
             or bits.data_ptr() % 16):
-        size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], 1, diagonal)
         raise ValueError(f"keep bits must be uint8, contiguous, 16-byte aligned, on {q.device} and of "
                          f"keep_bits_bytes' size ({size} bytes, or that of every second or fourth row of tiles), got "
                          f"{bits.dtype} ({bits.numel()}) on {bits.device}")

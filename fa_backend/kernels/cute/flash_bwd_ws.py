@@ -317,10 +317,13 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
         bits for the MMA warpgroups; with `rows` (_load_rows' first arguments; _bits_in_row_warps) each step's LSE /
         delta rows after its bits."""
         bars, sBits, mRng, threshold, _, mBits = drop
+        diagonal = None  # the saved bits' causal layout (kernels/keep_bits.py)
+        if cutlass.const_expr(self.causal):
+            diagonal = seqlen_k - seqlen_q if cutlass.const_expr(self.bottom_right) else Int32(0)
         for step in cutlass.range(steps, unroll=1):
             if cutlass.const_expr(self.keep_period == 1):
                 tile = keep_tile(batch * heads_q + head_kv * group + step // n_m, self._m_block(m_start, n_m, step),
-                                 n_block, seqlen_q, seqlen_k)
+                                 n_block, seqlen_q, seqlen_k, 1, diagonal)
                 load_backward_bits(sBits, bars, mBits.iterator, tile, gt, step)
                 if cutlass.const_expr(rows is not None):
                     self._load_row_step(*rows, gt, head_kv, batch, group, m_start, n_m, step)
@@ -328,7 +331,7 @@ class FlashBackwardSm90WS(FlashBackwardSm90):
                 m_block = self._m_block(m_start, n_m, step)
                 if m_block % self.keep_period == 0:  # a saved row of tiles
                     tile = keep_tile(batch * heads_q + head_kv * group + step // n_m, m_block, n_block, seqlen_q,
-                                     seqlen_k, self.keep_period)
+                                     seqlen_k, self.keep_period, diagonal)
                     load_backward_bits(sBits, bars, mBits.iterator, tile, gt, step, self.bits_halves)
                 else:
                     self._draw_step(drop, gt, n_block, head_kv, batch, group, heads_q, seqlen_q, seqlen_k, m_block,

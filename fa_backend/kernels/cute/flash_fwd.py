@@ -338,7 +338,7 @@ def _run(compile_fn: Callable[[torch.dtype, int, bool, bool], Any], q: torch.Ten
         if bits is not None:
             from .flash_bwd import check_keep_bits
 
-            check_keep_bits(bits, q, k)
+            check_keep_bits(bits, q, k, causal, bottom_right)
         call = _fast_call.caller(compiled, _fast_call.forward_pointer_types(_DTYPES[q.dtype], dropout=True))
         # unread pointers: the words without a key mask, the bits without keep_bits (q: any 16-byte aligned address)
         call((q, k, v, out, lse, key_words if masked else rng, rng, q if bits is None else bits),

@@ -56,7 +56,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from ._dropout import KEEP_KEYS, drop_scores, dropout_state, zero_unvisited_keep_tiles  # noqa: E402
-from ..keep_bits import KEEP_PERIODS  # noqa: E402
+from ..keep_bits import KEEP_PERIODS, KEEP_ROWS  # noqa: E402
 from ._fwd_parts import (  # noqa: E402
     ForwardVariant, convert_in_place, finish_rows, load_key_words, make_tiled_mmas, mask_keys, mask_scores,
     online_softmax, own_copy, rescale_rows, sdpa_views, select_i32, softmax_scores, store_rows)
@@ -227,6 +227,11 @@ class FlashForwardSm90WS(ForwardVariant):
         self.consumers = consumers
         self.tile_m = WG_M * consumers
         self.tile_n = block_n or tile_n(head_dim, self.head_dim_v)
+        # the causal layout of the saved bits holds a row of tiles' key tiles up to what the next 64 queries see:
+        # as many as a 128-query tile visits for its first 64 rows (kernels/keep_bits.keep_row_width)
+        if keep_bits and causal and self.tile_m > 2 * KEEP_ROWS:
+            raise ValueError(f"keep_bits=True with causal=True needs query tiles of at most {2 * KEEP_ROWS} rows "
+                             f"(consumers={consumers})")
         # causal tiles longest first over the heads of an L2 section (_schedule) where it was measured faster than
         # each head's tiles in turn (H200, bf16, 2k / 8k tokens): d=128 two consumers (overlap +1 / +3 %) and d=64
         # three (ping-pong -1 / +4 %); not d=64 with two (overlap -5 / -5 %), other head dims not timed
@@ -639,7 +644,7 @@ class FlashForwardSm90WS(ForwardVariant):
                 bits = mBits.iterator
             drop = dropout_state(mRng, drop_threshold, batch * mO.shape[2] + head, mO.shape[0], seqlen_k,
                                  row0 + tScS[0][0], row0 + tScS[2][0], wg_tidx % 32, bits, row0,
-                                 self.keep_period)
+                                 self.keep_period, offset if cutlass.const_expr(self.causal) else None)
         r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)  # P in the input dtype, the A operand of P V
         t_p = cute.make_tensor(r_p.iterator, p_layout)  # the S accumulator's value order is the A operand's
         cute.arch.mbarrier_wait(bar_q, q_phase)
@@ -654,7 +659,7 @@ class FlashForwardSm90WS(ForwardVariant):
             cute.arch.mbarrier_arrive(bar_q_free)
         if cutlass.const_expr(self.keep_bits and self.causal):  # the blocks past the diagonal: their tiles zeroed
             zero_unvisited_keep_tiles(mBits.iterator, batch * mO.shape[2] + head, row0, mO.shape[0], seqlen_k,
-                                      n_blocks, wg_tidx, self.keep_period)
+                                      n_blocks, wg_tidx, self.keep_period, offset)
 
         if cutlass.const_expr(self.tma_store):
             finish_rows(acc_o, row_max, row_sum, tOcO, mLSE, row0, mO.shape[0], head, batch, wg_tidx % 32, out_scale)
@@ -1052,7 +1057,7 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if dropout is not None and len(dropout) > 3:
         from .flash_bwd import check_keep_bits
 
-        keep = check_keep_bits(dropout[3], q, k)
+        keep = check_keep_bits(dropout[3], q, k, causal, bottom_right)
     return _run(_compile_fn(overlap, pingpong, consumers, persistent, key_words is not None, dropout is not None,
                             tma_store, keep, block_n, kv_stages),
                 q, k, v, scale, causal, bottom_right, key_words, HEAD_DIMS, dropout, HEAD_DIM_V_PAIRS)

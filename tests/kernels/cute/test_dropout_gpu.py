@@ -113,7 +113,9 @@ def test_dropout_backward_within_bar(dtype, causal, bottom_right, b, hq, hkv, sq
     _assert_kernel_grads_within_bar(grads, q, k, v, dout, p, rng, causal, bottom_right)
 
 
-SAVED_SHAPES = [(2, 4, 4, 256, 256), (1, 8, 2, 300, 333), (2, 2, 1, 1000, 1100), (1, 2, 2, 100, 700)]
+# the last: bottom-right rows that see no key (no tile in the causal layout of the saved bits)
+SAVED_SHAPES = [(2, 4, 4, 256, 256), (1, 8, 2, 300, 333), (2, 2, 1, 1000, 1100), (1, 2, 2, 100, 700),
+                (1, 2, 2, 700, 300)]
 
 
 def _visible(q, k, causal, bottom_right):
@@ -128,12 +130,13 @@ def _visible(q, k, causal, bottom_right):
 @pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", SAVED_SHAPES)
 def test_forward_saves_the_mask_it_draws(causal, bottom_right, b, hq, hkv, sq, sk, period):
-    """The forward that saves its keep bits (kernels/keep_bits.py; of every period-th row of tiles) into a poisoned
-    buffer: out and lse bit for bit those of the forward that does not; the bits are the kernels' mask on every
-    visible score of the saved rows, and without a causal mask (every tile visited) the whole buffer is what
+    """The forward that saves its keep bits (kernels/keep_bits.py; of every period-th row of tiles, a causal call's
+    in the causal layout) into a poisoned buffer: out and lse bit for bit those of the forward that does not; the
+    bits are the kernels' mask on every visible score of the saved rows; every byte of the buffer is written (a
+    second poison gives the same buffer), and without a causal mask (every tile visited) the whole buffer is what
     fill_keep_bits writes for the same RNG state."""
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
-    from fa_backend.kernels.keep_bits import keep_bits_bytes
+    from fa_backend.kernels.keep_bits import causal_offset, keep_bits_bytes
     from fa_backend.kernels.triton.keep_bits import fill_keep_bits, keep_saved_rows, unpack_keep_bits
     from fa_backend.ops import new_rng_state
 
@@ -141,13 +144,17 @@ def test_forward_saves_the_mask_it_draws(causal, bottom_right, b, hq, hkv, sq, s
     q, k, v = _qkv(b, hq, hkv, sq, sk, 128, torch.bfloat16)
     rng = new_rng_state()
     dropout = _kernel_dropout(p, rng)
-    bits = torch.full((keep_bits_bytes(b, hq, sq, sk, period),), 0xA5, dtype=torch.uint8, device="cuda")
+    diagonal = causal_offset(sq, sk, causal, bottom_right)
+    bits = torch.full((keep_bits_bytes(b, hq, sq, sk, period, diagonal),), 0xA5, dtype=torch.uint8, device="cuda")
     out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=(*dropout, bits))
     plain_out, plain_lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=dropout)
     assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
     seen = _visible(q, k, causal, bottom_right) & keep_saved_rows(sq, period, "cuda")[:, None]
     seen = seen.expand(b, hq, sq, sk)
-    assert torch.equal(unpack_keep_bits(bits, b, hq, sq, sk, period)[seen], _keep(q, k, p, rng)[seen])
+    assert torch.equal(unpack_keep_bits(bits, b, hq, sq, sk, period, diagonal)[seen], _keep(q, k, p, rng)[seen])
+    again = torch.full_like(bits, 0x5A)
+    flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=(*dropout, again))
+    assert torch.equal(again, bits)
     if not causal:
         assert torch.equal(bits, fill_keep_bits(torch.zeros_like(bits), b, hq, sq, sk, p, tuple(rng.tolist()),
                                                 period))
@@ -164,14 +171,15 @@ def test_backward_on_saved_bits(dtype, causal, bottom_right, b, hq, hkv, sq, sk,
     the 2x bar of the float64 reference with the kernels' mask."""
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_fastest
-    from fa_backend.kernels.keep_bits import keep_bits_bytes
+    from fa_backend.kernels.keep_bits import causal_offset, keep_bits_bytes
     from fa_backend.ops import new_rng_state
 
     p = 0.17
     q, k, v = _qkv(b, hq, hkv, sq, sk, 128, dtype)
     rng = new_rng_state()
     dropout = _kernel_dropout(p, rng)
-    bits = torch.empty(keep_bits_bytes(b, hq, sq, sk, period), dtype=torch.uint8, device="cuda")
+    bits = torch.empty(keep_bits_bytes(b, hq, sq, sk, period, causal_offset(sq, sk, causal, bottom_right)),
+                       dtype=torch.uint8, device="cuda")
     out, lse = flash_fwd_fastest(q, k, v, None, causal, bottom_right, dropout=(*dropout, bits))
     dout = torch.randn_like(out)
     args = dict(causal=causal, bottom_right=bottom_right, wgs=2, warp_specialized=True)
@@ -194,7 +202,7 @@ def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
     saved = []
     real_fwd = cute_flash._keep_bits_out
     monkeypatch.setattr(cute_flash, "_keep_bits_out",
-                        lambda q, k, v, keep: saved.append(keep) or real_fwd(q, k, v, keep))
+                        lambda q, k, v, keep, *causal: saved.append(keep) or real_fwd(q, k, v, keep, *causal))
     q, k, v = _qkv(2, 8, 2, 700, 900, 128, torch.bfloat16, grad=True)
     rng = new_rng_state()
     with torch.no_grad():
@@ -208,9 +216,9 @@ def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
     # a budget that holds every second row of tiles only: those are saved, the backward draws the rest
     inputs = 2 * (2 * 8 * 700 + 2 * 2 * 900) * 256
-    half_budget = keep_bits.keep_bits_bytes(2, 8, 700, 900, 2) / inputs * (1 + 1e-6)
+    half_budget = keep_bits.keep_bits_bytes(2, 8, 700, 900, 2, 0) / inputs * (1 + 1e-6)  # causal top-left
     monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", half_budget)
-    assert cute_flash._keep_period(q, k, v) == 2
+    assert cute_flash._keep_period(q, k, v, True) == 2
     out = cute_flash_attention(q, k, v, None, True, dropout_p=0.2, rng_state=rng)[0]
     halves = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert saved[-1] and kinds[-1] == 4
