@@ -227,9 +227,11 @@ def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
     torch.testing.assert_close(runs[0][0].float(), runs[1][0].float(), atol=1e-3, rtol=2**-6)
 
 
-def test_op_fills_the_bits_when_the_forward_falls_back(monkeypatch):
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_fills_the_bits_when_the_forward_falls_back(monkeypatch, causal):
     """A keep_bits forward whose CuTe variant failed to compile runs the Triton forward and fills the bits with the
-    same mask (fill_keep_bits): the CuTe backward on them meets the 2x bar."""
+    same mask (fill_keep_bits; a causal call's in the causal layout, bottom-right): the CuTe backward on them meets
+    the 2x bar."""
     from fa_backend.kernels.cute import flash_fwd_ws
     from fa_backend.kernels.cute._compile_cache import CompileFailedError
     from fa_backend.kernels.cute.flash_fwd import variant_key
@@ -242,9 +244,9 @@ def test_op_fills_the_bits_when_the_forward_falls_back(monkeypatch):
     p, rng = 0.2, new_rng_state()
     q, k, v = _qkv(1, 4, 4, 384, 512, 128, torch.bfloat16, grad=True)
     fa_backend.reset_stats()
-    out = cute_flash_attention(q, k, v, None, False, dropout_p=p, rng_state=rng)[0]
+    out = cute_flash_attention(q, k, v, None, causal, causal, dropout_p=p, rng_state=rng)[0]
     assert fa_backend.stats()["runs"] == {"triton": 1}
-    feats = dict(dropout_keep=_keep(q, k, p, rng), dropout_p=p)
+    feats = dict(dropout_keep=_keep(q, k, p, rng), dropout_p=p, is_causal=causal, bottom_right=causal)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ref, pt = attention_ref(*ref_leaves, **feats), attention_ref(*pt_leaves, **feats)
