@@ -61,7 +61,7 @@ def keep_row_blocks(seqlen_q: int, period: int = 1) -> int:
 
 
 class _PyOps:
-    """The integer operations of the layout's closed forms for Python ints (_DslOps: the same for DSL integers)."""
+    """The integer operations of the layout's closed forms for Python ints (dsl_ops: the same for DSL integers)."""
     max, min = max, min
 
     @staticmethod
