@@ -24,7 +24,7 @@ under deterministic algorithms or with a key mask the Triton backward with the s
 that will be differentiated (cute_flash_attention decides: save_keep_bits) also saves its keep decisions, one bit
 per score, as its third output, and the CuTe backward loads them instead of drawing them again (the draws had set its
 pace): kernels/keep_bits.py, within its KEEP_BITS_BUDGET (beyond it those of every second or fourth row of
-tiles, and the backward draws the rest: _keep_period). Only dropout_p whose
+tiles, and the backward draws the rest: _keep_layout). Only dropout_p whose
 16-bit rounding the kernels accept (kernels/triton/_features.dropout_draw: every p in [1/16, 15/16], among others)
 runs here; the cute backend declines the rest with reason `dropout`.
 
@@ -143,27 +143,26 @@ def save_keep_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                          q.element_size(), causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
 
 
-def _keep_period(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                 bottom_right: bool = False) -> int:
-    """The period of the rows of tiles whose keep bits a keep_bits forward saves (kernels/keep_bits.keep_period: every
-    row within the budget, else every second or fourth)."""
+def _keep_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                 bottom_right: bool = False) -> tuple[int, int | None]:
+    """(period, causal offset) of the keep bits a keep_bits forward saves: every period-th row of tiles
+    (kernels/keep_bits.keep_period: every row within the budget, else every second or fourth), in the causal layout
+    for a causal call (keep_bits.causal_offset)."""
     from ..kernels.keep_bits import causal_offset, keep_period
 
+    diagonal = causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right)
     return keep_period(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], v.shape[-1],
-                       q.element_size(), causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
+                       q.element_size(), diagonal), diagonal
 
 
 def _keep_bits_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: bool, is_causal: bool = False,
                    bottom_right: bool = False) -> torch.Tensor:
-    """The third output of cute_flash_fwd: the buffer of the saved keep bits (of _keep_period's rows of tiles, in the
-    causal layout for a causal call; the backward reads the period from its size), or an empty one."""
-    from ..kernels.keep_bits import causal_offset, keep_bits_bytes
+    """The third output of cute_flash_fwd: the buffer of the saved keep bits (_keep_layout's; the backward reads the
+    period from its size), or an empty one."""
+    from ..kernels.keep_bits import keep_bits_bytes
 
-    size = 0
-    if keep:
-        size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
-                               _keep_period(q, k, v, is_causal, bottom_right),
-                               causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
+    size = keep_bits_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                           *_keep_layout(q, k, v, is_causal, bottom_right)) if keep else 0
     return torch.empty(size, dtype=torch.uint8, device=q.device)
 
 
@@ -280,12 +279,10 @@ def _cute_forward(q, k, v, scale, is_causal, bottom_right, attn_mask, dropout_p,
     except CompileFailedError:  # logged once by the compile cache; the Triton forward keeps the contract
         out, lse = _triton_forward(*fallback)
         if keep_bits:  # the same mask's bits, drawn by a Triton kernel of their own
-            from ..kernels.keep_bits import causal_offset
             from ..kernels.triton.keep_bits import fill_keep_bits
 
             fill_keep_bits(bits, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p,
-                           tuple(rng_state.tolist()), _keep_period(q, k, v, is_causal, bottom_right),
-                           causal_offset(q.shape[2], k.shape[2], is_causal, bottom_right))
+                           tuple(rng_state.tolist()), *_keep_layout(q, k, v, is_causal, bottom_right))
         return out, lse, bits
     counters.record_run("cute")
     return out, lse, bits

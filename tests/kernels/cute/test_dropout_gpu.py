@@ -218,7 +218,7 @@ def test_op_saves_bits_only_where_they_are_read_and_within_budget(monkeypatch):
     inputs = 2 * (2 * 8 * 700 + 2 * 2 * 900) * 256
     half_budget = keep_bits.keep_bits_bytes(2, 8, 700, 900, 2, 0) / inputs * (1 + 1e-6)  # causal top-left
     monkeypatch.setattr(keep_bits, "KEEP_BITS_BUDGET", half_budget)
-    assert cute_flash._keep_period(q, k, v, True) == 2
+    assert cute_flash._keep_layout(q, k, v, True) == (2, 0)
     out = cute_flash_attention(q, k, v, None, True, dropout_p=0.2, rng_state=rng)[0]
     halves = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert saved[-1] and kinds[-1] == 4
