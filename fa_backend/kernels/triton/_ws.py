@@ -16,11 +16,13 @@ HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
 
 @triton.jit
-def _head_rows(T, off_b, off_h, stride_b, stride_h, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _head_rows(T, off_b, off_h, stride_b, stride_h, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr = 0):
     """TMA descriptor over the n_rows x HEAD_DIM rows of head (off_b, off_h) of a (b, h, s, d) tensor with a unit
-    last stride, read and written in BLOCK-row tiles: rows past n_rows come zero-filled and are dropped on stores."""
+    last stride, read and written in BLOCK x BLOCK_D tiles (BLOCK_D: HEAD_DIM by default, or a power of two above
+    it): rows past n_rows and columns past HEAD_DIM come zero-filled and are dropped on stores."""
     return tl.make_tensor_descriptor(T + off_b * stride_b + off_h * stride_h, shape=[n_rows, HEAD_DIM],
-                                     strides=[stride_row, 1], block_shape=[BLOCK, HEAD_DIM])
+                                     strides=[stride_row, 1], block_shape=[BLOCK, BLOCK_D if BLOCK_D else HEAD_DIM])
 
 
 def platform_ok(t: torch.Tensor, interpret: bool) -> bool:

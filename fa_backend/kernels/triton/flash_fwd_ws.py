@@ -7,9 +7,11 @@ H100 in the thirty-third session: the general forward (`flash_fwd._attn_fwd`) an
 loops fail the pass (a dominance assertion); a loop with an `if` on the tile index is left unspecialized; and a
 vector built by `tl.arange` over the query rows reaches both consumer warpgroups as the first half's rows, so a
 causal mask or a pointer store of the LSE puts the second half's rows wrong (the 128 x 64 tile returned NaNs
-too). So this kernel takes only non-causal plain calls (no mask, dropout, softcap, ALiBi or window), GQA, any
-strides TMA accepts, and stores O and the LSE by TMA (descriptor stores are split between the consumers
-correctly). Same contract as `_attn_fwd`: out in q's dtype, LSE (natural log) contiguous (b, hq, sq).
+too; a dot outside the loop fails the pass, and a mask from TMA-loaded index tables is split wrong as
+well: thirty-sixth session). So this kernel takes only non-causal plain calls (no mask, dropout, softcap, ALiBi or
+window) at d=128 and d=96 (on 128-wide tiles), GQA, any strides TMA accepts, and stores O and the LSE by TMA
+(descriptor stores are split between the consumers correctly). Same contract as `_attn_fwd`: out in q's dtype,
+LSE (natural log) contiguous (b, hq, sq).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _attn_fwd_ws(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
-    WARP_SPEC: tl.constexpr = True,
+    WARP_SPEC: tl.constexpr = True, BLOCK_D: tl.constexpr = 0,
 ):
     # qk_scale includes log2(e) and is > 0 (the host sends other scales to _attn_fwd); SEQ_K > 0, so every row
     # sees a key. Query blocks of one head adjacent: their K / V shared in L2.
@@ -66,17 +68,19 @@ def _attn_fwd_ws(
     off_hk = off_h // GROUP
     # Per-program descriptors over this head's rows: rows past the sequence come zero-filled on loads and are
     # dropped on stores.
-    q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M)
-    k_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N)
-    v_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N)
-    o_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM, BLOCK_M)
+    q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    v_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    o_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
     lse_desc = tl.make_tensor_descriptor(LSE + bh.to(tl.int64) * SEQ_Q, shape=[SEQ_Q], strides=[1],
                                          block_shape=[BLOCK_M])
     m0 = pid_m * BLOCK_M
     q = q_desc.load([m0, 0])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # BLOCK_D > HEAD_DIM (d=96 on 128-wide tiles): the padded columns load as zeros, add nothing to q.k, and
+    # their O columns are dropped by the store.
+    acc = tl.zeros([BLOCK_M, BLOCK_D if BLOCK_D else HEAD_DIM], dtype=tl.float32)
     acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, SEQ_K, qk_scale, BLOCK_N, MASK_COLS, WARP_SPEC)
     lse_desc.store([m0], (m_i + tl.math.log2(l_i)) * LN2)
     o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
@@ -85,9 +89,9 @@ def _attn_fwd_ws(
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. 4 warps is what the pass specializes (the
 # default partition becomes the producer, two 4-warp consumer partitions are added: 12 warps in all); 8
 # leave the loop unspecialized. 128-key tiles: with 64 the specialized loop returned NaNs on an H100, and at
-# d=64 three stages did too. d=128 only: at d=64 it was slower than `_attn_fwd` below 8k keys and within
-# noise of it above (scripts/time_fwd_ws.py, H100, two runs).
-WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 4, 2)}
+# d=64 three stages did too. Not d=64: slower than `_attn_fwd` below 8k keys and within noise of it above
+# (scripts/time_fwd_ws.py, H100, two runs). d=96 runs 128-wide tiles (BLOCK_D; the general kernel pads it too).
+WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 4, 2), 96: (128, 128, 4, 2)}
 # Shortest key length at which this kernel was timed against `_attn_fwd` (H100, bf16, non-causal: 1.04x at
 # 512 keys, 1.10-1.16x from 1k to 16k).
 MIN_SEQ_K = 512
@@ -138,4 +142,4 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
-            num_stages=num_stages), _FAILED, (d, q.dtype))
+            num_stages=num_stages, BLOCK_D=triton.next_power_of_2(d)), _FAILED, (d, q.dtype))

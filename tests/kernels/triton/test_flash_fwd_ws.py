@@ -25,7 +25,7 @@ def ws_launches(monkeypatch):
     monkeypatch.setattr(flash_fwd_ws, "ENABLED", True)
     monkeypatch.setattr(flash_fwd_ws, "MIN_SEQ_K", 0)  # the small shapes of the fallback tests too
     if DEVICE == "cpu":  # the kernel is generic in the head dim: d=64 keeps the interpreter tests cheap
-        monkeypatch.setattr(flash_fwd_ws, "WS_TILES", {64: (16, 16, 4, 1), 128: (16, 16, 4, 1)})
+        monkeypatch.setattr(flash_fwd_ws, "WS_TILES", {d: (16, 16, 4, 1) for d in (48, 64, 96, 128)})
     names = []
     real = _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
@@ -66,6 +66,8 @@ CPU_CASES = [
     (64, 2, 2, 48, 64, False),  # no mask at all
     (64, 2, 1, 72, 40, True),  # more queries than keys
     (128, 2, 2, 32, 40, False),
+    (96, 2, 1, 40, 56, True),  # head dim padded to the tile's 128 columns (zero-filled loads, clipped stores)
+    (48, 2, 2, 36, 40, False),
 ]
 
 
@@ -75,7 +77,7 @@ def test_ws_forward_interpreted(ws_launches, d, hq, hkv, sq, sk, bshd):
     _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_launches)
 
 
-GPU_CASES = [(d, hq, hkv, sq, sk, bshd) for d in (128,)
+GPU_CASES = [(d, hq, hkv, sq, sk, bshd) for d in (128, 96)
              for hq, hkv, sq, sk, bshd in ((16, 16, 2048, 8192, True), (8, 2, 1000, 9001, False),
                                            (4, 4, 3000, 8192, True), (2, 2, 8192, 16384, False))]
 
@@ -102,7 +104,7 @@ def _plain_qkv(d=64 if DEVICE == "cpu" else 128):
 
 
 @pytest.mark.parametrize("kw", [dict(attn_mask="bool"), dict(dropout_p=0.1), dict(softcap=5.0),
-                                dict(window=(8, -1)), dict(alibi_slopes=True), dict(scale=-0.1), dict(d=96),
+                                dict(window=(8, -1)), dict(alibi_slopes=True), dict(scale=-0.1), dict(d=80),
                                 dict(causal=True), dict(sq=38)],
                          ids=lambda kw: next(iter(kw)))
 def test_ws_not_taken_for_features(ws_launches, kw):
