@@ -1,10 +1,10 @@
 """The warp-specialized dK / dV kernel against the general one and cuDNN's backward (GPU, sm90): TFLOP/s of the
 whole backward (bf16, non-causal MHA, batch = 16384 / seqlen, heads = 2048 / d; 2.5x the forward's FLOPs).
 
-`ours` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_ws` on and off; cuDNN its SDPA backward through
-autograd (retain_graph). Each of our gradients is compared with cuDNN's first.
+`ours` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_ws` on and off; cuDNN and SDPA-flash their SDPA
+backward through autograd (retain_graph). Each gradient is compared with cuDNN's first.
 
-    python3 scripts/time_bwd_ws.py [--dims 128] [--seqlens 1024 2048 4096 8192 16384] [--json F]
+    python3 scripts/time_bwd_ws.py [--dims 128 96] [--seqlens 1024 2048 4096 8192 16384] [--json F]
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def main() -> None:
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 ref_out = F.scaled_dot_product_attention(*leaves)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                flash_out = F.scaled_dot_product_attention(*leaves)
             ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
             def ours(ws):
@@ -52,7 +54,8 @@ def main() -> None:
 
             res = {}
             for name, fn in (("ws", lambda: ours(True)), ("general", lambda: ours(False)),
-                             ("cudnn", lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True))):
+                             ("cudnn", lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)),
+                             ("sdpa_flash", lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True))):
                 grads = fn()
                 diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref))
                 ms = triton.testing.do_bench(fn, warmup=30, rep=200)

@@ -29,23 +29,26 @@ def _bwd_dkdv_ws(
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     NUM_HEADS, SEQ_Q, SEQ_K, NUM_N_BLOCKS, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr = True,
+    BLOCK_D: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_n = pid % NUM_N_BLOCKS
     bh = pid // NUM_N_BLOCKS
     off_b = (bh // NUM_HEADS).to(tl.int64)
     off_h = (bh % NUM_HEADS).to(tl.int64)
-    q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M)
-    do_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM, BLOCK_M)
-    k_desc = _head_rows(K, off_b, off_h, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N)
-    v_desc = _head_rows(V, off_b, off_h, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N)
-    dk_desc = _head_rows(DK, off_b, off_h, stride_dkb, stride_dkh, stride_dkn, SEQ_K, HEAD_DIM, BLOCK_N)
-    dv_desc = _head_rows(DV, off_b, off_h, stride_dvb, stride_dvh, stride_dvn, SEQ_K, HEAD_DIM, BLOCK_N)
+    q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    do_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k_desc = _head_rows(K, off_b, off_h, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    v_desc = _head_rows(V, off_b, off_h, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    dk_desc = _head_rows(DK, off_b, off_h, stride_dkb, stride_dkh, stride_dkn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    dv_desc = _head_rows(DV, off_b, off_h, stride_dvb, stride_dvh, stride_dvn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
     n0 = pid_n * BLOCK_N
     k = k_desc.load([n0, 0])
     v = v_desc.load([n0, 0])
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # BLOCK_D > HEAD_DIM (d=96 on 128-wide tiles): the padded columns load as zeros, so they add nothing to the
+    # scores and stay zero in dK / dV, whose stores drop them.
+    dk = tl.zeros([BLOCK_N, BLOCK_D if BLOCK_D else HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D if BLOCK_D else HEAD_DIM], dtype=tl.float32)
     offs_m = tl.arange(0, BLOCK_M)
     LSE_bh = LSE + bh.to(tl.int64) * SEQ_Q
     DELTA_bh = DELTA + bh.to(tl.int64) * SEQ_Q
@@ -66,7 +69,9 @@ def _bwd_dkdv_ws(
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim: FA3's d=128 backward tile (64 queries a step, 128 keys,
 # 64 per consumer warpgroup); 4 warps is what the pass specializes.
-WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (64, 128, 4, 2)}
+# d=96 on 128-wide tiles (H100, scripts/time_bwd_ws.py --dims 96, whole backward at 2k / 4k / 8k / 16k): 278 / 298 /
+# 306 / 307 TFLOP/s against the general kernel's 265 / 285 / 289 / 283 (1.00 / 1.09 / 1.03 / 1.01x SDPA-flash).
+WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (64, 128, 4, 2), 96: (64, 128, 4, 2)}
 ENABLED = True
 INTERPRET = False  # as flash_fwd_ws.INTERPRET: tests turn it on under the interpreter
 _FAILED: set = set()
@@ -101,5 +106,5 @@ def bwd_dkdv_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
         *dv.stride()[:3], h, sq, sk, n_blocks, scale * _LOG2E, scale,
-    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages),
-        _FAILED, (d, q.dtype))
+    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_D=triton.next_power_of_2(d)), _FAILED, (d, q.dtype))

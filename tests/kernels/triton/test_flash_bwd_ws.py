@@ -25,7 +25,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(flash_bwd_ws, "INTERPRET", True)
     monkeypatch.setattr(flash_bwd_ws, "ENABLED", True)
     if DEVICE == "cpu":
-        monkeypatch.setattr(flash_bwd_ws, "WS_TILES", {64: (16, 16, 4, 1), 128: (16, 16, 4, 1)})
+        monkeypatch.setattr(flash_bwd_ws, "WS_TILES", {d: (16, 16, 4, 1) for d in (48, 64, 96, 128)})
         # small calls take the exact-dS path of the general kernel: off, so that these shapes reach this kernel
         monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
     names = []
@@ -49,7 +49,8 @@ def _check(q, k, v, names):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
-@pytest.mark.parametrize("d,sq,sk,bshd", [(64, 44, 70, True), (64, 64, 32, False), (128, 33, 40, True)])
+@pytest.mark.parametrize("d,sq,sk,bshd", [(64, 44, 70, True), (64, 64, 32, False), (128, 33, 40, True),
+                                          (96, 36, 40, True), (48, 40, 28, False)])  # (padded to 128 / 64 wide)
 def test_ws_dkdv_interpreted(launches, d, sq, sk, bshd):
     _check(*_qkv(2, 2, sq, sk, d, torch.float16, bshd), launches)
 
@@ -59,8 +60,9 @@ def test_ws_dkdv_interpreted(launches, d, sq, sk, bshd):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("sq,sk,bshd", [(2048, 2048, True), (1000, 3001, False), (3001, 1000, True),
                                         (4096, 8192, True)])
-def test_ws_dkdv_real_size(launches, dtype, sq, sk, bshd):
-    _check(*_qkv(2, 4, sq, sk, 128, dtype, bshd), launches)
+@pytest.mark.parametrize("d", [128, 96])
+def test_ws_dkdv_real_size(launches, dtype, sq, sk, bshd, d):
+    _check(*_qkv(2, 4, sq, sk, d, dtype, bshd), launches)
 
 
 @pytest.mark.parametrize("case", ["causal", "gqa", "dropout", "window"])

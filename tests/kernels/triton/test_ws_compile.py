@@ -28,8 +28,9 @@ mod = flash_fwd_ws if kind == "fwd" else flash_bwd_ws
 block_m, block_n, num_warps, num_stages = mod.WS_TILES[d]
 fn = flash_fwd_ws._attn_fwd_ws if kind == "fwd" else flash_bwd_ws._bwd_dkdv_ws
 constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPEC=True)
+constexprs["BLOCK_D"] = triton.next_power_of_2(d)
 if kind == "fwd":
-    constexprs.update(MASK_COLS=mask_cols, BLOCK_D=triton.next_power_of_2(d))
+    constexprs["MASK_COLS"] = mask_cols
 types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV")}
 types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
 signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
