@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -187,6 +187,20 @@ if [[ " $steps " == *" cute_profile "* ]]; then
   timeout ${PROFILE_TIMEOUT:-120} ncu --kernel-name regex:kernel_cutlass --launch-skip 2 --launch-count 1 --metrics "$m" \
     python3 ${PROFILE_SCRIPT:-scripts/profile_cute_bwd.py} ${PROFILE_ARGS:-} > "$OUT/cute_profile.log" 2>&1 || status=1
   grep -E "duration|inst_executed|latency|bank|stalled" "$OUT/cute_profile.log" | awk '{print $1, $(NF-1), $NF}'
+fi
+if [[ " $steps " == *" split "* ]]; then
+  # the Triton kernels' GPU tests (the packed-sequence file apart: it runs out of GPU memory beside other workers),
+  # then the split-column kernels (d = 129-192) timed at their default tiles against the general ones and PyTorch's;
+  # SPLIT_WIDE_ARGS: the 128 + 128 backward at d=256 (an experiment, off by default), e.g. "--pairs 64,64,8,2/64,64,8,2"
+  timeout ${TEST_TIMEOUT:-250} python3 -m pytest tests/kernels/triton -m gpu -q -p no:cacheprovider -n 3 \
+    --ignore tests/kernels/triton/test_varlen_gpu.py > "$OUT/triton_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/triton_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/triton_tests.log" | head -20
+  timeout 100 python3 scripts/time_fwd_split.py --json "$OUT/fwd_split.json" 2>&1 | grep "^d=" || status=1
+  timeout 120 python3 scripts/time_bwd_split.py --json "$OUT/bwd_split.json" 2>&1 | grep "^d=" || status=1
+  if [[ -n "${SPLIT_WIDE_ARGS:-}" ]]; then
+    timeout 100 python3 scripts/time_bwd_split.py --dims 256 --seqlens 2048 8192 $SPLIT_WIDE_ARGS \
+      --json "$OUT/bwd_split_wide.json" 2>&1 | grep "^d=" || status=1
+  fi
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"

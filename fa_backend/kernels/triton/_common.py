@@ -30,6 +30,24 @@ def _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
+def _q_bounds(n0, SEQ_Q, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query range of key block [n0, n0 + BLOCK_N) (the dK / dV kernels' counterpart of _kv_bounds).
+
+    Row i sees key j iff not CAUSAL or j <= i + causal_offset. Returns (m_lo, m_mid): rows below m_lo see none of
+    the block, rows [m_lo, m_mid) its diagonal (masked), rows from m_mid on all of it; m_mid - m_lo is a multiple of
+    BLOCK_M unless clipped at SEQ_Q. (0, 0) without CAUSAL.
+    """
+    if CAUSAL:
+        m_lo = tl.minimum(tl.maximum(n0 - causal_offset, 0), SEQ_Q)
+        diag_rows = tl.maximum(n0 + BLOCK_N - 1 - causal_offset - m_lo, 0)
+        m_mid = tl.minimum(m_lo + tl.cdiv(diag_rows, BLOCK_M) * BLOCK_M, SEQ_Q)
+    else:
+        m_lo = 0
+        m_mid = 0
+    return m_lo, m_mid
+
+
+@triton.jit
 def _load_rows(ptrs, rows, n_rows, cols, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
     """Load a 2-D tile, masking rows >= n_rows and/or columns >= n_cols (zero fill)."""
     if MASK_ROWS:
@@ -53,6 +71,20 @@ def _tile_descs(A, B, n_rows, stride_a, stride_b, DIM_A: tl.constexpr, DIM_B: tl
     checks TMA's alignment rules (_tma.tma_ok)."""
     return (tl.make_tensor_descriptor(A, shape=[n_rows, DIM_A], strides=[stride_a, 1], block_shape=[BLOCK_R, BLOCK_A]),
             tl.make_tensor_descriptor(B, shape=[n_rows, DIM_B], strides=[stride_b, 1], block_shape=[BLOCK_R, BLOCK_B]))
+
+
+@triton.jit
+def _ds_dot(ds, x, acc, EXACT_DS: tl.constexpr):
+    """acc + ds @ x for the fp32 dS: dS rounded to x's dtype first (FlashAttention's product), or, EXACT_DS (calls
+    small enough to be host-bound: flash_bwd.EXACT_DS_MAX_SCORES), dS as the sum of its rounding and the rounding of the
+    remainder, two tensor-core products (twice x's mantissa bits of dS; an fp32 FMA product spilled 0.8-1.6 KB at
+    d=128 on sm90)."""
+    hi = ds.to(x.dtype)
+    if EXACT_DS:
+        lo = (ds - hi.to(tl.float32)).to(x.dtype)
+        return tl.dot(lo, x, tl.dot(hi, x, acc))
+    else:
+        return tl.dot(hi, x, acc)
 
 
 @triton.jit

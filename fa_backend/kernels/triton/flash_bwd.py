@@ -20,14 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _kv_bounds,
-                      _load_lse_log2, _load_mask, _load_rows, _open_key_range, _tile_descs,
+from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _ds_dot,
+                      _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range, _q_bounds, _tile_descs,
                       _score_mods, _tile_ptrs, _window_lo)
 from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config, bwd_config_varlen
 from ._features import kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 from ._tma import tma_ok as _tma_ok
+from .flash_bwd_split import flash_bwd_split, split_bwd_eligible
 from .flash_bwd_ws import bwd_dkdv_ws, dkdv_ws_eligible
 from .flash_fwd import flash_fwd, flash_fwd_varlen, varlen_strides
 
@@ -72,20 +73,6 @@ def _bwd_preprocess(
     if HAS_DLSE:
         delta -= tl.load(DLSE + row_off, mask=rows < SEQ_Q, other=0.0)
     tl.store(DELTA + row_off, delta, mask=rows < SEQ_Q)
-
-
-@triton.jit
-def _ds_dot(ds, x, acc, EXACT_DS: tl.constexpr):
-    """acc + ds @ x for the fp32 dS: dS rounded to x's dtype first (FlashAttention's product), or, EXACT_DS (calls
-    small enough to be host-bound: EXACT_DS_MAX_SCORES), dS as the sum of its rounding and the rounding of the
-    remainder, two tensor-core products (twice x's mantissa bits of dS; an fp32 FMA product spilled 0.8-1.6 KB at
-    d=128 on sm90)."""
-    hi = ds.to(x.dtype)
-    if EXACT_DS:
-        lo = (ds - hi.to(tl.float32)).to(x.dtype)
-        return tl.dot(lo, x, tl.dot(hi, x, acc))
-    else:
-        return tl.dot(hi, x, acc)
 
 
 @triton.jit
@@ -260,15 +247,7 @@ def _bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    if CAUSAL:
-        # Query row i sees key j iff j <= i + causal_offset: rows below n0 - causal_offset see
-        # none of this block; rows from n0 + BLOCK_N - 1 - causal_offset on see all of it.
-        m_lo = tl.minimum(tl.maximum(n0 - causal_offset, 0), seqlen_q)
-        diag_rows = tl.maximum(n0 + BLOCK_N - 1 - causal_offset - m_lo, 0)
-        m_mid = tl.minimum(m_lo + tl.cdiv(diag_rows, BLOCK_M) * BLOCK_M, seqlen_q)
-    else:
-        m_lo = 0
-        m_mid = 0
+    m_lo, m_mid = _q_bounds(n0, seqlen_q, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
     if WINDOW_LEFT:
         # Row i sees key j only if j >= i + left_offset: rows up to n0 - left_offset see the
         # whole block on that side, rows from n0 + BLOCK_N - left_offset on see none of it.
@@ -679,6 +658,11 @@ def flash_bwd(
                         softcap=softcap, alibi_slopes=alibi_slopes)[0]
     delta = bwd_delta(out, dout, dlse, block_dv)
 
+    plain = plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes)
+    if split_bwd_eligible(q, k, v, dout, dq, dk, dv, lse, scale, plain):  # d = 129-192 on 128 + 64 columns
+        flash_bwd_split(q, k, v, dout, lse, delta, dq, dk, dv, scale, feat.causal_offset if causal else None,
+                        bool(exact_ds))
+        return dq, dk, dv
     # dQ through atomics in the dK/dV kernel (a tile-config option): never under
     # torch.use_deterministic_algorithms, since the order of the fp32 additions varies from run to run
     atomic = cfg.dkdv.atomic_dq and not torch.are_deterministic_algorithms_enabled()
@@ -687,7 +671,6 @@ def flash_bwd(
     cfg = _without_tma(cfg, use_tma, use_tma_dq, max(block_d, block_dv))
     dq_acc = torch.zeros((b, hq, sq, block_d), dtype=torch.float32, device=q.device) if atomic else None
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
-    plain = plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes)
     # dK / dV by the warp-specialized kernel where it applies (flash_bwd_ws.py), else the general one; dQ below
     if not (not atomic and not exact_ds and lse.is_contiguous()
             and dkdv_ws_eligible(q, k, v, dout, dk, dv, scale, causal, plain)

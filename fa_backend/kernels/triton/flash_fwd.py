@@ -19,6 +19,7 @@ from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCA
                       _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_descs, _tile_ptrs,
                       _window_lo)
 from ._configs import fwd_config, fwd_without_tma
+from .flash_fwd_split import flash_fwd_split, split_eligible
 from .flash_fwd_ws import flash_fwd_ws, ws_eligible
 from ._features import dropout_draw, kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
@@ -356,6 +357,9 @@ def flash_fwd(
         return out, lse
     plain = plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes)
     if ws_eligible(q, k, v, out, scale, causal, plain) and flash_fwd_ws(q, k, v, scale, out, lse):
+        return out, lse
+    if split_eligible(q, k, v, out, scale, plain):  # d = 129-192 on 128 + 64 columns instead of 256
+        flash_fwd_split(q, k, v, scale, ((sk - sq) if bottom_right else 0) if causal else None, out, lse)
         return out, lse
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)

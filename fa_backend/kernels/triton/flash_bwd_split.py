@@ -1,0 +1,238 @@
+"""Backward for head dims 129-192 on two column tiles (128 + 64) instead of one 256-wide tile.
+
+The counterpart of `flash_fwd_split`: the general backward (`flash_bwd._bwd_dkdv` / `_bwd_dq`) runs d=192 on
+256-wide tiles, a quarter of its products on zero columns. Here Q, K, V and dO are read by TMA as a 128-column and a
+64-column tile (columns past the head dim zero-filled), each product over the head dim is the sum of two dots, and
+dQ, dK and dV are kept in two accumulators each. The same two launches as the general backward (dK / dV per key
+block, summing a GQA group in registers; dQ per query block), deterministic, after the same delta pass. Plain calls
+(causal or not, GQA; no mask, dropout, softcap, ALiBi or window), fp16 / bf16, a positive scale, strides TMA accepts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _configs, _launch
+from ._common import _band_keep, _ds_dot, _kv_bounds, _load_lse_log2, _q_bounds
+from ._launch import cdiv, grid_1d
+from ._tma import tma_ok
+from ._ws import _head_rows
+from .flash_fwd_split import SPLIT_A, SPLIT_B
+
+
+@triton.jit
+def _tile_store(T, row0, n_rows, stride_row, col0, HEAD_DIM: tl.constexpr, x, BLOCK_R: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """Store the fp32 tile x into rows [row0, row0 + BLOCK_R) and columns [col0, col0 + BLOCK_C) of T (unit column
+    stride), in T's dtype, dropping rows past n_rows and columns past HEAD_DIM."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, BLOCK_C)
+    ptrs = T + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+    tl.store(ptrs, x.to(T.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE, DELTA,
+                     start, end, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, D_A: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                     EXACT_DS: tl.constexpr):
+    """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end), scores transposed (keys x
+    queries). Query rows past SEQ_Q get LSE = +inf (P = 0); MASKED applies the causal band."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q_a = qa_desc.load([start_m, 0])
+        q_b = qb_desc.load([start_m, D_A])
+        lse = _load_lse_log2(LSE, rows, SEQ_Q)
+        s_t = tl.dot(k_b, tl.trans(q_b), tl.dot(k_a, tl.trans(q_a)))
+        p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
+        if MASKED:
+            p_t = tl.where(_band_keep(rows[None, :], cols[:, None], SEQ_K, causal_offset, 0, CAUSAL, False), p_t, 0.0)
+        do_a = doa_desc.load([start_m, 0])
+        do_b = dob_desc.load([start_m, D_A])
+        p16 = p_t.to(do_a.dtype)
+        dv_a = tl.dot(p16, do_a, dv_a)
+        dv_b = tl.dot(p16, do_b, dv_b)
+        delta = tl.load(DELTA + rows, mask=rows < SEQ_Q, other=0.0)
+        dp_t = tl.dot(v_b, tl.trans(do_b), tl.dot(v_a, tl.trans(do_a)))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk_a = _ds_dot(ds_t, q_a, dk_a, EXACT_DS)
+        dk_b = _ds_dot(ds_t, q_b, dk_b, EXACT_DS)
+    return dk_a, dk_b, dv_a, dv_b
+
+
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS", "causal_offset"])
+def _bwd_dkdv_split(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    pid_n = pid % NUM_N_BLOCKS
+    bh = pid // NUM_N_BLOCKS
+    off_b = (bh // NUM_HEADS_K).to(tl.int64)
+    off_hk = (bh % NUM_HEADS_K).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    k_a = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A).load([n0, 0])
+    k_b = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B).load([n0, D_A])
+    v_a = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_A).load([n0, 0])
+    v_b = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N,
+                     D_B).load([n0, D_A])
+    dk_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
+    dk_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
+    dv_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
+    dv_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
+    m_lo, m_mid = _q_bounds(n0, SEQ_Q, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    for g in range(GROUP):
+        off_h = off_hk * GROUP + g
+        bh_q = off_b * NUM_HEADS_Q + off_h
+        qa_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_A)
+        qb_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_B)
+        doa_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_A)
+        dob_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_B)
+        LSE_h = LSE + bh_q * SEQ_Q
+        DELTA_h = DELTA + bh_q * SEQ_Q
+        if CAUSAL:
+            dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
+                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
+                m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, True, CAUSAL, EXACT_DS)
+        # (keys past SEQ_K: zero-filled rows whose dK / dV rows are never stored, so no mask here)
+        dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
+            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
+            m_mid, SEQ_Q, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, False, CAUSAL, EXACT_DS)
+    DK_h = DK + off_b * stride_dkb + off_hk * stride_dkh
+    DV_h = DV + off_b * stride_dvb + off_hk * stride_dvh
+    _tile_store(DK_h, n0, SEQ_K, stride_dkn, 0, HEAD_DIM, dk_a * sm_scale, BLOCK_N, D_A)
+    _tile_store(DK_h, n0, SEQ_K, stride_dkn, D_A, HEAD_DIM, dk_b * sm_scale, BLOCK_N, D_B)
+    _tile_store(DV_h, n0, SEQ_K, stride_dvn, 0, HEAD_DIM_V, dv_a, BLOCK_N, D_A)
+    _tile_store(DV_h, n0, SEQ_K, stride_dvn, D_A, HEAD_DIM_V, dv_b, BLOCK_N, D_B)
+
+
+@triton.jit
+def _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc, start, end,
+                   rows, SEQ_K, causal_offset, qk_scale, BLOCK_N: tl.constexpr, D_A: tl.constexpr,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr):
+    """Accumulate dQ of one query block over keys [start, end); MASKED hides keys past SEQ_K and the causal band."""
+    for start_n in range(start, end, BLOCK_N):
+        k_a = ka_desc.load([start_n, 0])
+        k_b = kb_desc.load([start_n, D_A])
+        p = tl.math.exp2(tl.dot(q_b, tl.trans(k_b), tl.dot(q_a, tl.trans(k_a))) * qk_scale - lse[:, None])
+        if MASKED:
+            cols = start_n + tl.arange(0, BLOCK_N)
+            p = tl.where(_band_keep(rows[:, None], cols[None, :], SEQ_K, causal_offset, 0, CAUSAL, False), p, 0.0)
+        v_a = va_desc.load([start_n, 0])
+        v_b = vb_desc.load([start_n, D_A])
+        dp = tl.dot(do_b, tl.trans(v_b), tl.dot(do_a, tl.trans(v_a)))
+        ds = p * (dp - delta[:, None])
+        dq_a = _ds_dot(ds, k_a, dq_a, EXACT_DS)
+        dq_b = _ds_dot(ds, k_b, dq_b, EXACT_DS)
+    return dq_a, dq_b
+
+
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
+def _bwd_dq_split(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % NUM_M_BLOCKS
+    bh = pid // NUM_M_BLOCKS
+    if CAUSAL:
+        pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first
+    off_b = (bh // NUM_HEADS_Q).to(tl.int64)
+    off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+    off_hk = off_h // GROUP
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    q_a = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_A).load([m0, 0])
+    q_b = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_B).load([m0, D_A])
+    do_a = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M,
+                      D_A).load([m0, 0])
+    do_b = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M,
+                      D_B).load([m0, D_A])
+    lse = _load_lse_log2(LSE + bh.to(tl.int64) * SEQ_Q, rows, SEQ_Q)
+    delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
+    ka_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A)
+    kb_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B)
+    va_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_A)
+    vb_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_B)
+    dq_a = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
+    dq_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
+    n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc,
+                                0, n_full, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, False, CAUSAL, EXACT_DS)
+    dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc,
+                                n_full, hi, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, True, CAUSAL, EXACT_DS)
+    DQ_h = DQ + off_b * stride_dqb + off_h * stride_dqh
+    _tile_store(DQ_h, m0, SEQ_Q, stride_dqm, 0, HEAD_DIM, dq_a * sm_scale, BLOCK_M, D_A)
+    _tile_store(DQ_h, m0, SEQ_Q, stride_dqm, D_A, HEAD_DIM, dq_b * sm_scale, BLOCK_M, D_B)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK / dV and dQ launches. H100, d=192, scripts/time_bwd_split.py,
+# whole-backward TFLOP/s at 2k / 8k without a causal mask; with one: dK / dV 64 x 64 x 8 warps x 2 stages with dQ
+# 128 x 64 x 8 x 2: 213 / 239; 163 / 222. Against it: dK / dV 32 x 64 x 8 x 2 (spill-free: the 64-row step spills 84
+# bytes, causal 408, at 255 registers) 173 / 189; 134 / 175; three stages 200 / 226; 156 / 213; one 131 / 146;
+# 4 warps 178 / 200; 138 / 179; dQ 64 x 64 (with 32-row dK / dV) 141 / 150; 112 / 143; dQ with one stage 175 / 191;
+# 137 / 183; 128-row dK / dV steps do not fit in shared memory. The general kernels: 132 / 133; 111 / 132.
+DKDV_TILE = (64, 64, 8, 2)
+DQ_TILE = (128, 64, 8, 2)
+_INTERPRETER_TILE = (16, 16, 4, 1)
+# Widest head dim taken: 192 (a 64-column second tile). Up to 256 the second tile is 128 columns wide, the same
+# products as the general kernel's 256-wide tiles (an experiment: scripts/time_bwd_split.py --dims 256 sets it).
+MAX_HEAD_DIM = 192
+
+# Off: d = 129-192 takes the general backward on 256-wide tiles. Tests and scripts switch it to compare both.
+ENABLED = True
+
+
+def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
+                       dk: torch.Tensor, dv: torch.Tensor, lse: torch.Tensor, scale: float, plain: bool) -> bool:
+    """Whether `flash_bwd_split` may compute this backward: plain (causal either way), scale > 0, both head dims
+    in 129-MAX_HEAD_DIM, fp16 / bf16, gradients with a unit last stride, a contiguous LSE, strides TMA accepts for q, k, v
+    and dout, no backward tile pinned by `_configs.override`."""
+    if not (ENABLED and plain and scale > 0) or _configs._override.get("bwd"):
+        return False
+    d, dv_dim = q.shape[-1], v.shape[-1]
+    if not (SPLIT_A < d <= MAX_HEAD_DIM and SPLIT_A < dv_dim <= MAX_HEAD_DIM):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not lse.is_contiguous():
+        return False
+    if any(t.stride(-1) != 1 for t in (dq, dk, dv)):
+        return False
+    return tma_ok(q, k, v, dout)
+
+
+def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
+                    causal_offset: int | None, exact_ds: bool) -> None:
+    """Write dq, dk, dv for a call `split_bwd_eligible` accepted (lse, delta: fp32 contiguous (b, hq, sq));
+    causal_offset None without a causal mask, else key j is visible to query i iff j <= i + causal_offset."""
+    b, hq, sq, d = q.shape
+    hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
+    d_b = SPLIT_B if max(d, dv_dim) <= SPLIT_A + SPLIT_B else 2 * SPLIT_B
+    kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=SPLIT_A, D_B=d_b, CAUSAL=causal_offset is not None,
+              **({"EXACT_DS": True} if exact_ds else {}))
+    offset, qk_scale = causal_offset or 0, scale * 1.4426950408889634
+    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else DKDV_TILE
+    n_blocks = cdiv(sk, block_n)
+    _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
+        q, k, v, dout, lse, delta, dk, dv,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
+    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
+    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else DQ_TILE
+    m_blocks = cdiv(sq, block_m)
+    _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
+        q, k, v, dout, lse, delta, dq,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+        hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
+    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))

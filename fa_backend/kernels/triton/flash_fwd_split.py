@@ -1,0 +1,153 @@
+"""Forward for head dims 129-192 on two column tiles (128 + 64) instead of one 256-wide tile.
+
+Triton tiles are powers of two, so the general kernel (`flash_fwd._attn_fwd`) runs d=192 on 256-wide tiles and
+spends a quarter of its tensor-core work and of its Q / K / V traffic on zero columns. Here Q, K and V are read by
+TMA as a 128-column and a 64-column tile (columns past the head dim come zero-filled), S = Q K^T is the sum of two
+dots and O is kept in two accumulators. Plain calls only (causal or not, GQA; no mask, dropout, softcap, ALiBi or
+window), fp16 / bf16, a positive scale, strides TMA accepts; the rest go to `_attn_fwd`. Same contract as
+`_attn_fwd`: out (b, hq, sq, dv) in its own dtype, LSE (natural log) contiguous (b, hq, sq); a row that sees no
+key outputs 0 with LSE -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _configs, _launch
+from ._common import LN2, _band_keep, _kv_bounds
+from ._launch import cdiv, grid_1d
+from ._tma import tma_ok
+from ._ws import _head_rows
+
+# Column tiles: the first covers columns [0, 128), the second [128, 192).
+SPLIT_A = 128
+SPLIT_B = 64
+
+
+@triton.jit
+def _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_desc, start, end, offs_m, SEQ_K,
+                causal_offset, qk_scale, BLOCK_N: tl.constexpr, D_A: tl.constexpr, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr):
+    """Fold keys [start, end) into (acc_a, acc_b, l_i, m_i); MASKED hides keys past SEQ_K and, CAUSAL, right of
+    each row's diagonal."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        k_a = ka_desc.load([start_n, 0])
+        k_b = kb_desc.load([start_n, D_A])
+        qk = tl.dot(q_b, tl.trans(k_b), tl.dot(q_a, tl.trans(k_a)))
+        if MASKED:
+            keep = _band_keep(offs_m[:, None], (start_n + offs_n)[None, :], SEQ_K, causal_offset, 0, CAUSAL, False)
+            s = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # no visible key so far: avoid inf - inf
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0: max(s * c) = max(s) * c
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+            alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_a = va_desc.load([start_n, 0])
+        v_b = vb_desc.load([start_n, D_A])
+        p = p.to(v_a.dtype)
+        acc_a = tl.dot(p, v_a, acc_a * alpha[:, None])
+        acc_b = tl.dot(p, v_b, acc_b * alpha[:, None])
+        m_i = m_ij
+    return acc_a, acc_b, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
+def _attn_fwd_split(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % NUM_M_BLOCKS
+    bh = pid // NUM_M_BLOCKS
+    if CAUSAL:
+        pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first: a better tail
+    off_b = (bh // NUM_HEADS_Q).to(tl.int64)
+    off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+    off_hk = off_h // GROUP
+    m0 = pid_m * BLOCK_M
+    # Per-head descriptors, one per column tile: rows past the sequence and columns past the head dim come
+    # zero-filled (they add nothing to q.k or to O) and are dropped on the store.
+    qa_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_A)
+    qb_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_B)
+    ka_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A)
+    kb_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B)
+    va_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_A)
+    vb_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_B)
+    q_a = qa_desc.load([m0, 0])
+    q_b = qb_desc.load([m0, D_A])
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
+    n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    acc_a, acc_b, l_i, m_i = _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_desc,
+                                         0, n_full, offs_m, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, False,
+                                         CAUSAL)
+    acc_a, acc_b, l_i, m_i = _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_desc,
+                                         n_full, hi, offs_m, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, True,
+                                         CAUSAL)
+    # Rows that saw no key (l = 0: causal with more queries than keys, bottom-right) output 0 with LSE = -inf.
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    tl.store(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
+    oa_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_A)
+    ob_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_B)
+    oa_desc.store([m0, 0], (acc_a * inv_l[:, None]).to(O.dtype.element_ty))
+    ob_desc.store([m0, D_A], (acc_b * inv_l[:, None]).to(O.dtype.element_ty))
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). H100, d=192, scripts/time_fwd_split.py (TFLOP/s at 2k / 8k, non-causal;
+# causal): 128 x 64 x 8 warps x 3 stages 408 / 480; 303 / 435 against two stages 341 / 398; 262 / 368, 128 x 32 x 3
+# 328 / 384; 250 / 340, 64 x 64 x 4 x 2 270 / 311; 197 / 279 (general kernel 315 / 343; 256 / 325). 198 KB of shared
+# memory, 179 registers, no spills (sm90 compile check).
+TILE = (128, 64, 8, 3)
+_INTERPRETER_TILE = (16, 16, 4, 1)
+
+# Off: d = 129-192 takes `_attn_fwd` on 256-wide tiles. Tests and scripts switch it to compare both.
+ENABLED = True
+
+
+def split_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
+                   plain: bool) -> bool:
+    """Whether `flash_fwd_split` may run this call: plain (no mask, dropout, softcap, ALiBi, window; causal
+    either way), scale > 0, both head dims in 129-192, fp16 / bf16 inputs and output of the same dtype, strides
+    TMA accepts (sm90 or the interpreter), and no forward tile pinned by `_configs.override`."""
+    if not (ENABLED and plain and scale > 0) or _configs._override.get("fwd"):
+        return False
+    d, dv = q.shape[-1], v.shape[-1]
+    if not (SPLIT_A < d <= SPLIT_A + SPLIT_B and SPLIT_A < dv <= SPLIT_A + SPLIT_B):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not k.shape[2]:
+        return False
+    return tma_ok(q, k, v, out)
+
+
+def flash_fwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None,
+                    out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fill out (b, hq, sq, dv) and lse (b, hq, sq, contiguous) as `flash_fwd` would, for a call `split_eligible`
+    accepted; causal_offset None without a causal mask, else key j is visible to query i iff j <= i +
+    causal_offset."""
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else TILE
+    num_m_blocks = cdiv(sq, block_m)
+    _launch.launch(_attn_fwd_split, grid_1d(num_m_blocks * b * hq), (
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        hq, hq // hkv, sq, sk, num_m_blocks, causal_offset or 0, scale * 1.4426950408889634,
+    ), dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=block_m, BLOCK_N=block_n, D_A=SPLIT_A, D_B=SPLIT_B,
+            CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages))

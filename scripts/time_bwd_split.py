@@ -1,0 +1,90 @@
+"""The split-column backward (head dims 129-192 on 128 + 64 columns) against the general kernels' 256-wide tiles
+and PyTorch's (GPU, sm90): TFLOP/s of the whole backward (bf16, MHA, batch = 16384 / seqlen, heads = 2048 // d;
+2.5x the forward's FLOPs, halved when causal).
+
+`split_<dK/dV tile>_<dQ tile>` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_split` in each pair of
+--pairs (BLOCK_M, BLOCK_N, warps, stages for each launch), `general` with it off; cuDNN and SDPA-flash their SDPA
+backward through autograd (retain_graph). Each gradient is compared with cuDNN's first.
+
+    python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
+                                      [--pairs 32,64,8,2/64,64,8,2 ...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _records import write_records  # noqa: E402
+
+from fa_backend.kernels.triton import flash_bwd_split
+from fa_backend.kernels.triton.flash_bwd import flash_bwd
+from fa_backend.kernels.triton.flash_fwd import flash_fwd
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dims", type=int, nargs="*", default=[192])
+    parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", nargs="*", default=["no", "yes"])
+    parser.add_argument("--pairs", nargs="*", default=["64,64,8,2/128,64,8,2"])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
+    default = (flash_bwd_split.DKDV_TILE, flash_bwd_split.DQ_TILE)
+    flash_bwd_split.MAX_HEAD_DIM = max(192, *args.dims)  # (d = 193-256: the 128 + 128 experiment)
+    rows = []
+    for d in args.dims:
+        for causal in (c == "yes" for c in args.causal):
+            for s in args.seqlens:
+                b, h = 16384 // s, 2048 // d
+                q, k, v, do = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+                               for _ in range(4))
+                flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+                out, lse = flash_fwd(q, k, v, d ** -0.5, causal, False)
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+                ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
+
+                def ours(pair=None):
+                    flash_bwd_split.ENABLED = pair is not None
+                    flash_bwd_split.DKDV_TILE, flash_bwd_split.DQ_TILE = pair or default
+                    return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
+
+                fns = {"split_" + "_".join("x".join(map(str, t)) for t in p): (lambda p=p: ours(p)) for p in pairs}
+                fns["general"] = ours
+                fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
+                fns["sdpa_flash"] = lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True)
+                res = {}
+                for name, fn in fns.items():
+                    try:
+                        grads = fn()
+                        diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref))
+                        ms = triton.testing.do_bench(fn, warmup=30, rep=200)
+                        res[name] = dict(tflops=flops / ms / 1e9, ms=ms, max_diff_vs_cudnn=diff)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not build: reported
+                        res[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
+                fl = res["sdpa_flash"]["tflops"]
+                print(f"d={d} causal={int(causal)} s={s}: " + "  ".join(
+                    f"{n} {r['tflops']:.0f} ({r['tflops'] / fl:.3f}x flash, diff {r['max_diff_vs_cudnn']:.1e})"
+                    if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
+                del q, k, v, do, out, lse, leaves, ref_out, flash_out
+    flash_bwd_split.ENABLED = True
+    flash_bwd_split.DKDV_TILE, flash_bwd_split.DQ_TILE = default
+    write_records(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

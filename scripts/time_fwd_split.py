@@ -1,0 +1,83 @@
+"""The split-column forward (head dims 129-192 on 128 + 64 columns) against the general kernel's 256-wide tiles
+and PyTorch's (GPU, sm90): TFLOP/s of the forward.
+
+For each head dim, causal mode and seqlen (bf16, batch = 16384 / seqlen, heads = 2048 // d): `flash_fwd` with
+`flash_fwd_split` in each tile of --tiles (BLOCK_M, BLOCK_N, warps, stages), `flash_fwd` with it off (the general
+`_attn_fwd`), cuDNN and flash SDPA; do_bench medians; each output checked against cuDNN's first.
+
+    python3 scripts/time_fwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384] [--json F]
+                                      [--tiles 128,64,8,2 128,64,8,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _records import write_records  # noqa: E402
+
+from fa_backend.kernels.triton import flash_fwd_split
+from fa_backend.kernels.triton.flash_fwd import flash_fwd
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dims", type=int, nargs="*", default=[192])
+    parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", nargs="*", default=["no", "yes"])
+    parser.add_argument("--tiles", nargs="*", default=["128,64,8,2"])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    default_tile = flash_fwd_split.TILE
+    rows = []
+    for d in args.dims:
+        for causal in (c == "yes" for c in args.causal):
+            for s in args.seqlens:
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+                           for _ in range(3))
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+
+                def ours(tile=None):
+                    flash_fwd_split.ENABLED = tile is not None
+                    flash_fwd_split.TILE = tile or default_tile
+                    return flash_fwd(q, k, v, d ** -0.5, causal, False)[0]
+
+                fns = {f"split_{'x'.join(map(str, t))}": (lambda t=t: ours(t)) for t in tiles}
+                fns["general"] = ours
+                for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+                    def run(be=be):
+                        with sdpa_kernel(be):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    fns[name] = run
+                ref = fns["cudnn"]().float()
+                res = {}
+                for name, fn in fns.items():
+                    try:
+                        err = (fn().float() - ref).abs().max().item()
+                        ms = triton.testing.do_bench(fn, warmup=50, rep=300)
+                        res[name] = dict(tflops=flops / ms / 1e9, ms=ms, max_diff_vs_cudnn=err)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not build: reported
+                        res[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
+                fl = res["sdpa_flash"]["tflops"]
+                print(f"d={d} causal={int(causal)} s={s}: " + "  ".join(
+                    f"{n} {r['tflops']:.0f} ({r['tflops'] / fl:.3f}x flash, diff {r['max_diff_vs_cudnn']:.1e})"
+                    if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
+                del q, k, v
+    flash_fwd_split.ENABLED = True
+    flash_fwd_split.TILE = default_tile
+    write_records(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

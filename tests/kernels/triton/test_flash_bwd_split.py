@@ -1,0 +1,106 @@
+"""The split-column backward (flash_bwd_split, head dims 129-192 on 128 + 64 columns): gradients within the 2x rule
+under the interpreter here and at real sizes on sm90 in the GPU suite; which calls take it."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import fa_backend
+from fa_backend.kernels.triton import _configs, flash_bwd_split
+from tests.conftest import DEVICE
+from tests.kernels.triton.test_flash_fwd_split import qkv as _qkv
+from tests.reference import check_attention
+
+pytestmark = pytest.mark.usefixtures("poisoned")
+
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+_FLASH_BWD = sys.modules["fa_backend.kernels.triton.flash_bwd"]
+
+
+def _check(q, k, v, causal, bottom_right, names):
+    check_attention(lambda q, k, v: fa_backend.attention(
+        q, k, v, is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left"),
+        q, k, v, is_causal=causal, bottom_right=bottom_right)
+    assert "_bwd_dkdv_split" in names and "_bwd_dq_split" in names, names
+    assert "_bwd_dkdv" not in names and "_bwd_dq" not in names, names
+
+
+CPU_CASES = [
+    # d, dv, hq, hkv, sq, sk, bshd, causal, bottom_right, exact_ds
+    (192, 192, 2, 2, 40, 56, False, False, False, False),  # keys not a multiple of the tile
+    (192, 192, 4, 2, 48, 48, True, True, False, False),  # GQA (dK / dV summed over the group), causal
+    (160, 160, 2, 1, 37, 70, True, True, True, True),  # second column tile zero-filled past d; bottom-right
+    (136, 176, 2, 2, 50, 33, False, True, True, False),  # dv != d; more queries than keys
+    (192, 144, 2, 2, 33, 47, False, False, False, True),
+]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,dv,hq,hkv,sq,sk,bshd,causal,bottom_right,exact_ds", CPU_CASES)
+def test_split_backward_interpreted(split_launches, monkeypatch, d, dv, hq, hkv, sq, sk, bshd, causal, bottom_right,
+                                   exact_ds):
+    # small calls take dS unrounded (two products each): both forms are run here
+    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 1 << 20 if exact_ds else 0)
+    _check(*_qkv(2, hq, hkv, sq, sk, d, dv, torch.float16, bshd), causal, bottom_right, split_launches)
+
+
+GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)
+             for d in (192, 160) for causal in (False, True)
+             for hq, hkv, sq, sk, bshd in ((8, 8, 2048, 2048, True), (8, 2, 1000, 3001, False),
+                                           (4, 4, 3001, 3001, True), (16, 16, 128, 136, False))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd,causal", GPU_CASES)
+def test_split_backward_real_size(split_launches, dtype, d, hq, hkv, sq, sk, bshd, causal):
+    _check(*_qkv(2, hq, hkv, sq, sk, d, d, dtype, bshd), causal, True, split_launches)
+
+
+def _grads(q, k, v, **kw):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fa_backend.attention(*leaves, **kw)
+    return torch.autograd.grad(out, leaves, torch.randn_like(out))
+
+
+@pytest.mark.parametrize("kw", [dict(attn_mask=True), dict(softcap=5.0), dict(window_size=(8, -1)), dict(d=128),
+                                dict(scale=-0.1), dict(strided=True)], ids=lambda kw: next(iter(kw)))
+def test_split_backward_not_taken(split_launches, kw):
+    """Features, a negative scale, other head dims and strides TMA cannot read take the general kernels."""
+    q, k, v = _qkv(1, 2, 2, 24, 24, kw.pop("d", 192), kw.pop("d", 192), torch.float16, False)
+    if kw.pop("strided", False):  # head dim not contiguous
+        k = torch.randn(1, 2, q.shape[-1], 24, dtype=q.dtype, device=DEVICE).transpose(-1, -2)
+    if kw.pop("attn_mask", False):
+        kw["attn_mask"] = torch.rand(24, 24, device=DEVICE) > 0.2
+    _grads(q, k, v, **kw)
+    assert "_bwd_dkdv_split" not in split_launches and "_bwd_dq_split" not in split_launches, split_launches
+    assert "_bwd_dq" in split_launches
+
+
+def test_split_backward_switches(monkeypatch):
+    q, k, v = _qkv(1, 2, 2, 24, 24, 192, 192, torch.float16, False)
+    lse = torch.empty(1, 2, 24, device=DEVICE)
+    args = (q, k, v, q, q, k, v, lse, 0.1)
+    assert flash_bwd_split.split_bwd_eligible(*args, True) == (DEVICE == "cpu" or ON_SM90)
+    assert not flash_bwd_split.split_bwd_eligible(*args, False)  # a feature call
+    assert not flash_bwd_split.split_bwd_eligible(q, k, v, q, q, k, v, lse.transpose(1, 2).contiguous()
+                                                  .transpose(1, 2), 0.1, True)  # a strided LSE
+    monkeypatch.setattr(flash_bwd_split, "ENABLED", False)
+    assert not flash_bwd_split.split_bwd_eligible(*args, True)
+    monkeypatch.setattr(flash_bwd_split, "ENABLED", True)
+    with _configs.override(bwd=_configs.BwdConfig(_configs.TileConfig(16, 16, 4, 1),
+                                                  _configs.TileConfig(16, 16, 4, 1))):
+        assert not flash_bwd_split.split_bwd_eligible(*args, True)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,causal", [(256, True), (200, False)])
+def test_split_backward_wide_interpreted(split_launches, monkeypatch, d, causal):
+    """Head dims 193-256 (off by default: MAX_HEAD_DIM) on 128 + 128 columns."""
+    monkeypatch.setattr(flash_bwd_split, "MAX_HEAD_DIM", 256)
+    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
+    _check(*_qkv(1, 2, 2, 40, 33, d, d, torch.float16, False), causal, False, split_launches)

@@ -1,0 +1,46 @@
+"""The split-column kernels (head dims 129-192) compiled for sm90 on any machine (no GPU needed), at their default
+tiles: they fit sm90's shared memory and use wgmma and TMA. The tiles were timed on a GPU; a Triton that needs more
+shared memory for them would otherwise fail only at launch there. Compiled in a fresh interpreter without
+TRITON_INTERPRET (under it @triton.jit functions cannot be compiled)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_COMPILE = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fa_backend.kernels.triton import flash_bwd_split, flash_fwd_split
+
+kernels = ((flash_fwd_split._attn_fwd_split, flash_fwd_split.TILE),
+           (flash_bwd_split._bwd_dkdv_split, flash_bwd_split.DKDV_TILE),
+           (flash_bwd_split._bwd_dq_split, flash_bwd_split.DQ_TILE))
+types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
+types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
+for fn, (block_m, block_n, num_warps, num_stages) in kernels:
+    constexprs = dict(HEAD_DIM=192, HEAD_DIM_V=192, BLOCK_M=block_m, BLOCK_N=block_n, D_A=128, D_B=64, CAUSAL=True)
+    if "EXACT_DS" in fn.arg_names:
+        constexprs["EXACT_DS"] = False
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = k.asm["ptx"]
+    print(json.dumps(dict(kernel=fn.__name__, shared=k.metadata.shared, wgmma="wgmma.mma_async" in ptx,
+                          tma="cp.async.bulk.tensor" in ptx)))
+"""
+
+
+def test_split_kernels_fit_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    infos = [json.loads(line) for line in res.stdout.strip().splitlines() if line.startswith("{")]
+    assert [i["kernel"] for i in infos] == ["_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split"], infos
+    for info in infos:
+        assert info["wgmma"] and info["tma"], info
+        assert info["shared"] <= 232448, info  # sm90's per-block limit
