@@ -3,8 +3,10 @@ and PyTorch's (GPU, sm90): TFLOP/s of the whole backward (bf16, MHA, batch = 163
 2.5x the forward's FLOPs, halved when causal).
 
 `split_<dK/dV tile>_<dQ tile>` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_split` in each pair of
---pairs (BLOCK_M, BLOCK_N, warps, stages for each launch), `general` with it off; cuDNN and SDPA-flash their SDPA
-backward through autograd (retain_graph). Each gradient is compared with cuDNN's first.
+--pairs (BLOCK_M, BLOCK_N, warps, stages for each launch), `general` with it off (the kernels that run otherwise:
+at d=96 without a causal mask the warp-specialized dK / dV); cuDNN and SDPA-flash their SDPA backward through
+autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 / 256 time the 64 + 32 and 128 + 128
+splits (off by default).
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--json F]
@@ -35,14 +37,17 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="*", default=[192])
     parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="*", default=["no", "yes"])
-    parser.add_argument("--pairs", nargs="*", default=["64,64,8,2/128,64,8,2"])
+    parser.add_argument("--pairs", nargs="*", default=[], help="default: the table's tiles (TILES)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
-    default = (flash_bwd_split.DKDV_TILE, flash_bwd_split.DQ_TILE)
-    flash_bwd_split.MAX_HEAD_DIM = max(192, *args.dims)  # (d = 193-256: the 128 + 128 experiment)
+    for d, widths in ((96, (64, 32)), (256, (128, 128))):  # (the experiments: 64 + 32, 128 + 128)
+        if d in args.dims:
+            flash_bwd_split.SPLITS[d] = widths
+    tiles_before = dict(flash_bwd_split.TILES)
     rows = []
     for d in args.dims:
+        top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
         for causal in (c == "yes" for c in args.causal):
             for s in args.seqlens:
                 b, h = 16384 // s, 2048 // d
@@ -59,10 +64,11 @@ def main() -> None:
 
                 def ours(pair=None):
                     flash_bwd_split.ENABLED = pair is not None
-                    flash_bwd_split.DKDV_TILE, flash_bwd_split.DQ_TILE = pair or default
+                    flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
-                fns = {"split_" + "_".join("x".join(map(str, t)) for t in p): (lambda p=p: ours(p)) for p in pairs}
+                fns = {"split_" + "_".join("x".join(map(str, t)) for t in p): (lambda p=p: ours(p))
+                       for p in pairs or [tiles_before[top]]}
                 fns["general"] = ours
                 fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
                 fns["sdpa_flash"] = lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True)
@@ -82,7 +88,7 @@ def main() -> None:
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
-    flash_bwd_split.DKDV_TILE, flash_bwd_split.DQ_TILE = default
+    flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 
 

@@ -3,10 +3,11 @@ and PyTorch's (GPU, sm90): TFLOP/s of the forward.
 
 For each head dim, causal mode and seqlen (bf16, batch = 16384 / seqlen, heads = 2048 // d): `flash_fwd` with
 `flash_fwd_split` in each tile of --tiles (BLOCK_M, BLOCK_N, warps, stages), `flash_fwd` with it off (the general
-`_attn_fwd`), cuDNN and flash SDPA; do_bench medians; each output checked against cuDNN's first.
+`_attn_fwd`), the warp-specialized kernel where it runs (d=96 non-causal), cuDNN and flash SDPA; do_bench medians;
+each output checked against cuDNN's first. --dims 96 times the 64 + 32 split (off by default).
 
     python3 scripts/time_fwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384] [--json F]
-                                      [--tiles 128,64,8,2 128,64,8,3]
+                                      [--tiles 128,64,8,2 128,64,8,3]  [--dims 96 192]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _records import write_records  # noqa: E402
 
-from fa_backend.kernels.triton import flash_fwd_split
+from fa_backend.kernels.triton import flash_fwd_split, flash_fwd_ws
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
 
 
@@ -33,13 +34,16 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="*", default=[192])
     parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="*", default=["no", "yes"])
-    parser.add_argument("--tiles", nargs="*", default=["128,64,8,2"])
+    parser.add_argument("--tiles", nargs="*", default=[], help="default: the table's tile (TILES)")
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    default_tile = flash_fwd_split.TILE
+    if 96 in args.dims:
+        flash_fwd_split.SPLITS[96] = (64, 32)  # (the 64 + 32 experiment)
+    tiles_before = dict(flash_fwd_split.TILES)
     rows = []
     for d in args.dims:
+        top = flash_fwd_split.split_widths(d, d, flash_fwd_split.SPLITS)[0]
         for causal in (c == "yes" for c in args.causal):
             for s in args.seqlens:
                 b, h = 16384 // s, 2048 // d
@@ -47,13 +51,17 @@ def main() -> None:
                            for _ in range(3))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
 
-                def ours(tile=None):
+                def ours(tile=None, ws=False):
                     flash_fwd_split.ENABLED = tile is not None
-                    flash_fwd_split.TILE = tile or default_tile
+                    flash_fwd_split.TILES[top] = tile or tiles_before[top]
+                    flash_fwd_ws.ENABLED = ws
                     return flash_fwd(q, k, v, d ** -0.5, causal, False)[0]
 
-                fns = {f"split_{'x'.join(map(str, t))}": (lambda t=t: ours(t)) for t in tiles}
+                fns = {f"split_{'x'.join(map(str, t))}": (lambda t=t: ours(t))
+                       for t in tiles or [tiles_before[top]]}
                 fns["general"] = ours
+                if d in flash_fwd_ws.WS_TILES and not causal:
+                    fns["ws"] = lambda: ours(ws=True)
                 for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
                     def run(be=be):
                         with sdpa_kernel(be):
@@ -74,8 +82,8 @@ def main() -> None:
                     f"{n} {r['tflops']:.0f} ({r['tflops'] / fl:.3f}x flash, diff {r['max_diff_vs_cudnn']:.1e})"
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v
-    flash_fwd_split.ENABLED = True
-    flash_fwd_split.TILE = default_tile
+    flash_fwd_split.ENABLED = flash_fwd_ws.ENABLED = True
+    flash_fwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 
 

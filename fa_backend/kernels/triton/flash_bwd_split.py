@@ -19,7 +19,7 @@ from ._common import _band_keep, _ds_dot, _kv_bounds, _load_lse_log2, _q_bounds
 from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
 from ._ws import _head_rows
-from .flash_fwd_split import SPLIT_A, SPLIT_B
+from .flash_fwd_split import split_widths
 
 
 @triton.jit
@@ -183,12 +183,14 @@ def _bwd_dq_split(
 # bytes, causal 408, at 255 registers) 173 / 189; 134 / 175; three stages 200 / 226; 156 / 213; one 131 / 146;
 # 4 warps 178 / 200; 138 / 179; dQ 64 x 64 (with 32-row dK / dV) 141 / 150; 112 / 143; dQ with one stage 175 / 191;
 # 137 / 183; 128-row dK / dV steps do not fit in shared memory. The general kernels: 132 / 133; 111 / 132.
-DKDV_TILE = (64, 64, 8, 2)
-DQ_TILE = (128, 64, 8, 2)
+Tile = tuple[int, int, int, int]
+TILES: dict[int, tuple[Tile, Tile]] = {192: ((64, 64, 8, 2), (128, 64, 8, 2)), 256: ((64, 64, 8, 2), (64, 64, 8, 2)),
+                                       96: ((64, 64, 8, 2), (128, 64, 8, 2))}
 _INTERPRETER_TILE = (16, 16, 4, 1)
-# Widest head dim taken: 192 (a 64-column second tile). Up to 256 the second tile is 128 columns wide, the same
-# products as the general kernel's 256-wide tiles (an experiment: scripts/time_bwd_split.py --dims 256 sets it).
-MAX_HEAD_DIM = 192
+# Head-dim classes taken (flash_fwd_split.SPLITS' form). scripts/time_bwd_split.py --dims 96 / 256 adds 65-96 as
+# 64 + 32 and 193-256 as 128 + 128 (the same products as the general kernel's 256-wide tiles): experiments, off by
+# default.
+SPLITS: dict[int, tuple[int, int]] = {192: (128, 64)}
 
 # Off: d = 129-192 takes the general backward on 256-wide tiles. Tests and scripts switch it to compare both.
 ENABLED = True
@@ -197,12 +199,12 @@ ENABLED = True
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
                        dk: torch.Tensor, dv: torch.Tensor, lse: torch.Tensor, scale: float, plain: bool) -> bool:
     """Whether `flash_bwd_split` may compute this backward: plain (causal either way), scale > 0, both head dims
-    in 129-MAX_HEAD_DIM, fp16 / bf16, gradients with a unit last stride, a contiguous LSE, strides TMA accepts for q, k, v
-    and dout, no backward tile pinned by `_configs.override`."""
+    in one class of SPLITS (129-192), fp16 / bf16, gradients with a unit last stride, a contiguous LSE, strides TMA
+    accepts for q, k, v and dout, no backward tile pinned by `_configs.override`."""
     if not (ENABLED and plain and scale > 0) or _configs._override.get("bwd"):
         return False
     d, dv_dim = q.shape[-1], v.shape[-1]
-    if not (SPLIT_A < d <= MAX_HEAD_DIM and SPLIT_A < dv_dim <= MAX_HEAD_DIM):
+    if split_widths(d, dv_dim, SPLITS) is None:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not lse.is_contiguous():
         return False
@@ -218,18 +220,19 @@ def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     causal_offset None without a causal mask, else key j is visible to query i iff j <= i + causal_offset."""
     b, hq, sq, d = q.shape
     hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
-    d_b = SPLIT_B if max(d, dv_dim) <= SPLIT_A + SPLIT_B else 2 * SPLIT_B
-    kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=SPLIT_A, D_B=d_b, CAUSAL=causal_offset is not None,
+    top, width_a, width_b = split_widths(d, dv_dim, SPLITS)
+    dkdv_tile, dq_tile = TILES[top]
+    kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
               **({"EXACT_DS": True} if exact_ds else {}))
     offset, qk_scale = causal_offset or 0, scale * 1.4426950408889634
-    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else DKDV_TILE
+    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else dkdv_tile
     n_blocks = cdiv(sk, block_n)
     _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
     ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
-    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else DQ_TILE
+    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else dq_tile
     m_blocks = cdiv(sq, block_m)
     _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
         q, k, v, dout, lse, delta, dq,

@@ -21,9 +21,19 @@ from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
 from ._ws import _head_rows
 
-# Column tiles: the first covers columns [0, 128), the second [128, 192).
-SPLIT_A = 128
-SPLIT_B = 64
+# Head-dim classes a split launch takes, keyed on the class's widest head dim: (first, second column tile). 129-192:
+# 128 + 64 (the general kernel pads them to 256). scripts/time_fwd_split.py --dims 96 adds 65-96 as 64 + 32 (padded to
+# 128 otherwise): an experiment, off by default.
+SPLITS: dict[int, tuple[int, int]] = {192: (128, 64)}
+
+
+def split_widths(d: int, dv: int, splits: dict[int, tuple[int, int]]) -> tuple[int, int, int] | None:
+    """(class, first tile width, second tile width) of head dims d and dv in `splits`: both wider than the first tile
+    and at most the class's widest; None otherwise."""
+    for top, (width_a, width_b) in splits.items():
+        if width_a < d <= top and width_a < dv <= top:
+            return top, width_a, width_b
+    return None
 
 
 @triton.jit
@@ -113,22 +123,21 @@ def _attn_fwd_split(
 # causal): 128 x 64 x 8 warps x 3 stages 408 / 480; 303 / 435 against two stages 341 / 398; 262 / 368, 128 x 32 x 3
 # 328 / 384; 250 / 340, 64 x 64 x 4 x 2 270 / 311; 197 / 279 (general kernel 315 / 343; 256 / 325). 198 KB of shared
 # memory, 179 registers, no spills (sm90 compile check).
-TILE = (128, 64, 8, 3)
+TILES: dict[int, tuple[int, int, int, int]] = {192: (128, 64, 8, 3), 96: (128, 64, 8, 3)}
 _INTERPRETER_TILE = (16, 16, 4, 1)
 
-# Off: d = 129-192 takes `_attn_fwd` on 256-wide tiles. Tests and scripts switch it to compare both.
+# Off: every call takes `_attn_fwd` (d = 129-192 on 256-wide tiles). Tests and scripts switch it to compare both.
 ENABLED = True
 
 
 def split_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
                    plain: bool) -> bool:
     """Whether `flash_fwd_split` may run this call: plain (no mask, dropout, softcap, ALiBi, window; causal
-    either way), scale > 0, both head dims in 129-192, fp16 / bf16 inputs and output of the same dtype, strides
-    TMA accepts (sm90 or the interpreter), and no forward tile pinned by `_configs.override`."""
+    either way), scale > 0, both head dims in one class of SPLITS (129-192), fp16 / bf16 inputs and output of the
+    same dtype, strides TMA accepts (sm90 or the interpreter), and no forward tile pinned by `_configs.override`."""
     if not (ENABLED and plain and scale > 0) or _configs._override.get("fwd"):
         return False
-    d, dv = q.shape[-1], v.shape[-1]
-    if not (SPLIT_A < d <= SPLIT_A + SPLIT_B and SPLIT_A < dv <= SPLIT_A + SPLIT_B):
+    if split_widths(q.shape[-1], v.shape[-1], SPLITS) is None:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not k.shape[2]:
         return False
@@ -142,12 +151,13 @@ def flash_fwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     causal_offset."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else TILE
+    top, width_a, width_b = split_widths(d, dv, SPLITS)
+    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else TILES[top]
     num_m_blocks = cdiv(sq, block_m)
     _launch.launch(_attn_fwd_split, grid_1d(num_m_blocks * b * hq), (
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // hkv, sq, sk, num_m_blocks, causal_offset or 0, scale * 1.4426950408889634,
-    ), dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=block_m, BLOCK_N=block_n, D_A=SPLIT_A, D_B=SPLIT_B,
+    ), dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=block_m, BLOCK_N=block_n, D_A=width_a, D_B=width_b,
             CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages))

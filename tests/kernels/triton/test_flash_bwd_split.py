@@ -98,9 +98,20 @@ def test_split_backward_switches(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
-@pytest.mark.parametrize("d,causal", [(256, True), (200, False)])
-def test_split_backward_wide_interpreted(split_launches, monkeypatch, d, causal):
-    """Head dims 193-256 (off by default: MAX_HEAD_DIM) on 128 + 128 columns."""
-    monkeypatch.setattr(flash_bwd_split, "MAX_HEAD_DIM", 256)
+@pytest.mark.parametrize("d,causal,widths", [(256, True, (128, 128)), (200, False, (128, 128)), (96, True, (64, 32)),
+                                             (72, False, (64, 32))])
+def test_split_backward_other_classes_interpreted(split_launches, monkeypatch, d, causal, widths):
+    """Head dims 193-256 on 128 + 128 columns and 65-96 on 64 + 32 (experiments, off by default)."""
+    monkeypatch.setitem(flash_bwd_split.SPLITS, 96 if d <= 96 else 256, widths)
     monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
     _check(*_qkv(1, 2, 2, 40, 33, d, d, torch.float16, False), causal, False, split_launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("d,widths", [(96, (64, 32)), (256, (128, 128))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv,sq,sk", [(8, 8, 2048, 2048), (8, 2, 1000, 3001)])
+def test_split_backward_other_classes_real_size(split_launches, monkeypatch, d, widths, causal, hq, hkv, sq, sk):
+    monkeypatch.setitem(flash_bwd_split.SPLITS, 96 if d <= 96 else 256, widths)
+    _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), causal, True, split_launches)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa_backend.kernels.triton import _configs, flash_fwd_split
+from fa_backend.kernels.triton import _configs, flash_fwd_split, flash_fwd_ws
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
 from tests.conftest import DEVICE
 from tests.reference import assert_within_bar, attention_math, attention_same_dtype, causal_mask
@@ -123,3 +123,21 @@ def test_split_switches(split_launches, monkeypatch):
     monkeypatch.setattr(flash_fwd_split, "ENABLED", True)
     with _configs.override(fwd=_configs.TileConfig(16, 16, 4, 1)):  # a pinned tile is one for _attn_fwd
         assert not flash_fwd_split.split_eligible(q, k, v, out, 0.1, True)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,dv,hq,hkv,causal", [(96, 96, 4, 2, True), (80, 96, 2, 2, False)])
+def test_split_forward_small_interpreted(split_launches, monkeypatch, d, dv, hq, hkv, causal):
+    """Head dims 65-96 (an experiment, off by default) on 64 + 32 columns."""
+    monkeypatch.setitem(flash_fwd_split.SPLITS, 96, (64, 32))
+    _check(*qkv(2, hq, hkv, 37, 50, d, dv, torch.float16, True), causal, True, split_launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv,sq,sk", [(8, 8, 2048, 2048), (8, 2, 1000, 3001)])
+def test_split_forward_small_real_size(split_launches, monkeypatch, causal, hq, hkv, sq, sk):
+    monkeypatch.setitem(flash_fwd_split.SPLITS, 96, (64, 32))
+    monkeypatch.setattr(flash_fwd_ws, "ENABLED", False)
+    _check(*qkv(2, hq, hkv, sq, sk, 96, 96, torch.bfloat16, True), causal, True, split_launches)

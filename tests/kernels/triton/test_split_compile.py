@@ -17,9 +17,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fa_backend.kernels.triton import flash_bwd_split, flash_fwd_split
 
-kernels = ((flash_fwd_split._attn_fwd_split, flash_fwd_split.TILE),
-           (flash_bwd_split._bwd_dkdv_split, flash_bwd_split.DKDV_TILE),
-           (flash_bwd_split._bwd_dq_split, flash_bwd_split.DQ_TILE))
+kernels = ((flash_fwd_split._attn_fwd_split, flash_fwd_split.TILES[192]),
+           (flash_bwd_split._bwd_dkdv_split, flash_bwd_split.TILES[192][0]),
+           (flash_bwd_split._bwd_dq_split, flash_bwd_split.TILES[192][1]))
 types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
 types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
 for fn, (block_m, block_n, num_warps, num_stages) in kernels:
