@@ -186,7 +186,7 @@ def _bwd_dq_split(
 Tile = tuple[int, int, int, int]
 TILES: dict[int, tuple[Tile, Tile]] = {192: ((64, 64, 8, 2), (128, 64, 8, 2)), 256: ((64, 64, 8, 2), (64, 64, 8, 2)),
                                        96: ((64, 64, 8, 2), (128, 64, 8, 2))}
-_INTERPRETER_TILE = (16, 16, 4, 1)
+_INTERPRETER_TILES: tuple[Tile, Tile] | None = ((16, 16, 4, 1), (16, 16, 4, 1))  # None: TILES' (a test's choice)
 # Head-dim classes taken (flash_fwd_split.SPLITS' form). scripts/time_bwd_split.py --dims 96 / 256 adds 65-96 as
 # 64 + 32 and 193-256 as 128 + 128 (the same products as the general kernel's 256-wide tiles): experiments, off by
 # default.
@@ -221,18 +221,18 @@ def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     b, hq, sq, d = q.shape
     hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     top, width_a, width_b = split_widths(d, dv_dim, SPLITS)
-    dkdv_tile, dq_tile = TILES[top]
+    dkdv_tile, dq_tile = _INTERPRETER_TILES if _launch._INTERPRET and _INTERPRETER_TILES else TILES[top]
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
               **({"EXACT_DS": True} if exact_ds else {}))
     offset, qk_scale = causal_offset or 0, scale * 1.4426950408889634
-    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else dkdv_tile
+    block_m, block_n, num_warps, num_stages = dkdv_tile
     n_blocks = cdiv(sk, block_n)
     _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
     ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
-    block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else dq_tile
+    block_m, block_n, num_warps, num_stages = dq_tile
     m_blocks = cdiv(sq, block_m)
     _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
         q, k, v, dout, lse, delta, dq,

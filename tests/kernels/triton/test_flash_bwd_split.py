@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa_backend
-from fa_backend.kernels.triton import _configs, flash_bwd_split
+from fa_backend.kernels.triton import _configs, flash_bwd_split, flash_fwd_split
 from tests.conftest import DEVICE
 from tests.kernels.triton.test_flash_fwd_split import qkv as _qkv
 from tests.reference import check_attention
@@ -115,3 +115,15 @@ def test_split_backward_other_classes_interpreted(split_launches, monkeypatch, d
 def test_split_backward_other_classes_real_size(split_launches, monkeypatch, d, widths, causal, hq, hkv, sq, sk):
     monkeypatch.setitem(flash_bwd_split.SPLITS, 96 if d <= 96 else 256, widths)
     _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), causal, True, split_launches)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter")
+@pytest.mark.parametrize("causal,bottom_right", [(False, False), (True, True)])
+def test_split_default_tiles_interpreted(split_launches, monkeypatch, causal, bottom_right):
+    """The forward and backward at the GPU's default tiles (TILES: 128 / 64-row steps), on lengths that leave partial
+    tiles and a diagonal inside them, with GQA: the kernels' bounds at those tile sizes (the GPU's code generation is
+    left to the GPU tests)."""
+    monkeypatch.setattr(flash_fwd_split, "_INTERPRETER_TILE", None)
+    monkeypatch.setattr(flash_bwd_split, "_INTERPRETER_TILES", None)
+    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
+    _check(*_qkv(1, 4, 2, 200, 150, 192, 160, torch.float16, True), causal, bottom_right, split_launches)
