@@ -201,6 +201,14 @@ if [[ " $steps " == *" split "* ]]; then
     timeout 100 python3 scripts/time_bwd_split.py --dims 256 --seqlens 2048 8192 $SPLIT_WIDE_ARGS \
       --json "$OUT/bwd_split_wide.json" 2>&1 | grep "^d=" || status=1
   fi
+  # SPLIT_SMALL=1: the 64 + 32 split at d=96 (an experiment, off by default; sm90 compile: forward 128 x 128 x 8 x 3
+  # 173 registers, no spills; dK / dV 32 x 128 x 8 x 2 none, 64 x 64 x 8 x 2 88 bytes), forward and backward
+  if [[ -n "${SPLIT_SMALL:-}" ]]; then
+    timeout 80 python3 scripts/time_fwd_split.py --dims 96 --seqlens 2048 8192 --tiles 128,64,8,3 128,128,8,2 \
+      128,128,8,3 --json "$OUT/fwd_split_small.json" 2>&1 | grep "^d=" || status=1
+    timeout 80 python3 scripts/time_bwd_split.py --dims 96 --seqlens 2048 8192 --pairs 64,64,8,2/128,64,8,2 \
+      32,128,8,2/128,128,8,2 64,64,8,2/128,128,8,2 --json "$OUT/bwd_split_small.json" 2>&1 | grep "^d=" || status=1
+  fi
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"
