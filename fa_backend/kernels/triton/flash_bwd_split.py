@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from . import _configs, _launch
+from ._features import _LOG2E
 from ._common import _band_keep, _ds_dot, _kv_bounds, _load_lse_log2, _q_bounds
 from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
@@ -224,7 +225,7 @@ def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     dkdv_tile, dq_tile = _INTERPRETER_TILES if _launch._INTERPRET and _INTERPRETER_TILES else TILES[top]
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
               **({"EXACT_DS": True} if exact_ds else {}))
-    offset, qk_scale = causal_offset or 0, scale * 1.4426950408889634
+    offset, qk_scale = causal_offset or 0, scale * _LOG2E
     block_m, block_n, num_warps, num_stages = dkdv_tile
     n_blocks = cdiv(sk, block_n)
     _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (

@@ -358,11 +358,11 @@ def flash_fwd(
     plain = plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes)
     if ws_eligible(q, k, v, out, scale, causal, plain) and flash_fwd_ws(q, k, v, scale, out, lse):
         return out, lse
-    if split_eligible(q, k, v, out, scale, plain):  # d = 129-192 on 128 + 64 columns instead of 256
-        flash_fwd_split(q, k, v, scale, ((sk - sq) if bottom_right else 0) if causal else None, out, lse)
-        return out, lse
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
+    if split_eligible(q, k, v, out, scale, plain):  # d = 129-192 on 128 + 64 columns instead of 256
+        flash_fwd_split(q, k, v, scale, feat.causal_offset if causal else None, out, lse)
+        return out, lse
     features = tile_class(feat, attn_mask, b, hq, sq, sk, d)
     cfg = fwd_config(q, d, dv, feat.causal, sk, features=features)
     if cfg.tma and not tma_ok(k, v):

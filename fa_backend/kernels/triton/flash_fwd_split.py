@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _configs, _launch
+from ._features import _LOG2E
 from ._common import LN2, _band_keep, _kv_bounds
 from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
@@ -159,6 +160,6 @@ def flash_fwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // hkv, sq, sk, num_m_blocks, causal_offset or 0, scale * 1.4426950408889634,
+        hq, hq // hkv, sq, sk, num_m_blocks, causal_offset or 0, scale * _LOG2E,
     ), dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=block_m, BLOCK_N=block_n, D_A=width_a, D_B=width_b,
             CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages))
