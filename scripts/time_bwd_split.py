@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _records import write_records  # noqa: E402
 
 from fa_backend.kernels.triton import flash_bwd_split
-from fa_backend.kernels.triton.flash_bwd import flash_bwd
+from fa_backend.kernels.triton.flash_bwd import bwd_delta, flash_bwd
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
 
 
@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="*", default=["no", "yes"])
     parser.add_argument("--pairs", nargs="*", default=[], help="default: the table's tiles (TILES)")
+    parser.add_argument("--launches", action="store_true",
+                        help="also time the dK / dV and dQ launches of each pair alone (ms, share of the pair)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
@@ -81,15 +83,39 @@ def main() -> None:
                         res[name] = dict(tflops=flops / ms / 1e9, ms=ms, max_diff_vs_cudnn=diff)
                     except Exception as e:  # noqa: BLE001 - a tile that does not build: reported
                         res[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                if args.launches:
+                    _time_launches(res, pairs or [tiles_before[top]], top, q, k, v, do, out, lse, d, causal)
                 rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
                 fl = res["sdpa_flash"]["tflops"]
                 print(f"d={d} causal={int(causal)} s={s}: " + "  ".join(
                     f"{n} {r['tflops']:.0f} ({r['tflops'] / fl:.3f}x flash, diff {r['max_diff_vs_cudnn']:.1e})"
-                    if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
+                    if "tflops" in r else f"{n} {r['error']}" for n, r in res.items() if "launch" not in n), flush=True)
+                for n, r in res.items():
+                    if "launch" in n:
+                        print(f"  {n}: " + "  ".join(f"{k} {x:.3f} ms" for k, x in r.items()), flush=True)
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
+
+
+def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: int, causal: bool) -> None:
+    """Time the dK / dV and the dQ launch of each pair alone (delta computed once beforehand)."""
+    delta = bwd_delta(out, do, None, triton.next_power_of_2(d))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    before = flash_bwd_split.TILES[top]
+    for p in pairs:
+        flash_bwd_split.TILES[top] = p
+        dkdv, dq_ = flash_bwd_split.launches(q, k, v, do, lse, delta, dq, dk, dv, d ** -0.5, 0 if causal else None,
+                                             False)
+        name = "launch_" + "_".join("x".join(map(str, t)) for t in p)
+        try:
+            res[name] = dict(dkdv=triton.testing.do_bench(dkdv, warmup=30, rep=200),
+                             dq=triton.testing.do_bench(dq_, warmup=30, rep=200))
+        except Exception as e:  # noqa: BLE001 - a tile that does not build: reported by the pair above
+            res[name] = dict(error=float("nan"))
+            print(f"  {name}: {type(e).__name__}", flush=True)
+    flash_bwd_split.TILES[top] = before
 
 
 if __name__ == "__main__":

@@ -219,6 +219,15 @@ def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
                     causal_offset: int | None, exact_ds: bool) -> None:
     """Write dq, dk, dv for a call `split_bwd_eligible` accepted (lse, delta: fp32 contiguous (b, hq, sq));
     causal_offset None without a causal mask, else key j is visible to query i iff j <= i + causal_offset."""
+    for launch in launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal_offset, exact_ds):
+        launch()
+
+
+def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
+             causal_offset: int | None, exact_ds: bool) -> tuple:
+    """`flash_bwd_split`'s two launches (dK / dV, then dQ) as callables, in order (timed one by one by
+    scripts/time_bwd_split.py --launches)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     top, width_a, width_b = split_widths(d, dv_dim, SPLITS)
@@ -226,17 +235,23 @@ def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
               **({"EXACT_DS": True} if exact_ds else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
-    block_m, block_n, num_warps, num_stages = dkdv_tile
-    n_blocks = cdiv(sk, block_n)
-    _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
-        q, k, v, dout, lse, delta, dk, dv,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
-    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
-    block_m, block_n, num_warps, num_stages = dq_tile
-    m_blocks = cdiv(sq, block_m)
-    _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
-        q, k, v, dout, lse, delta, dq,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-        hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
-    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
+
+    def dkdv() -> None:
+        block_m, block_n, num_warps, num_stages = dkdv_tile
+        n_blocks = cdiv(sk, block_n)
+        _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
+            q, k, v, dout, lse, delta, dk, dv,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
+        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
+
+    def dq_() -> None:
+        block_m, block_n, num_warps, num_stages = dq_tile
+        m_blocks = cdiv(sq, block_m)
+        _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
+            q, k, v, dout, lse, delta, dq,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+            hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
+        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
+
+    return dkdv, dq_
