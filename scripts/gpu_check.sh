@@ -201,6 +201,11 @@ if [[ " $steps " == *" split "* ]]; then
     timeout 100 python3 scripts/time_bwd_split.py --dims 256 --seqlens 2048 8192 $SPLIT_WIDE_ARGS \
       --json "$OUT/bwd_split_wide.json" 2>&1 | grep "^d=" || status=1
   fi
+  # WS_ARGS: the warp-specialized dK / dV kernel at other head dims / tiles, e.g. "--dims 64 --tile 64,128,4,2"
+  if [[ -n "${WS_ARGS:-}" ]]; then
+    timeout 100 python3 scripts/time_bwd_ws.py --seqlens 2048 8192 $WS_ARGS --json "$OUT/bwd_ws.json" 2>&1 \
+      | grep "^d=" || status=1
+  fi
   # SPLIT_SMALL=1: the 64 + 32 split at d=96 (an experiment, off by default; sm90 compile: forward 128 x 128 x 8 x 3
   # 173 registers, no spills; dK / dV 32 x 128 x 8 x 2 none, 64 x 64 x 8 x 2 88 bytes), forward and backward
   if [[ -n "${SPLIT_SMALL:-}" ]]; then

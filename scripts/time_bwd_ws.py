@@ -4,7 +4,11 @@ whole backward (bf16, non-causal MHA, batch = 16384 / seqlen, heads = 2048 / d; 
 `ours` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_ws` on and off; cuDNN and SDPA-flash their SDPA
 backward through autograd (retain_graph). Each gradient is compared with cuDNN's first.
 
-    python3 scripts/time_bwd_ws.py [--dims 128 96] [--seqlens 1024 2048 4096 8192 16384] [--json F]
+    python3 scripts/time_bwd_ws.py [--dims 128 96] [--seqlens 1024 2048 4096 8192 16384] [--tile 64,128,4,2]
+                                   [--json F]
+
+--tile: the WS tile (BLOCK_M, BLOCK_N, warps, stages) for every head dim given, in WS_TILES or not (an
+experiment, e.g. d=64: 64 x 128 x 4 warps x 2 stages compiles for sm90 at 168 registers, no spills, 82 KB).
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="*", default=[128])
     parser.add_argument("--seqlens", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--tile")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.tile:
+        flash_bwd_ws.WS_TILES.update({d: tuple(int(x) for x in args.tile.split(",")) for d in args.dims})
     rows = []
     for d in args.dims:
         for s in args.seqlens:
