@@ -9,8 +9,7 @@ autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96
 splits (off by default).
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
-                                      [--pairs 32,64,8,2/64,64,8,2 ...] [--ws-tiles 32,128,4,2 ...]
-                                      [--launches] [--json F]
+                                      [--pairs 32,64,8,2/64,64,8,2 ...] [--json F]
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="*", default=["no", "yes"])
     parser.add_argument("--pairs", nargs="*", default=[], help="default: the table's tiles (TILES)")
-    parser.add_argument("--ws-tiles", nargs="*", default=[],
-                        help="warp-specialized dK / dV tiles (WS_TILES, non-causal rows only), dQ at the table's tile")
     parser.add_argument("--launches", action="store_true",
                         help="also time the dK / dV and dQ launches of each pair alone (ms, share of the pair)")
     parser.add_argument("--json")
@@ -72,17 +69,8 @@ def main() -> None:
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
-                def ours_ws(tile):
-                    flash_bwd_split.WS_TILES[top] = tile
-                    try:
-                        return ours(tiles_before[top])
-                    finally:
-                        flash_bwd_split.WS_TILES.pop(top)
-
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p): (lambda p=p: ours(p))
                        for p in pairs or [tiles_before[top]]}
-                for t in args.ws_tiles if not causal else []:
-                    fns["ws_" + t.replace(",", "x")] = lambda t=t: ours_ws(tuple(int(x) for x in t.split(",")))
                 fns["general"] = ours
                 fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
                 fns["sdpa_flash"] = lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True)

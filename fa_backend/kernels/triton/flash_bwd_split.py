@@ -16,7 +16,7 @@ import triton.language as tl
 
 from . import _configs, _launch
 from ._features import _LOG2E
-from ._common import LOG2E, _band_keep, _ds_dot, _kv_bounds, _load_lse_log2, _q_bounds
+from ._common import _band_keep, _ds_dot, _kv_bounds, _load_lse_log2, _q_bounds
 from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
 from ._ws import _head_rows
@@ -114,64 +114,6 @@ def _bwd_dkdv_split(
     _tile_store(DV_h, n0, SEQ_K, stride_dvn, D_A, HEAD_DIM_V, dv_b, BLOCK_N, D_B)
 
 
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS"])
-def _bwd_dkdv_ws_split(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    NUM_HEADS, SEQ_Q, SEQ_K, NUM_N_BLOCKS, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
-):
-    """`_bwd_dkdv_split` for non-causal MHA with the query loop warp-specialized (flash_bwd_ws's structure: a TMA
-    producer partition, two consumer warpgroups of BLOCK_N / 2 keys each; LSE / delta by pointer along the unsplit
-    query axis; dK / dV stored by TMA). An experiment (WS_TILES empty by default)."""
-    pid = tl.program_id(0)
-    pid_n = pid % NUM_N_BLOCKS
-    bh = pid // NUM_N_BLOCKS
-    off_b = (bh // NUM_HEADS).to(tl.int64)
-    off_h = (bh % NUM_HEADS).to(tl.int64)
-    qa = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_A)
-    qb = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_B)
-    doa = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM, BLOCK_M, D_A)
-    dob = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM, BLOCK_M, D_B)
-    n0 = pid_n * BLOCK_N
-    k_a = _head_rows(K, off_b, off_h, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A).load([n0, 0])
-    k_b = _head_rows(K, off_b, off_h, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B).load([n0, D_A])
-    v_a = _head_rows(V, off_b, off_h, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N, D_A).load([n0, 0])
-    v_b = _head_rows(V, off_b, off_h, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N, D_B).load([n0, D_A])
-    dk_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
-    dk_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
-    dv_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
-    dv_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
-    offs_m = tl.arange(0, BLOCK_M)
-    LSE_bh = LSE + bh.to(tl.int64) * SEQ_Q
-    DELTA_bh = DELTA + bh.to(tl.int64) * SEQ_Q
-    for start_m in tl.range(0, SEQ_Q, BLOCK_M, warp_specialize=True):
-        rows = start_m + offs_m
-        q_a = qa.load([start_m, 0])
-        q_b = qb.load([start_m, D_A])
-        lse = tl.load(LSE_bh + rows, mask=rows < SEQ_Q, other=float("inf")) * LOG2E
-        p_t = tl.math.exp2(tl.dot(k_b, tl.trans(q_b), tl.dot(k_a, tl.trans(q_a))) * qk_scale - lse[None, :])
-        do_a = doa.load([start_m, 0])
-        do_b = dob.load([start_m, D_A])
-        p16 = p_t.to(do_a.dtype)
-        dv_a = tl.dot(p16, do_a, dv_a)
-        dv_b = tl.dot(p16, do_b, dv_b)
-        delta = tl.load(DELTA_bh + rows, mask=rows < SEQ_Q, other=0.0)
-        dp_t = tl.dot(v_b, tl.trans(do_b), tl.dot(v_a, tl.trans(do_a)))
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
-        dk_a = tl.dot(ds_t, q_a, dk_a)
-        dk_b = tl.dot(ds_t, q_b, dk_b)
-    dk_a, dk_b = (dk_a * sm_scale).to(DK.dtype.element_ty), (dk_b * sm_scale).to(DK.dtype.element_ty)
-    _head_rows(DK, off_b, off_h, stride_dkb, stride_dkh, stride_dkn, SEQ_K, HEAD_DIM, BLOCK_N, D_A).store([n0, 0], dk_a)
-    _head_rows(DK, off_b, off_h, stride_dkb, stride_dkh, stride_dkn, SEQ_K, HEAD_DIM, BLOCK_N, D_B).store([n0, D_A],
-                                                                                                           dk_b)
-    _head_rows(DV, off_b, off_h, stride_dvb, stride_dvh, stride_dvn, SEQ_K, HEAD_DIM, BLOCK_N, D_A).store(
-        [n0, 0], dv_a.to(DV.dtype.element_ty))
-    _head_rows(DV, off_b, off_h, stride_dvb, stride_dvh, stride_dvn, SEQ_K, HEAD_DIM, BLOCK_N, D_B).store(
-        [n0, D_A], dv_b.to(DV.dtype.element_ty))
-
-
 @triton.jit
 def _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc, start, end,
                    rows, SEQ_K, causal_offset, qk_scale, BLOCK_N: tl.constexpr, D_A: tl.constexpr,
@@ -246,9 +188,6 @@ Tile = tuple[int, int, int, int]
 TILES: dict[int, tuple[Tile, Tile]] = {192: ((64, 64, 8, 2), (128, 64, 8, 2)), 256: ((64, 64, 8, 2), (64, 64, 8, 2)),
                                        96: ((64, 64, 8, 2), (128, 64, 8, 2))}
 _INTERPRETER_TILES: tuple[Tile, Tile] | None = ((16, 16, 4, 1), (16, 16, 4, 1))  # None: TILES' (a test's choice)
-# Warp-specialized dK / dV tiles per class, non-causal MHA only (`_bwd_dkdv_ws_split`): an experiment, empty by
-# default (sm90 compile, d=192, 12 warps: 32 x 128 x 4 warps x 2 stages spills 420 bytes, 16 x 128 24, 64 x 128 1428).
-WS_TILES: dict[int, Tile] = {}
 # Head-dim classes taken (flash_fwd_split.SPLITS' form). scripts/time_bwd_split.py --dims 96 / 256 adds 65-96 as
 # 64 + 32 and 193-256 as 128 + 128 (the same products as the general kernel's 256-wide tiles): experiments, off by
 # default.
@@ -297,20 +236,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
               **({"EXACT_DS": True} if exact_ds else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
 
-    ws_tile = WS_TILES.get(top) if (causal_offset is None and hq == hkv and d == dv_dim and not exact_ds
-                                    and tma_ok(dk, dv)) else None
-
     def dkdv() -> None:
-        if ws_tile is not None:
-            block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else ws_tile
-            n_blocks = cdiv(sk, block_n)
-            _launch.launch(_bwd_dkdv_ws_split, grid_1d(n_blocks * b * hkv), (
-                q, k, v, dout, lse, delta, dk, dv,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
-                *dv.stride()[:3], hq, sq, sk, n_blocks, qk_scale, scale,
-            ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, D_A=width_a, D_B=width_b, num_warps=num_warps,
-                    num_stages=num_stages))
-            return
         block_m, block_n, num_warps, num_stages = dkdv_tile
         n_blocks = cdiv(sk, block_n)
         _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (

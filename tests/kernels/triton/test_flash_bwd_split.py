@@ -47,21 +47,6 @@ def test_split_backward_interpreted(split_launches, monkeypatch, d, dv, hq, hkv,
     _check(*_qkv(2, hq, hkv, sq, sk, d, dv, torch.float16, bshd), causal, bottom_right, split_launches)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
-@pytest.mark.parametrize("d,sq,sk,bshd", [(192, 40, 56, False), (160, 37, 70, True)])
-def test_split_backward_ws_interpreted(split_launches, monkeypatch, d, sq, sk, bshd):
-    """The warp-specialized dK / dV experiment (WS_TILES) within the 2x rule; it takes non-causal MHA only."""
-    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
-    monkeypatch.setitem(flash_bwd_split.WS_TILES, 192, (32, 128, 4, 2))
-    q, k, v = _qkv(2, 2, 2, sq, sk, d, d, torch.float16, bshd)
-    check_attention(lambda q, k, v: fa_backend.attention(q, k, v), q, k, v)
-    assert "_bwd_dkdv_ws_split" in split_launches and "_bwd_dkdv_split" not in split_launches, split_launches
-    split_launches.clear()
-    q, k, v = _qkv(2, 4, 2, sq, sk, d, d, torch.float16, bshd)  # GQA: the two-launch kernel
-    _grads(q, k, v)
-    assert "_bwd_dkdv_split" in split_launches and "_bwd_dkdv_ws_split" not in split_launches, split_launches
-
-
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)
              for d in (192, 160) for causal in (False, True)
              for hq, hkv, sq, sk, bshd in ((8, 8, 2048, 2048, True), (8, 2, 1000, 3001, False),
@@ -74,16 +59,6 @@ GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)
 @pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd,causal", GPU_CASES)
 def test_split_backward_real_size(split_launches, dtype, d, hq, hkv, sq, sk, bshd, causal):
     _check(*_qkv(2, hq, hkv, sq, sk, d, d, dtype, bshd), causal, True, split_launches)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA, warp specialization)")
-@pytest.mark.parametrize("d,sq,sk", [(192, 2048, 2048), (160, 3001, 1000)])
-def test_split_backward_ws_real_size(split_launches, monkeypatch, d, sq, sk):
-    monkeypatch.setitem(flash_bwd_split.WS_TILES, 192, flash_bwd_split.WS_TILES.get(192, (32, 128, 4, 2)))
-    q, k, v = _qkv(2, 8, 8, sq, sk, d, d, torch.bfloat16, True)
-    check_attention(lambda q, k, v: fa_backend.attention(q, k, v), q, k, v)
-    assert "_bwd_dkdv_ws_split" in split_launches, split_launches
 
 
 def _grads(q, k, v, **kw):
