@@ -195,8 +195,14 @@ if [[ " $steps " == *" split "* ]]; then
   timeout -s INT -k 20 ${TEST_TIMEOUT:-250} python3 -m pytest ${SPLIT_TESTS:-tests/kernels/triton} -m gpu -q -p no:cacheprovider -n 3 \
     --ignore tests/kernels/triton/test_varlen_gpu.py > "$OUT/triton_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/triton_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/triton_tests.log" | head -20
-  [[ "${SPLIT_FWD:-1}" == 1 ]] && timeout 100 python3 scripts/time_fwd_split.py --json "$OUT/fwd_split.json" 2>&1 | grep "^d=" || status=1
-  timeout 180 python3 scripts/time_bwd_split.py --launches ${SPLIT_BWD_ARGS:-} --json "$OUT/bwd_split.json" 2>&1 | grep -E "^(d=|  launch)" || status=1
+  # SPLIT_FWD=0 / SPLIT_BWD=0: without the default timings; SPLIT_BWD_ARGS: more time_bwd_split.py arguments
+  if [[ "${SPLIT_FWD:-1}" == 1 ]]; then
+    timeout 100 python3 scripts/time_fwd_split.py --json "$OUT/fwd_split.json" 2>&1 | grep "^d=" || status=1
+  fi
+  if [[ "${SPLIT_BWD:-1}" == 1 ]]; then
+    timeout 180 python3 scripts/time_bwd_split.py --launches ${SPLIT_BWD_ARGS:-} --json "$OUT/bwd_split.json" 2>&1 \
+      | grep -E "^(d=|  launch)" || status=1
+  fi
   if [[ -n "${SPLIT_WIDE_ARGS:-}" ]]; then
     timeout 100 python3 scripts/time_bwd_split.py --dims 256 --seqlens 2048 8192 $SPLIT_WIDE_ARGS \
       --json "$OUT/bwd_split_wide.json" 2>&1 | grep "^d=" || status=1

@@ -71,7 +71,11 @@ def _bwd_dkdv_ws(
 # 64 per consumer warpgroup); 4 warps is what the pass specializes.
 # d=96 on 128-wide tiles (H100, scripts/time_bwd_ws.py --dims 96, whole backward at 2k / 4k / 8k / 16k): 278 / 298 /
 # 306 / 307 TFLOP/s against the general kernel's 265 / 285 / 289 / 283 (1.00 / 1.09 / 1.03 / 1.01x SDPA-flash).
-WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (64, 128, 4, 2), 96: (64, 128, 4, 2)}
+# d=64 (64 x 128 x 4 x 2: sm90 compile 168 registers, no spills, 82 KB), H100, same script, WS / general at 1k / 2k /
+# 4k / 8k / 16k: 250 / 259, 294 / 283, 316 / 297, 327 / 304, 333 / 307 TFLOP/s: from 2k keys on (MIN_SEQ_K).
+WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (64, 128, 4, 2), 96: (64, 128, 4, 2), 64: (64, 128, 4, 2)}
+# Fewest keys at which a head dim takes this kernel (below it the general kernel was faster).
+MIN_SEQ_K: dict[int, int] = {64: 2048}
 ENABLED = True
 INTERPRET = False  # as flash_fwd_ws.INTERPRET: tests turn it on under the interpreter
 _FAILED: set = set()
@@ -81,12 +85,14 @@ _LOG2E = 1.4426950408889634
 def dkdv_ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dk: torch.Tensor,
                      dv: torch.Tensor, scale: float, causal: bool, plain: bool) -> bool:
     """Whether `bwd_dkdv_ws` may compute this backward's dK / dV: plain, non-causal, MHA, equal head dims in
-    WS_TILES, fp16 / bf16, scale > 0, on sm90 (or the interpreter with INTERPRET) with strides TMA accepts, no
-    tile pinned by `_configs.override`."""
+    WS_TILES with at least MIN_SEQ_K keys, fp16 / bf16, scale > 0, on sm90 (or the interpreter with INTERPRET) with
+    strides TMA accepts, no tile pinned by `_configs.override`."""
     if not (ENABLED and _HAS_WS and plain and not causal and scale > 0) or _configs._override.get("bwd"):
         return False
     d = q.shape[-1]
     if d not in WS_TILES or v.shape[-1] != d or q.shape[1] != k.shape[1] or (d, q.dtype) in _FAILED:
+        return False
+    if k.shape[2] < MIN_SEQ_K.get(d, 0):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not platform_ok(q, INTERPRET) or not (
             q.dtype == k.dtype == dout.dtype == dk.dtype == dv.dtype):
