@@ -56,6 +56,17 @@ def test_ws_dkdv_interpreted(launches, d, sq, sk, bshd):
     _check(*_qkv(2, 2, sq, sk, d, torch.float16, bshd), launches)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+def test_ws_dkdv_min_keys(launches, monkeypatch):
+    """Below MIN_SEQ_K keys a head dim takes the general dK / dV kernel; from it on, this one."""
+    monkeypatch.setattr(flash_bwd_ws, "MIN_SEQ_K", {64: 48})
+    for sk, kernel in ((40, "_bwd_dkdv"), (48, "_bwd_dkdv_ws")):
+        launches.clear()
+        q, k, v = _qkv(1, 2, 32, sk, 64, torch.float16, False)
+        check_attention(lambda q, k, v: fa_backend.attention(q, k, v), q, k, v)
+        assert kernel in launches and {"_bwd_dkdv", "_bwd_dkdv_ws"} - {kernel} - set(launches), (sk, launches)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
