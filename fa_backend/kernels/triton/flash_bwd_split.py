@@ -10,6 +10,8 @@ block, summing a GQA group in registers; dQ per query block), deterministic, aft
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -225,7 +227,7 @@ def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
 
 def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
-             causal_offset: int | None, exact_ds: bool) -> tuple:
+             causal_offset: int | None, exact_ds: bool) -> tuple[Callable[[], None], Callable[[], None]]:
     """`flash_bwd_split`'s two launches (dK / dV, then dQ) as callables, in order (timed one by one by
     scripts/time_bwd_split.py --launches)."""
     b, hq, sq, d = q.shape
