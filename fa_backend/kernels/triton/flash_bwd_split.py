@@ -1,11 +1,12 @@
-"""Backward for head dims 129-192 on two column tiles (128 + 64) instead of one 256-wide tile.
+"""Backward for head dims 129-192 on two column tiles (128 + 64), 193-256 on 128 + 128, instead of one 256-wide tile.
 
 The counterpart of `flash_fwd_split`: the general backward (`flash_bwd._bwd_dkdv` / `_bwd_dq`) runs d=192 on
 256-wide tiles, a quarter of its products on zero columns. Here Q, K, V and dO are read by TMA as a 128-column and a
-64-column tile (columns past the head dim zero-filled), each product over the head dim is the sum of two dots, and
-dQ, dK and dV are kept in two accumulators each. The same two launches as the general backward (dK / dV per key
-block, summing a GQA group in registers; dQ per query block), deterministic, after the same delta pass. Plain calls
-(causal or not, GQA; no mask, dropout, softcap, ALiBi or window), fp16 / bf16, a positive scale, strides TMA accepts.
+64-column tile (two 128-column tiles from d=193; columns past the head dim zero-filled), each product over the head
+dim is the sum of two dots, and dQ, dK and dV are kept in two accumulators each. The same two launches as the
+general backward (dK / dV per key block, summing a GQA group in registers; dQ per query block), deterministic, after
+the same delta pass. Plain calls (causal or not, GQA; no mask, dropout, softcap, ALiBi or window), fp16 / bf16, a
+positive scale, strides TMA accepts.
 """
 
 from __future__ import annotations
@@ -181,29 +182,39 @@ def _bwd_dq_split(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK / dV and dQ launches. H100, d=192, scripts/time_bwd_split.py,
-# whole-backward TFLOP/s at 2k / 8k without a causal mask; with one: dK / dV 64 x 64 x 8 warps x 2 stages with dQ
-# 128 x 64 x 8 x 2: 213 / 239; 163 / 222. Against it: dK / dV 32 x 64 x 8 x 2 (spill-free: the 64-row step spills 84
-# bytes, causal 408, at 255 registers) 173 / 189; 134 / 175; three stages 200 / 226; 156 / 213; one 131 / 146;
-# 4 warps 178 / 200; 138 / 179; dQ 64 x 64 (with 32-row dK / dV) 141 / 150; 112 / 143; dQ with one stage 175 / 191;
-# 137 / 183; 128-row dK / dV steps do not fit in shared memory. The general kernels: 132 / 133; 111 / 132.
+# whole-backward TFLOP/s at 2k / 8k without a causal mask; with one. Thirty-ninth session: dK / dV 32 x 128 x 8 x 2
+# (128 keys per program, so each warpgroup's S^T / dP^T products are 64 keys by 32 queries and its dK / dV products
+# take the full 128 / 64 columns; 308 bytes of spills at 255 registers, paid back) with dQ 128 x 64 x 8 x 2: 280 / 320;
+# 185 / 242, against the thirty-seventh session's dK / dV 64 x 64 x 8 x 2 (whose 8 warps split 64-wide products into
+# 32-wide wgmmas, bound by shared-memory reads of their A operand) 212 / 239; 163 / 220 in the same run; dK / dV
+# 16 x 128 x 8 x 2 219 / 244; 174 / 229, 16 x 128 x 8 x 3 231 / 260; 166 / 216, 32 x 128 x 8 x 3 257 / 294 (non-causal),
+# 32 x 128 x 4 x 2 96 / 100; dQ 128 x 32 x 8 x 3 equal; a third dQ stage or 64-row dK / dV steps over 128 keys do not
+# fit in shared memory. Thirty-seventh session, against 64 x 64 x 8 x 2: dK / dV 32 x 64 x 8 x 2 173 / 189; 134 / 175;
+# three stages 200 / 226; 156 / 213; one 131 / 146; 4 warps 178 / 200; 138 / 179; dQ 64 x 64 (with 32-row dK / dV)
+# 141 / 150; 112 / 143; dQ with one stage 175 / 191; 137 / 183. The general kernels: 132 / 133; 111 / 132.
+# d=256 on 128 + 128 (thirty-ninth session, same tables): 64 x 64 x 8 x 2 for both 191 / 202; 153 / 189, the general
+# kernels 172 / 170; 144 / 174; dK / dV 32 x 64 x 8 x 2 159 / 164; 136 / 168, 16 x 64 x 8 x 2 118 / 120; 105 / 125;
+# a third dK / dV stage or 128-row dQ steps do not fit in shared memory.
 Tile = tuple[int, int, int, int]
-TILES: dict[int, tuple[Tile, Tile]] = {192: ((64, 64, 8, 2), (128, 64, 8, 2)), 256: ((64, 64, 8, 2), (64, 64, 8, 2)),
+TILES: dict[int, tuple[Tile, Tile]] = {192: ((32, 128, 8, 2), (128, 64, 8, 2)), 256: ((64, 64, 8, 2), (64, 64, 8, 2)),
                                        96: ((64, 64, 8, 2), (128, 64, 8, 2))}
 _INTERPRETER_TILES: tuple[Tile, Tile] | None = ((16, 16, 4, 1), (16, 16, 4, 1))  # None: TILES' (a test's choice)
-# Head-dim classes taken (flash_fwd_split.SPLITS' form). scripts/time_bwd_split.py --dims 96 / 256 adds 65-96 as
-# 64 + 32 and 193-256 as 128 + 128 (the same products as the general kernel's 256-wide tiles): experiments, off by
-# default.
-SPLITS: dict[int, tuple[int, int]] = {192: (128, 64)}
+# Head-dim classes taken (flash_fwd_split.SPLITS' form): 129-192 as 128 + 64, 193-256 as 128 + 128 (since the
+# thirty-ninth session; the same products as the general kernel's 256-wide tiles, 1.06-1.20x its TFLOP/s above).
+# scripts/time_bwd_split.py --dims 96 adds 65-96 as 64 + 32: an experiment, off by default (H100, thirty-ninth
+# session: 0.74-0.84x the general backward's TFLOP/s at 2k / 8k at its best pair, 32 x 128 x 8 x 2 / 128 x 64 x 8 x 2 or
+# 128 x 128 x 8 x 2).
+SPLITS: dict[int, tuple[int, int]] = {192: (128, 64), 256: (128, 128)}
 
-# Off: d = 129-192 takes the general backward on 256-wide tiles. Tests and scripts switch it to compare both.
+# Off: d = 129-256 takes the general backward on 256-wide tiles. Tests and scripts switch it to compare both.
 ENABLED = True
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
                        dk: torch.Tensor, dv: torch.Tensor, lse: torch.Tensor, scale: float, plain: bool) -> bool:
     """Whether `flash_bwd_split` may compute this backward: plain (causal either way), scale > 0, both head dims
-    in one class of SPLITS (129-192), fp16 / bf16, gradients with a unit last stride, a contiguous LSE, strides TMA
-    accepts for q, k, v and dout, no backward tile pinned by `_configs.override`."""
+    in one class of SPLITS (129-192, 193-256), fp16 / bf16, gradients with a unit last stride, a contiguous LSE,
+    strides TMA accepts for q, k, v and dout, no backward tile pinned by `_configs.override`."""
     if not (ENABLED and plain and scale > 0) or _configs._override.get("bwd"):
         return False
     d, dv_dim = q.shape[-1], v.shape[-1]

@@ -101,7 +101,7 @@ def test_split_backward_switches(monkeypatch):
 @pytest.mark.parametrize("d,causal,widths", [(256, True, (128, 128)), (200, False, (128, 128)), (96, True, (64, 32)),
                                              (72, False, (64, 32))])
 def test_split_backward_other_classes_interpreted(split_launches, monkeypatch, d, causal, widths):
-    """Head dims 193-256 on 128 + 128 columns and 65-96 on 64 + 32 (experiments, off by default)."""
+    """Head dims 193-256 on 128 + 128 columns (the default) and 65-96 on 64 + 32 (an experiment, off by default)."""
     monkeypatch.setitem(flash_bwd_split.SPLITS, 96 if d <= 96 else 256, widths)
     monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
     _check(*_qkv(1, 2, 2, 40, 33, d, d, torch.float16, False), causal, False, split_launches)
