@@ -191,7 +191,7 @@ fi
 if [[ " $steps " == *" split "* ]]; then
   # the Triton kernels' GPU tests (the packed-sequence file apart: it runs out of GPU memory beside other workers),
   # then the split-column kernels (d = 129-192) timed at their default tiles against the general ones and PyTorch's;
-  # SPLIT_TESTS: test files instead of the whole folder; SPLIT_WIDE_ARGS: the 128 + 128 backward at d=256 (an experiment, off by default), e.g. "--pairs 64,64,8,2/64,64,8,2"
+  # SPLIT_TESTS: test files instead of the whole folder; SPLIT_WIDE_ARGS: the 128 + 128 backward at d=256 (the default since the thirty-ninth session) at other pairs, e.g. "--pairs 64,64,8,2/64,64,8,2"
   timeout -s INT -k 20 ${TEST_TIMEOUT:-250} python3 -m pytest ${SPLIT_TESTS:-tests/kernels/triton} -m gpu -q -p no:cacheprovider -n 3 \
     --ignore tests/kernels/triton/test_varlen_gpu.py > "$OUT/triton_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/triton_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/triton_tests.log" | head -20
@@ -204,7 +204,7 @@ if [[ " $steps " == *" split "* ]]; then
       | grep -E "^(d=|  launch)" || status=1
   fi
   if [[ -n "${SPLIT_WIDE_ARGS:-}" ]]; then
-    timeout 100 python3 scripts/time_bwd_split.py --dims 256 --seqlens 2048 8192 $SPLIT_WIDE_ARGS \
+    timeout ${WIDE_TIMEOUT:-100} python3 scripts/time_bwd_split.py --dims 256 --seqlens 2048 8192 $SPLIT_WIDE_ARGS \
       --json "$OUT/bwd_split_wide.json" 2>&1 | grep "^d=" || status=1
   fi
   # WS_ARGS: the warp-specialized dK / dV kernel at other head dims / tiles, e.g. "--dims 64 --tile 64,128,4,2"

@@ -1,12 +1,12 @@
-"""The split-column backward (head dims 129-192 on 128 + 64 columns) against the general kernels' 256-wide tiles
-and PyTorch's (GPU, sm90): TFLOP/s of the whole backward (bf16, MHA, batch = 16384 / seqlen, heads = 2048 // d;
-2.5x the forward's FLOPs, halved when causal).
+"""The split-column backward (head dims 129-192 on 128 + 64 columns, 193-256 on 128 + 128) against the general
+kernels' 256-wide tiles and PyTorch's (GPU, sm90): TFLOP/s of the whole backward (bf16, MHA, batch = 16384 /
+seqlen, heads = 2048 // d; 2.5x the forward's FLOPs, halved when causal).
 
 `split_<dK/dV tile>_<dQ tile>` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_split` in each pair of
 --pairs (BLOCK_M, BLOCK_N, warps, stages for each launch), `general` with it off (the kernels that run otherwise:
 at d=96 without a causal mask the warp-specialized dK / dV); cuDNN and SDPA-flash their SDPA backward through
-autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 / 256 time the 64 + 32 and 128 + 128
-splits (off by default).
+autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 times the 64 + 32 split (off by
+default).
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--json F]
@@ -36,14 +36,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="*", default=[192])
     parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--causal", nargs="*", default=["no", "yes"])
+    parser.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
     parser.add_argument("--pairs", nargs="*", default=[], help="default: the table's tiles (TILES)")
     parser.add_argument("--launches", action="store_true",
                         help="also time the dK / dV and dQ launches of each pair alone (ms, share of the pair)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
-    for d, widths in ((96, (64, 32)), (256, (128, 128))):  # (the experiments: 64 + 32, 128 + 128)
+    for d, widths in ((96, (64, 32)), (256, (128, 128))):  # (64 + 32: the experiment; 128 + 128 the default)
         if d in args.dims:
             flash_bwd_split.SPLITS[d] = widths
     tiles_before = dict(flash_bwd_split.TILES)

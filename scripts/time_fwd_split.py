@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="*", default=[192])
     parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--causal", nargs="*", default=["no", "yes"])
+    parser.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
     parser.add_argument("--tiles", nargs="*", default=[], help="default: the table's tile (TILES)")
     parser.add_argument("--json")
     args = parser.parse_args()

@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--seqlens", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--causal", nargs="*", default=["no"])
+    parser.add_argument("--causal", nargs="+", default=["no"], choices=["no", "yes"])
     parser.add_argument("--gqa", type=int, default=1, help="query heads per KV head")
     parser.add_argument("--tiles", nargs="*", default=["128,128,4,2"])
     parser.add_argument("--json")
