@@ -9,7 +9,7 @@ autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96
 default).
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
-                                      [--pairs 32,64,8,2/64,64,8,2 ...] [--json F]
+                                      [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--json F]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="*", default=[], help="default: the table's tiles (TILES)")
     parser.add_argument("--launches", action="store_true",
                         help="also time the dK / dV and dQ launches of each pair alone (ms, share of the pair)")
+    parser.add_argument("--block-major", action="store_true",
+                        help="causal rows: also each pair with its launches in block-major order (`_bm`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
@@ -64,13 +66,17 @@ def main() -> None:
                     flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                 ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
-                def ours(pair=None):
+                def ours(pair=None, block_major=False):
                     flash_bwd_split.ENABLED = pair is not None
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
+                    flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p): (lambda p=p: ours(p))
                        for p in pairs or [tiles_before[top]]}
+                if args.block_major and causal:
+                    fns.update({"split_" + "_".join("x".join(map(str, t)) for t in p) + "_bm":
+                                (lambda p=p: ours(p, True)) for p in pairs or [tiles_before[top]]})
                 fns["general"] = ours
                 fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
                 fns["sdpa_flash"] = lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True)
@@ -97,12 +103,14 @@ def main() -> None:
                         print(f"  {n}: " + "  ".join(f"{k} {x:.3f} ms" for k, x in r.items()), flush=True)
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
+    flash_bwd_split.CAUSAL_BLOCK_MAJOR = False
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 
 
 def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: int, causal: bool) -> None:
-    """Time the dK / dV and the dQ launch of each pair alone (delta computed once beforehand)."""
+    """Time the dK / dV and the dQ launch of each pair alone (delta computed once beforehand), in the grid order
+    flash_bwd_split.CAUSAL_BLOCK_MAJOR says (head-major unless set)."""
     delta = bwd_delta(out, do, None, triton.next_power_of_2(d))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     before = flash_bwd_split.TILES[top]

@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
     parser.add_argument("--tiles", nargs="*", default=[], help="default: the table's tile (TILES)")
+    parser.add_argument("--block-major", action="store_true",
+                        help="causal rows: also each tile with its launch in block-major order (`_bm`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
@@ -51,14 +53,18 @@ def main() -> None:
                            for _ in range(3))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
 
-                def ours(tile=None, ws=False):
+                def ours(tile=None, ws=False, block_major=False):
                     flash_fwd_split.ENABLED = tile is not None
                     flash_fwd_split.TILES[top] = tile or tiles_before[top]
+                    flash_fwd_split.CAUSAL_BLOCK_MAJOR = block_major
                     flash_fwd_ws.ENABLED = ws
                     return flash_fwd(q, k, v, d ** -0.5, causal, False)[0]
 
                 fns = {f"split_{'x'.join(map(str, t))}": (lambda t=t: ours(t))
                        for t in tiles or [tiles_before[top]]}
+                if args.block_major and causal:
+                    fns.update({f"split_{'x'.join(map(str, t))}_bm": (lambda t=t: ours(t, block_major=True))
+                                for t in tiles or [tiles_before[top]]})
                 fns["general"] = ours
                 if d in flash_fwd_ws.WS_TILES and not causal:
                     fns["ws"] = lambda: ours(ws=True)
@@ -83,6 +89,7 @@ def main() -> None:
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v
     flash_fwd_split.ENABLED = flash_fwd_ws.ENABLED = True
+    flash_fwd_split.CAUSAL_BLOCK_MAJOR = False
     flash_fwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 

@@ -11,6 +11,19 @@ RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit
+def _grid_order(pid, NUM_BLOCKS, BLOCK_MAJOR: tl.constexpr):
+    """(bh, block) of program pid in a 1-D grid of NUM_BLOCKS blocks per (batch, head): head-major (a head's blocks
+    adjacent, so running programs share its K / V or Q / dO in L2) or, BLOCK_MAJOR, block-major (every head's
+    block 0, then every block 1, ...: with causal masking the longest programs of all heads first and the shortest
+    in the tail, FA3's LPT idea; the general dK / dV kernel's KEY_MAJOR)."""
+    if BLOCK_MAJOR:
+        num_bh = tl.num_programs(0) // NUM_BLOCKS
+        return pid % num_bh, pid // num_bh
+    else:
+        return pid // NUM_BLOCKS, pid % NUM_BLOCKS
+
+
+@triton.jit
 def _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Key range seen by query rows [m0, m0 + BLOCK_M).
 

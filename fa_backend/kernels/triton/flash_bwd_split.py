@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import _configs, _launch
 from ._features import _LOG2E
-from ._common import _band_keep, _ds_dot, _kv_bounds, _load_lse_log2, _q_bounds
+from ._common import _band_keep, _ds_dot, _grid_order, _kv_bounds, _load_lse_log2, _q_bounds
 from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
 from ._ws import _head_rows
@@ -75,10 +75,10 @@ def _bwd_dkdv_split(
     NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
+    BLOCK_MAJOR: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    pid_n = pid % NUM_N_BLOCKS
-    bh = pid // NUM_N_BLOCKS
+    # (causal: key block 0 sees the most query rows, so block order is longest first)
+    bh, pid_n = _grid_order(tl.program_id(0), NUM_N_BLOCKS, BLOCK_MAJOR)
     off_b = (bh // NUM_HEADS_K).to(tl.int64)
     off_hk = (bh % NUM_HEADS_K).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -146,10 +146,9 @@ def _bwd_dq_split(
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
+    BLOCK_MAJOR: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    pid_m = pid % NUM_M_BLOCKS
-    bh = pid // NUM_M_BLOCKS
+    bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, BLOCK_MAJOR)
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
@@ -208,6 +207,10 @@ SPLITS: dict[int, tuple[int, int]] = {192: (128, 64), 256: (128, 128)}
 
 # Off: d = 129-256 takes the general backward on 256-wide tiles. Tests and scripts switch it to compare both.
 ENABLED = True
+# Causal launches in block-major order (`_common._grid_order`): an experiment, off by default until timed (a model of
+# the grid's tail, 1280 programs of 4-64 steps at d=192 2k on 132 SMs, predicts about 9 %; the general dK / dV kernel's
+# key-major order gave causal GQA 1.11-1.12x). scripts/time_bwd_split.py --block-major times both.
+CAUSAL_BLOCK_MAJOR = False
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -246,7 +249,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     top, width_a, width_b = split_widths(d, dv_dim, SPLITS)
     dkdv_tile, dq_tile = _INTERPRETER_TILES if _launch._INTERPRET and _INTERPRETER_TILES else TILES[top]
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
-              **({"EXACT_DS": True} if exact_ds else {}))
+              **({"EXACT_DS": True} if exact_ds else {}),
+              **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
 
     def dkdv() -> None:

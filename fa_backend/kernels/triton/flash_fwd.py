@@ -16,8 +16,8 @@ import triton.language as tl
 
 from .._layout import new_attention_output
 from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep,
-                      _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_descs, _tile_ptrs,
-                      _window_lo)
+                      _grid_order, _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_descs,
+                      _tile_ptrs, _window_lo)
 from ._configs import fwd_config, fwd_without_tma
 from .flash_fwd_split import flash_fwd_split, split_eligible
 from .flash_fwd_ws import flash_fwd_ws, ws_eligible
@@ -183,13 +183,11 @@ def _attn_fwd(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, BLOCK_MAJOR: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
-    # concurrently running programs share that head's K/V in L2.
-    pid = tl.program_id(0)
-    pid_m = pid % NUM_M_BLOCKS
-    bh = pid // NUM_M_BLOCKS
+    # concurrently running programs share that head's K/V in L2 (BLOCK_MAJOR: block index outermost instead).
+    bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, BLOCK_MAJOR)
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first: a better tail
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
@@ -326,6 +324,11 @@ def _attn_fwd(
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
+# Plain causal launches of `_attn_fwd` in block-major order (`_common._grid_order`: the longest query blocks of all
+# heads first): an experiment, off by default until timed; scripts/time_fwd_ws.py --causal yes --block-major times it.
+CAUSAL_BLOCK_MAJOR = False
+
+
 def flash_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
@@ -379,6 +382,7 @@ def flash_fwd(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
         **({"USE_TMA": True} if cfg.tma else {}),
+        **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and plain and feat.causal else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from . import _configs, _launch
 from ._features import _LOG2E
-from ._common import LN2, _band_keep, _kv_bounds
+from ._common import LN2, _band_keep, _grid_order, _kv_bounds
 from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
 from ._ws import _head_rows
@@ -76,11 +76,9 @@ def _attn_fwd_split(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr,
+    D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_MAJOR: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    pid_m = pid % NUM_M_BLOCKS
-    bh = pid // NUM_M_BLOCKS
+    bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, BLOCK_MAJOR)
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first: a better tail
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
@@ -129,6 +127,9 @@ _INTERPRETER_TILE: tuple[int, int, int, int] | None = (16, 16, 4, 1)  # None: TI
 
 # Off: every call takes `_attn_fwd` (d = 129-192 on 256-wide tiles). Tests and scripts switch it to compare both.
 ENABLED = True
+# Causal launches in block-major order (`_common._grid_order`, longest query blocks of all heads first): an
+# experiment, off by default until timed; scripts/time_fwd_split.py --block-major times both.
+CAUSAL_BLOCK_MAJOR = False
 
 
 def split_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
@@ -162,4 +163,5 @@ def flash_fwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // hkv, sq, sk, num_m_blocks, causal_offset or 0, scale * _LOG2E,
     ), dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=block_m, BLOCK_N=block_n, D_A=width_a, D_B=width_b,
-            CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages))
+            CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages,
+            **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and causal_offset is not None else {})))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa_backend
-from fa_backend.kernels.triton import _configs, flash_bwd_split, flash_fwd_split
+from fa_backend.kernels.triton import _configs, _launch, flash_bwd_split, flash_fwd_split
 from tests.conftest import DEVICE
 from tests.kernels.triton.test_flash_fwd_split import qkv as _qkv
 from tests.reference import check_attention
@@ -45,6 +45,38 @@ def test_split_backward_interpreted(split_launches, monkeypatch, d, dv, hq, hkv,
     # small calls take dS unrounded (two products each): both forms are run here
     monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 1 << 20 if exact_ds else 0)
     _check(*_qkv(2, hq, hkv, sq, sk, d, dv, torch.float16, bshd), causal, bottom_right, split_launches)
+
+
+@pytest.fixture
+def block_major(monkeypatch):
+    """Both split kernels' causal launches in block-major order; yields the launches' keyword arguments by kernel."""
+    monkeypatch.setattr(flash_fwd_split, "CAUSAL_BLOCK_MAJOR", True)
+    monkeypatch.setattr(flash_bwd_split, "CAUSAL_BLOCK_MAJOR", True)
+    kws = {}
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: (kws.setdefault(kernel.fn.__name__, kw),
+                                                                        real(kernel, grid, args, kw))[1])
+    return kws
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("causal,bottom_right", [(True, False), (True, True), (False, False)])
+def test_split_block_major_interpreted(split_launches, block_major, monkeypatch, causal, bottom_right):
+    """Causal launches in block-major order (the longest programs of every head first) cover every block of every
+    (batch, head) once: two batches, GQA, lengths that leave partial blocks. Non-causal calls keep head-major."""
+    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
+    _check(*_qkv(2, 4, 2, 40, 56, 192, 192, torch.float16, True), causal, bottom_right, split_launches)
+    for name in ("_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split"):
+        assert block_major[name].get("BLOCK_MAJOR", False) == causal, (name, block_major[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right", [(192, 8, 8, 2048, 2048, False), (256, 8, 2, 1000, 3001, True),
+                                                         (160, 4, 4, 3001, 3001, False)])
+def test_split_block_major_real_size(split_launches, block_major, d, hq, hkv, sq, sk, bottom_right):
+    _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), True, bottom_right, split_launches)
+    assert block_major["_bwd_dkdv_split"]["BLOCK_MAJOR"] and block_major["_bwd_dq_split"]["BLOCK_MAJOR"]
 
 
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)
