@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -220,6 +220,20 @@ if [[ " $steps " == *" split "* ]]; then
     timeout 80 python3 scripts/time_bwd_split.py --dims 96 --seqlens 2048 8192 --pairs 64,64,8,2/128,64,8,2 \
       32,128,8,2/128,128,8,2 64,64,8,2/128,128,8,2 --json "$OUT/bwd_split_small.json" 2>&1 | grep "^d=" || status=1
   fi
+fi
+if [[ " $steps " == *" order "* ]]; then
+  # causal launches in block-major order (longest programs of all heads first; CAUSAL_BLOCK_MAJOR, an experiment of
+  # the thirty-ninth session, off by default): its GPU tests, then each kernel timed in both orders in one process
+  timeout -s INT -k 20 150 python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py \
+    tests/kernels/triton/test_grid_order.py -k block_major -q -p no:cacheprovider -n 3 > "$OUT/order_tests.log" 2>&1 \
+    || status=1
+  tail -n 3 "$OUT/order_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/order_tests.log" | head -20
+  timeout 150 python3 scripts/time_fwd_ws.py --dims 64 128 --causal yes --block-major --seqlens 1024 2048 8192 \
+    --tiles --json "$OUT/order_fwd.json" 2>&1 | grep "^d=" || status=1
+  timeout 100 python3 scripts/time_fwd_split.py --causal yes --block-major --seqlens 2048 8192 \
+    --json "$OUT/order_fwd_split.json" 2>&1 | grep "^d=" || status=1
+  timeout 180 python3 scripts/time_bwd_split.py --dims 192 256 --causal yes --block-major --seqlens 2048 8192 \
+    --json "$OUT/order_bwd_split.json" 2>&1 | grep "^d=" || status=1
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"
