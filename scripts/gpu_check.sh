@@ -222,17 +222,19 @@ if [[ " $steps " == *" split "* ]]; then
   fi
 fi
 if [[ " $steps " == *" order "* ]]; then
-  # causal launches in block-major order (longest programs of all heads first; CAUSAL_BLOCK_MAJOR, an experiment of
-  # the thirty-ninth session, off by default): its GPU tests, then each kernel timed in both orders in one process
+  # two causal experiments of the thirty-ninth session, off by default: launches in block-major order (longest
+  # programs of all heads first; CAUSAL_BLOCK_MAJOR) and the split dK / dV in one masked loop (CAUSAL_ONE_LOOP): their
+  # GPU tests, then each kernel timed with and without them in one process
   timeout -s INT -k 20 150 python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py \
-    tests/kernels/triton/test_grid_order.py -k block_major -q -p no:cacheprovider -n 3 > "$OUT/order_tests.log" 2>&1 \
-    || status=1
+    tests/kernels/triton/test_grid_order.py -k "block_major or one_loop" -q -p no:cacheprovider -n 3 \
+    > "$OUT/order_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/order_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/order_tests.log" | head -20
   timeout 150 python3 scripts/time_fwd_ws.py --dims 64 128 --causal yes --block-major --seqlens 1024 2048 8192 \
     --tiles --json "$OUT/order_fwd.json" 2>&1 | grep "^d=" || status=1
   timeout 100 python3 scripts/time_fwd_split.py --causal yes --block-major --seqlens 2048 8192 \
     --json "$OUT/order_fwd_split.json" 2>&1 | grep "^d=" || status=1
-  timeout 180 python3 scripts/time_bwd_split.py --dims 192 256 --causal yes --block-major --seqlens 2048 8192 \
+  timeout 200 python3 scripts/time_bwd_split.py --dims 192 256 --causal yes --block-major --one-loop \
+    --seqlens 2048 8192 \
     --json "$OUT/order_bwd_split.json" 2>&1 | grep "^d=" || status=1
 fi
 if [[ " $steps " == *" cute "* ]]; then

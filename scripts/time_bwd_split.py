@@ -9,7 +9,8 @@ autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96
 default).
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
-                                      [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--json F]
+                                      [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]
+                                      [--json F]
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
                         help="also time the dK / dV and dQ launches of each pair alone (ms, share of the pair)")
     parser.add_argument("--block-major", action="store_true",
                         help="causal rows: also each pair with its launches in block-major order (`_bm`)")
+    parser.add_argument("--one-loop", action="store_true",
+                        help="causal rows: also each pair with its dK / dV in one masked loop (`_1l`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
@@ -66,10 +69,11 @@ def main() -> None:
                     flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                 ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
-                def ours(pair=None, block_major=False):
+                def ours(pair=None, block_major=False, one_loop=False):
                     flash_bwd_split.ENABLED = pair is not None
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major
+                    flash_bwd_split.CAUSAL_ONE_LOOP = one_loop
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p): (lambda p=p: ours(p))
@@ -77,6 +81,9 @@ def main() -> None:
                 if args.block_major and causal:
                     fns.update({"split_" + "_".join("x".join(map(str, t)) for t in p) + "_bm":
                                 (lambda p=p: ours(p, True)) for p in pairs or [tiles_before[top]]})
+                if args.one_loop and causal:
+                    fns.update({"split_" + "_".join("x".join(map(str, t)) for t in p) + "_1l":
+                                (lambda p=p: ours(p, one_loop=True)) for p in pairs or [tiles_before[top]]})
                 fns["general"] = ours
                 fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
                 fns["sdpa_flash"] = lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True)
@@ -103,7 +110,7 @@ def main() -> None:
                         print(f"  {n}: " + "  ".join(f"{k} {x:.3f} ms" for k, x in r.items()), flush=True)
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
-    flash_bwd_split.CAUSAL_BLOCK_MAJOR = False
+    flash_bwd_split.CAUSAL_BLOCK_MAJOR = flash_bwd_split.CAUSAL_ONE_LOOP = False
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 

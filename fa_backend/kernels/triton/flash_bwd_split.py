@@ -75,7 +75,7 @@ def _bwd_dkdv_split(
     NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
-    BLOCK_MAJOR: tl.constexpr = False,
+    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
 ):
     # (causal: key block 0 sees the most query rows, so block order is longest first)
     bh, pid_n = _grid_order(tl.program_id(0), NUM_N_BLOCKS, BLOCK_MAJOR)
@@ -92,6 +92,8 @@ def _bwd_dkdv_split(
     dv_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
     dv_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
     m_lo, m_mid = _q_bounds(n0, SEQ_Q, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    if ONE_LOOP:  # (causal only) one masked loop over every row the block sees: one copy of the loop body, not two
+        m_mid = SEQ_Q
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
         bh_q = off_b * NUM_HEADS_Q + off_h
@@ -106,9 +108,11 @@ def _bwd_dkdv_split(
                 dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
                 m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, True, CAUSAL, EXACT_DS)
         # (keys past SEQ_K: zero-filled rows whose dK / dV rows are never stored, so no mask here)
-        dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
-            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
-            m_mid, SEQ_Q, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, False, CAUSAL, EXACT_DS)
+        if not ONE_LOOP:
+            dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
+                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
+                m_mid, SEQ_Q, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, False, CAUSAL,
+                EXACT_DS)
     DK_h = DK + off_b * stride_dkb + off_hk * stride_dkh
     DV_h = DV + off_b * stride_dvb + off_hk * stride_dvh
     _tile_store(DK_h, n0, SEQ_K, stride_dkn, 0, HEAD_DIM, dk_a * sm_scale, BLOCK_N, D_A)
@@ -211,6 +215,11 @@ ENABLED = True
 # the grid's tail, 1280 programs of 4-64 steps at d=192 2k on 132 SMs, predicts about 9 %; the general dK / dV kernel's
 # key-major order gave causal GQA 1.11-1.12x). scripts/time_bwd_split.py --block-major times both.
 CAUSAL_BLOCK_MAJOR = False
+# Causal dK / dV in one masked loop over the rows a key block sees (the mask all-true past its diagonal) instead of a
+# masked and an unmasked loop: an experiment, off by default until timed. sm90 compile, d=192 32 x 128 x 8 x 2: 444
+# bytes of spills against 896 for the two loops (308 without a causal mask), for a compare and select per score in
+# every step. scripts/time_bwd_split.py --one-loop times both.
+CAUSAL_ONE_LOOP = False
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -251,6 +260,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
               **({"EXACT_DS": True} if exact_ds else {}),
               **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
+    dkdv_kw = dict(kw, **({"ONE_LOOP": True} if CAUSAL_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
 
     def dkdv() -> None:
@@ -260,7 +270,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             q, k, v, dout, lse, delta, dk, dv,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
-        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
+        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw))
 
     def dq_() -> None:
         block_m, block_n, num_warps, num_stages = dq_tile

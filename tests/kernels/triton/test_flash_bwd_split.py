@@ -79,6 +79,37 @@ def test_split_block_major_real_size(split_launches, block_major, d, hq, hkv, sq
     assert block_major["_bwd_dkdv_split"]["BLOCK_MAJOR"] and block_major["_bwd_dq_split"]["BLOCK_MAJOR"]
 
 
+@pytest.fixture
+def one_loop(monkeypatch):
+    """The causal dK / dV in one masked loop; yields the dK / dV launches' keyword arguments."""
+    monkeypatch.setattr(flash_bwd_split, "CAUSAL_ONE_LOOP", True)
+    kws = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: (
+        kws.append(kw) if kernel.fn.__name__ == "_bwd_dkdv_split" else None, real(kernel, grid, args, kw))[1])
+    return kws
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("bottom_right,hq,hkv,sq,sk", [(False, 4, 2, 40, 56), (True, 2, 2, 37, 70),
+                                                       (False, 2, 1, 70, 37)])
+def test_split_one_loop_interpreted(split_launches, one_loop, monkeypatch, bottom_right, hq, hkv, sq, sk):
+    """Causal dK / dV in one masked loop: the same gradients within the 2x rule (rows before the diagonal, on it,
+    past it; GQA; more queries than keys and fewer)."""
+    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
+    _check(*_qkv(2, hq, hkv, sq, sk, 192, 192, torch.float16, True), True, bottom_right, split_launches)
+    assert one_loop and all(kw.get("ONE_LOOP") for kw in one_loop), one_loop
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right", [(192, 8, 8, 2048, 2048, False), (256, 8, 2, 1000, 3001, True),
+                                                         (160, 4, 4, 3001, 3001, False)])
+def test_split_one_loop_real_size(split_launches, one_loop, d, hq, hkv, sq, sk, bottom_right):
+    _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), True, bottom_right, split_launches)
+    assert one_loop and all(kw.get("ONE_LOOP") for kw in one_loop), one_loop
+
+
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)
              for d in (192, 160) for causal in (False, True)
              for hq, hkv, sq, sk, bshd in ((8, 8, 2048, 2048, True), (8, 2, 1000, 3001, False),
