@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import fa_backend
-from fa_backend.kernels.triton import _configs, _launch, flash_bwd_split, flash_fwd_split
+from fa_backend.kernels.triton import _configs, flash_bwd_split, flash_fwd_split
 from tests.conftest import DEVICE
+from tests.kernels.triton.conftest import record_launch_kwargs
 from tests.kernels.triton.test_flash_fwd_split import qkv as _qkv
 from tests.reference import check_attention
 
@@ -47,16 +48,26 @@ def test_split_backward_interpreted(split_launches, monkeypatch, d, dv, hq, hkv,
     _check(*_qkv(2, hq, hkv, sq, sk, d, dv, torch.float16, bshd), causal, bottom_right, split_launches)
 
 
+_SPLIT_KERNELS = ("_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split")
+
+
 @pytest.fixture
 def block_major(monkeypatch):
     """Both split kernels' causal launches in block-major order; yields the launches' keyword arguments by kernel."""
     monkeypatch.setattr(flash_fwd_split, "CAUSAL_BLOCK_MAJOR", True)
     monkeypatch.setattr(flash_bwd_split, "CAUSAL_BLOCK_MAJOR", True)
-    kws = {}
-    real = _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: (kws.setdefault(kernel.fn.__name__, kw),
-                                                                        real(kernel, grid, args, kw))[1])
-    return kws
+    return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
+
+
+@pytest.fixture
+def one_loop(monkeypatch):
+    """The causal dK / dV in one masked loop; yields the launches' keyword arguments by kernel."""
+    monkeypatch.setattr(flash_bwd_split, "CAUSAL_ONE_LOOP", True)
+    return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
+
+
+def _flagged(kws, name, flag):
+    return bool(kws[name]) and all(kw.get(flag, False) for kw in kws[name])
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
@@ -66,28 +77,8 @@ def test_split_block_major_interpreted(split_launches, block_major, monkeypatch,
     (batch, head) once: two batches, GQA, lengths that leave partial blocks. Non-causal calls keep head-major."""
     monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
     _check(*_qkv(2, 4, 2, 40, 56, 192, 192, torch.float16, True), causal, bottom_right, split_launches)
-    for name in ("_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split"):
-        assert block_major[name].get("BLOCK_MAJOR", False) == causal, (name, block_major[name])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
-@pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right", [(192, 8, 8, 2048, 2048, False), (256, 8, 2, 1000, 3001, True),
-                                                         (160, 4, 4, 3001, 3001, False)])
-def test_split_block_major_real_size(split_launches, block_major, d, hq, hkv, sq, sk, bottom_right):
-    _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), True, bottom_right, split_launches)
-    assert block_major["_bwd_dkdv_split"]["BLOCK_MAJOR"] and block_major["_bwd_dq_split"]["BLOCK_MAJOR"]
-
-
-@pytest.fixture
-def one_loop(monkeypatch):
-    """The causal dK / dV in one masked loop; yields the dK / dV launches' keyword arguments."""
-    monkeypatch.setattr(flash_bwd_split, "CAUSAL_ONE_LOOP", True)
-    kws = []
-    real = _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: (
-        kws.append(kw) if kernel.fn.__name__ == "_bwd_dkdv_split" else None, real(kernel, grid, args, kw))[1])
-    return kws
+    for name in _SPLIT_KERNELS:
+        assert block_major[name] and all(kw.get("BLOCK_MAJOR", False) == causal for kw in block_major[name]), name
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
@@ -98,16 +89,22 @@ def test_split_one_loop_interpreted(split_launches, one_loop, monkeypatch, botto
     past it; GQA; more queries than keys and fewer)."""
     monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
     _check(*_qkv(2, hq, hkv, sq, sk, 192, 192, torch.float16, True), True, bottom_right, split_launches)
-    assert one_loop and all(kw.get("ONE_LOOP") for kw in one_loop), one_loop
+    assert _flagged(one_loop, "_bwd_dkdv_split", "ONE_LOOP"), one_loop
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("experiment", ["block_major", "one_loop"])
 @pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right", [(192, 8, 8, 2048, 2048, False), (256, 8, 2, 1000, 3001, True),
                                                          (160, 4, 4, 3001, 3001, False)])
-def test_split_one_loop_real_size(split_launches, one_loop, d, hq, hkv, sq, sk, bottom_right):
+def test_split_causal_experiments_real_size(split_launches, request, experiment, d, hq, hkv, sq, sk, bottom_right):
+    """The two causal experiments (off by default) at real sizes: the 2x rule, and the launches that took them."""
+    kws = request.getfixturevalue(experiment)
     _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), True, bottom_right, split_launches)
-    assert one_loop and all(kw.get("ONE_LOOP") for kw in one_loop), one_loop
+    flag = experiment.upper()
+    assert _flagged(kws, "_bwd_dkdv_split", flag), kws
+    if experiment == "block_major":
+        assert _flagged(kws, "_bwd_dq_split", flag), kws
 
 
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fa_backend
-from fa_backend.kernels.triton import _launch, flash_fwd_ws
+from fa_backend.kernels.triton import flash_fwd_ws
 from tests.conftest import DEVICE
+from tests.kernels.triton.conftest import record_launch_kwargs
 from tests.kernels.triton.test_flash_fwd_split import qkv
 from tests.reference import check_attention
 
@@ -25,11 +26,7 @@ def fwd_kwargs(monkeypatch):
     """Block-major order on; yields the keyword arguments of each `_attn_fwd` launch, in order."""
     monkeypatch.setattr(_FLASH_FWD, "CAUSAL_BLOCK_MAJOR", True)
     monkeypatch.setattr(flash_fwd_ws, "ENABLED", False)
-    kws = []
-    real = _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: (
-        kws.append(kw) if kernel.fn.__name__ == "_attn_fwd" else None, real(kernel, grid, args, kw))[1])
-    return kws
+    return record_launch_kwargs(monkeypatch, "_attn_fwd")["_attn_fwd"]
 
 
 @pytest.mark.parametrize("causal,bottom_right,hq,hkv,sq,sk", [
