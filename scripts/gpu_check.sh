@@ -226,7 +226,7 @@ if [[ " $steps " == *" order "* ]]; then
   # programs of all heads first; CAUSAL_BLOCK_MAJOR) and the split dK / dV in one masked loop (CAUSAL_ONE_LOOP): their
   # GPU tests, then each kernel timed with and without them in one process
   timeout -s INT -k 20 150 python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py \
-    tests/kernels/triton/test_grid_order.py -k "block_major or one_loop" -q -p no:cacheprovider -n 3 \
+    tests/kernels/triton/test_program_order.py -k "block_major or one_loop" -q -p no:cacheprovider -n 3 \
     > "$OUT/order_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/order_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/order_tests.log" | head -20
   timeout 150 python3 scripts/time_fwd_ws.py --dims 64 128 --causal yes --block-major --seqlens 1024 2048 8192 \

@@ -15,7 +15,7 @@ def _grid_order(pid, NUM_BLOCKS, BLOCK_MAJOR: tl.constexpr):
     """(bh, block) of program pid in a 1-D grid of NUM_BLOCKS blocks per (batch, head): head-major (a head's blocks
     adjacent, so running programs share its K / V or Q / dO in L2) or, BLOCK_MAJOR, block-major (every head's
     block 0, then every block 1, ...: with causal masking the longest programs of all heads first and the shortest
-    in the tail, FA3's LPT idea; the general dK / dV kernel's KEY_MAJOR)."""
+    in the tail, FA3's LPT idea; the general dK / dV kernel's KEY_MAJOR is this order)."""
     if BLOCK_MAJOR:
         num_bh = tl.num_programs(0) // NUM_BLOCKS
         return pid % num_bh, pid // num_bh

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _ds_dot,
-                      _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range, _q_bounds, _tile_descs,
-                      _score_mods, _tile_ptrs, _window_lo)
+                      _grid_order, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range, _q_bounds,
+                      _tile_descs, _score_mods, _tile_ptrs, _window_lo)
 from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config, bwd_config_varlen
 from ._features import kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
@@ -201,16 +201,9 @@ def _bwd_dkdv(
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
     USE_TMA: tl.constexpr = False, KEY_MAJOR: tl.constexpr = False, EXACT_DS: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    if KEY_MAJOR:
-        # key block outermost: every (batch, KV head)'s first key block, then every second one, ... Under causal
-        # masking the first blocks see the most query rows: longest programs first, the shortest in the tail.
-        num_bh = tl.num_programs(0) // NUM_N_BLOCKS
-        pid_n = pid // num_bh
-        bh = pid % num_bh
-    else:
-        pid_n = pid % NUM_N_BLOCKS
-        bh = pid // NUM_N_BLOCKS
+    # KEY_MAJOR: key block outermost (every (batch, KV head)'s first key block, then every second one, ...): under
+    # causal masking the first blocks see the most query rows, so the longest programs go first
+    bh, pid_n = _grid_order(tl.program_id(0), NUM_N_BLOCKS, KEY_MAJOR)
     off_b = (bh // NUM_HEADS_K).to(tl.int64)
     off_hk = (bh % NUM_HEADS_K).to(tl.int64)
     n0 = pid_n * BLOCK_N
