@@ -76,14 +76,13 @@ def main() -> None:
                     flash_bwd_split.CAUSAL_ONE_LOOP = one_loop
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
-                fns = {"split_" + "_".join("x".join(map(str, t)) for t in p): (lambda p=p: ours(p))
+                variants = {"": {}}  # name suffix -> ours()'s keyword arguments
+                if causal:
+                    variants.update({"_bm": dict(block_major=True)} if args.block_major else {})
+                    variants.update({"_1l": dict(one_loop=True)} if args.one_loop else {})
+                fns = {"split_" + "_".join("x".join(map(str, t)) for t in p) + suffix:
+                       (lambda p=p, kw=kw: ours(p, **kw)) for suffix, kw in variants.items()
                        for p in pairs or [tiles_before[top]]}
-                if args.block_major and causal:
-                    fns.update({"split_" + "_".join("x".join(map(str, t)) for t in p) + "_bm":
-                                (lambda p=p: ours(p, True)) for p in pairs or [tiles_before[top]]})
-                if args.one_loop and causal:
-                    fns.update({"split_" + "_".join("x".join(map(str, t)) for t in p) + "_1l":
-                                (lambda p=p: ours(p, one_loop=True)) for p in pairs or [tiles_before[top]]})
                 fns["general"] = ours
                 fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
                 fns["sdpa_flash"] = lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fa_backend
-from fa_backend.kernels.triton import _configs, _launch, flash_fwd_ws
+from fa_backend.kernels.triton import _configs, flash_fwd_ws
 from fa_backend.kernels.triton._configs import BwdConfig, TileConfig
 from tests.conftest import DEVICE
 from tests.kernels.triton.conftest import record_launch_kwargs
@@ -27,10 +27,7 @@ KEY_MAJOR = (BwdConfig(TileConfig(16, 16, 4, 1, key_major=True), TileConfig(16, 
 @pytest.mark.parametrize("causal,alignment", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
 @pytest.mark.parametrize("hq,hkv,sq,sk", [(4, 1, 40, 70), (2, 2, 70, 33)])
 def test_key_major_order_gradients(monkeypatch, causal, alignment, hq, hkv, sq, sk):
-    kwargs = []
-    real = _launch.launch
-    monkeypatch.setattr(_launch, "launch",
-                        lambda kernel, grid, args, kw: kwargs.append(kw) or real(kernel, grid, args, kw))
+    kwargs = record_launch_kwargs(monkeypatch, "_bwd_dkdv")["_bwd_dkdv"]
     scale = 1 if DEVICE == "cpu" else 16
     q = torch.randn(2, hq, sq * scale, 64, dtype=torch.float16, device=DEVICE)
     k, v = (torch.randn(2, hkv, sk * scale, 64, dtype=torch.float16, device=DEVICE) for _ in range(2))
