@@ -6,7 +6,8 @@ seqlen, heads = 2048 // d; 2.5x the forward's FLOPs, halved when causal).
 --pairs (BLOCK_M, BLOCK_N, warps, stages for each launch), `general` with it off (the kernels that run otherwise:
 at d=96 without a causal mask the warp-specialized dK / dV); cuDNN and SDPA-flash their SDPA backward through
 autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 times the 64 + 32 split (off by
-default).
+default). Causal `split_*` rows run head-major with two dK / dV loops (a masked and an unmasked one); suffixes: `_bm`
+block-major, `_1l` one masked loop (the default at 129-192 since the fortieth session), `_bm1l` both.
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]
@@ -52,6 +53,7 @@ def main() -> None:
         if d in args.dims:
             flash_bwd_split.SPLITS[d] = widths
     tiles_before = dict(flash_bwd_split.TILES)
+    block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
     rows = []
     for d in args.dims:
         top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
@@ -73,13 +75,15 @@ def main() -> None:
                     flash_bwd_split.ENABLED = pair is not None
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major
-                    flash_bwd_split.CAUSAL_ONE_LOOP = one_loop
+                    flash_bwd_split.CAUSAL_ONE_LOOP = frozenset({top} if one_loop else ())
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
                 variants = {"": {}}  # name suffix -> ours()'s keyword arguments
                 if causal:
                     variants.update({"_bm": dict(block_major=True)} if args.block_major else {})
                     variants.update({"_1l": dict(one_loop=True)} if args.one_loop else {})
+                    variants.update({"_bm1l": dict(block_major=True, one_loop=True)}
+                                    if args.block_major and args.one_loop else {})
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p) + suffix:
                        (lambda p=p, kw=kw: ours(p, **kw)) for suffix, kw in variants.items()
                        for p in pairs or [tiles_before[top]]}
@@ -97,7 +101,9 @@ def main() -> None:
                         res[name] = dict(tflops=flops / ms / 1e9, ms=ms, max_diff_vs_cudnn=diff)
                     except Exception as e:  # noqa: BLE001 - a tile that does not build: reported
                         res[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                if args.launches:
+                if args.launches:  # (the default loops and order)
+                    flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
+                    flash_bwd_split.CAUSAL_ONE_LOOP = one_loop_before
                     _time_launches(res, pairs or [tiles_before[top]], top, q, k, v, do, out, lse, d, causal)
                 rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
                 fl = res["sdpa_flash"]["tflops"]
@@ -109,14 +115,14 @@ def main() -> None:
                         print(f"  {n}: " + "  ".join(f"{k} {x:.3f} ms" for k, x in r.items()), flush=True)
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
-    flash_bwd_split.CAUSAL_BLOCK_MAJOR = flash_bwd_split.CAUSAL_ONE_LOOP = False
+    flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP = block_major_before, one_loop_before
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 
 
 def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: int, causal: bool) -> None:
     """Time the dK / dV and the dQ launch of each pair alone (delta computed once beforehand), in the grid order
-    flash_bwd_split.CAUSAL_BLOCK_MAJOR says (head-major unless set)."""
+    and causal loops flash_bwd_split's CAUSAL_BLOCK_MAJOR and CAUSAL_ONE_LOOP say."""
     delta = bwd_delta(out, do, None, triton.next_power_of_2(d))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     before = flash_bwd_split.TILES[top]

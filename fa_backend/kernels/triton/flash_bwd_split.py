@@ -213,13 +213,16 @@ SPLITS: dict[int, tuple[int, int]] = {192: (128, 64), 256: (128, 128)}
 ENABLED = True
 # Causal launches in block-major order (`_common._grid_order`): an experiment, off by default until timed (a model of
 # the grid's tail, 1280 programs of 4-64 steps at d=192 2k on 132 SMs, predicts about 9 %; the general dK / dV kernel's
-# key-major order gave causal GQA 1.11-1.12x). scripts/time_bwd_split.py --block-major times both.
+# key-major order gave causal GQA 1.11-1.12x). scripts/time_bwd_split.py --block-major times both. H100, fortieth
+# session, with two causal loops: d=192 +5-8 % (184 / 193, 214 / 231, 242 / 258, 267 / 272 at 2k-16k), d=256 +-1 %.
 CAUSAL_BLOCK_MAJOR = False
-# Causal dK / dV in one masked loop over the rows a key block sees (the mask all-true past its diagonal) instead of a
-# masked and an unmasked loop: an experiment, off by default until timed. sm90 compile, d=192 32 x 128 x 8 x 2: 444
-# bytes of spills against 896 for the two loops (308 without a causal mask), for a compare and select per score in
-# every step. scripts/time_bwd_split.py --one-loop times both.
-CAUSAL_ONE_LOOP = False
+# The split classes (SPLITS' keys) whose causal dK / dV runs one masked loop over the rows a key block sees (the mask
+# all-true past its diagonal) instead of a masked and an unmasked loop. sm90 compile, d=192 32 x 128 x 8 x 2: 444 bytes
+# of spills against 896 for the two loops (308 without a causal mask), for a compare and select per score in every
+# step. H100, fortieth session (scripts/time_bwd_split.py --one-loop, whole causal backward, TFLOP/s, two loops / one
+# loop at 2k / 4k / 8k / 16k): d=192 184 / 203, 214 / 241, 242 / 275, 267 / 311 (0.94-1.12x SDPA-flash, was
+# 0.86-0.96x); d=256 154 / 156, 174 / 177, 189 / 196, 193 / 190: not taken there.
+CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -260,7 +263,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
               **({"EXACT_DS": True} if exact_ds else {}),
               **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
-    dkdv_kw = dict(kw, **({"ONE_LOOP": True} if CAUSAL_ONE_LOOP and causal_offset is not None else {}))
+    dkdv_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
 
     def dkdv() -> None:

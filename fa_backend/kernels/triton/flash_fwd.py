@@ -325,7 +325,9 @@ def _attn_fwd(
 
 
 # Plain causal launches of `_attn_fwd` in block-major order (`_common._grid_order`: the longest query blocks of all
-# heads first): an experiment, off by default until timed; scripts/time_fwd_ws.py --causal yes --block-major times it.
+# heads first): an experiment, off; scripts/time_fwd_ws.py --causal yes --block-major times it. H100, fortieth session
+# (TFLOP/s head-major / block-major): d=64 275 / 171, 344 / 290, 402 / 380 at 1k / 2k / 8k; d=128 295 / 205,
+# 359 / 293, 459 / 452: it loses.
 CAUSAL_BLOCK_MAJOR = False
 
 

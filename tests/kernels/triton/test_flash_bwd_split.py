@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa_backend
-from fa_backend.kernels.triton import _configs, flash_bwd_split, flash_fwd_split
+from fa_backend.kernels.triton import _configs, _launch, flash_bwd_split, flash_fwd_split
 from tests.conftest import DEVICE
 from tests.kernels.triton.conftest import record_launch_kwargs
 from tests.kernels.triton.test_flash_fwd_split import qkv as _qkv
@@ -61,8 +61,15 @@ def block_major(monkeypatch):
 
 @pytest.fixture
 def one_loop(monkeypatch):
-    """The causal dK / dV in one masked loop; yields the launches' keyword arguments by kernel."""
-    monkeypatch.setattr(flash_bwd_split, "CAUSAL_ONE_LOOP", True)
+    """The causal dK / dV in one masked loop at every split class; yields the launches' keyword arguments by kernel."""
+    monkeypatch.setattr(flash_bwd_split, "CAUSAL_ONE_LOOP", frozenset(flash_bwd_split.SPLITS))
+    return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
+
+
+@pytest.fixture
+def two_loops(monkeypatch):
+    """The causal dK / dV in a masked and an unmasked loop at every split class."""
+    monkeypatch.setattr(flash_bwd_split, "CAUSAL_ONE_LOOP", frozenset())
     return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
 
 
@@ -84,12 +91,28 @@ def test_split_block_major_interpreted(split_launches, block_major, monkeypatch,
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
 @pytest.mark.parametrize("bottom_right,hq,hkv,sq,sk", [(False, 4, 2, 40, 56), (True, 2, 2, 37, 70),
                                                        (False, 2, 1, 70, 37)])
-def test_split_one_loop_interpreted(split_launches, one_loop, monkeypatch, bottom_right, hq, hkv, sq, sk):
-    """Causal dK / dV in one masked loop: the same gradients within the 2x rule (rows before the diagonal, on it,
-    past it; GQA; more queries than keys and fewer)."""
+@pytest.mark.parametrize("loops", ["one_loop", "two_loops"])
+def test_split_causal_loops_interpreted(split_launches, request, monkeypatch, loops, bottom_right, hq, hkv, sq, sk):
+    """Causal dK / dV in one masked loop and in a masked and an unmasked one: the same gradients within the 2x rule
+    (rows before the diagonal, on it, past it; GQA; more queries than keys and fewer)."""
+    kws = request.getfixturevalue(loops)
     monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
     _check(*_qkv(2, hq, hkv, sq, sk, 192, 192, torch.float16, True), True, bottom_right, split_launches)
-    assert _flagged(one_loop, "_bwd_dkdv_split", "ONE_LOOP"), one_loop
+    assert kws["_bwd_dkdv_split"], kws
+    assert all(kw.get("ONE_LOOP", False) == (loops == "one_loop") for kw in kws["_bwd_dkdv_split"]), kws
+
+
+@pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
+                                            (256, True, False), (224, True, False)])
+def test_one_loop_default(d, causal, taken, monkeypatch):
+    """By default the causal dK / dV runs one loop at head dims 129-192 (measured faster there) and two at 193-256;
+    calls without a causal mask never take it."""
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
+    kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split")
+    q, k, v, do = (torch.empty(1, 2, 64, d, dtype=torch.float16) for _ in range(4))
+    lse = delta = torch.empty(1, 2, 64)
+    flash_bwd_split.launches(q, k, v, do, lse, delta, q, k, v, d ** -0.5, 0 if causal else None, False)[0]()
+    assert kws["_bwd_dkdv_split"] and kws["_bwd_dkdv_split"][0].get("ONE_LOOP", False) == taken, kws
 
 
 @pytest.mark.gpu
