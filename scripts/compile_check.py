@@ -120,8 +120,6 @@ FEATURES: dict[str, dict] = {
     # host-bound backward calls (flash_bwd.EXACT_DS_MAX_SCORES): dS unrounded into the dQ / dK products (the
     # backward kernels only: --kernels dkdv dq)
     "exact_ds": dict(EXACT_DS=True),
-    # plain causal dK / dV in one masked loop (flash_bwd.CAUSAL_ONE_LOOP; --kernels dkdv only, the causal lines)
-    "one_loop": dict(ONE_LOOP=True),
 }
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order] [loops]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -236,21 +236,6 @@ if [[ " $steps " == *" order "* ]]; then
   timeout 200 python3 scripts/time_bwd_split.py --dims 192 256 --causal yes --block-major --one-loop \
     --seqlens 2048 8192 \
     --json "$OUT/order_bwd_split.json" 2>&1 | grep "^d=" || status=1
-fi
-if [[ " $steps " == *" loops "* ]]; then
-  # fortieth session: the causal dK / dV in one masked loop, the split kernel's default at 129-192 and an experiment
-  # on the general kernel (flash_bwd.CAUSAL_ONE_LOOP, off by default): the GPU tests of both, then the general kernel
-  # with one loop and two, the split one with and without block-major order on top
-  timeout -s INT -k 20 200 python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py \
-    tests/kernels/triton/test_causal_one_loop.py -m gpu -q -p no:cacheprovider -n 4 \
-    > "$OUT/loops_tests.log" 2>&1 || status=1
-  tail -n 3 "$OUT/loops_tests.log"; grep -h -E "^(FAILED|ERROR)|^E  " "$OUT/loops_tests.log" | head -20
-  timeout 150 python3 scripts/time_bwd_causal.py --dims 64 128 --seqlens 1024 2048 8192 16384 \
-    --json "$OUT/loops_general.json" 2>&1 | grep "^d=" || status=1
-  timeout 60 python3 scripts/time_bwd_causal.py --dims 128 --group 4 --seqlens 2048 8192 \
-    --json "$OUT/loops_general_gqa.json" 2>&1 | grep "^d=" || status=1
-  timeout 120 python3 scripts/time_bwd_split.py --dims 192 --causal yes --block-major --one-loop \
-    --seqlens 2048 8192 --json "$OUT/loops_split.json" 2>&1 | grep "^d=" || status=1
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"

@@ -24,7 +24,7 @@ from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep
                       _grid_order, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range, _q_bounds,
                       _tile_descs, _score_mods, _tile_ptrs, _window_lo)
 from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config, bwd_config_varlen
-from ._features import KernelFeatures, kernel_features, plain_call, tile_class
+from ._features import kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
 from ._tma import tma_ok as _tma_ok
@@ -44,16 +44,6 @@ EXACT_DELTA_MAX_SCORES = 256 * 256
 # where the extra products cost no visible time, and where that rounding alone put a gradient over 2x PyTorch's
 # same-dtype error on rare draws (docs/perf-log.md, "Why tiny sharp-softmax gradient draws fail the 2x rule").
 EXACT_DS_MAX_SCORES = 1 << 20
-# The head-dim tiles (BLOCK_D) whose plain causal dK / dV runs one masked loop over every row a key block sees
-# instead of a masked loop over the diagonal's rows and an unmasked one over the rest (flash_bwd_split.CAUSAL_ONE_LOOP's
-# experiment on the general kernel; empty: off until timed, scripts/time_bwd.py --one-loop).
-CAUSAL_ONE_LOOP: frozenset[int] = frozenset()
-
-
-def one_loop_eligible(feat: KernelFeatures, block_d: int, attn_mask: torch.Tensor | None) -> bool:
-    """Whether a dense dK / dV launch runs its causal rows in one masked loop: a causal call with no feature but a
-    right bound (no mask, window's left edge, dropout, softcap or ALiBi), at a head-dim tile in CAUSAL_ONE_LOOP."""
-    return feat.causal and not feat.constexprs and attn_mask is None and block_d in CAUSAL_ONE_LOOP
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "NUM_M_BLOCKS"])
@@ -210,10 +200,8 @@ def _bwd_dkdv(
     DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
     USE_TMA: tl.constexpr = False, KEY_MAJOR: tl.constexpr = False, EXACT_DS: tl.constexpr = False,
-    ONE_LOOP: tl.constexpr = False,
 ):
-    # ONE_LOOP (causal calls without mask bounds or a left window; ignored otherwise): every row a key block sees
-    # in the masked loop, none in the unmasked one. KEY_MAJOR: key block outermost (every (batch, KV head)'s first key block, then every second one, ...): under
+    # KEY_MAJOR: key block outermost (every (batch, KV head)'s first key block, then every second one, ...): under
     # causal masking the first blocks see the most query rows, so the longest programs go first
     bh, pid_n = _grid_order(tl.program_id(0), NUM_N_BLOCKS, KEY_MAJOR)
     off_b = (bh // NUM_HEADS_K).to(tl.int64)
@@ -310,8 +298,6 @@ def _bwd_dkdv(
             mid_lo = head_lo + tl.cdiv(tl.maximum(tl.minimum(mid_lo, tail_hi) - head_lo, 0), BLOCK_M) * BLOCK_M
             mid_hi = mid_lo + (tl.maximum(mid_hi - mid_lo, 0) // BLOCK_M) * BLOCK_M
             head_hi = mid_lo
-        elif ONE_LOOP and CAUSAL and not WINDOW_LEFT:
-            head_lo, head_hi, mid_lo, mid_hi, tail_hi = m_lo, m_hi, m_hi, m_hi, m_hi
         else:
             head_lo, head_hi, mid_lo, mid_hi, tail_hi = m_lo, m_diag_end, m_mid, m_end, m_hi
         if CAUSAL or MASK_BOUNDS:
@@ -322,14 +308,13 @@ def _bwd_dkdv(
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
                 MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
-        if not (ONE_LOOP and CAUSAL and not WINDOW_LEFT and not MASK_BOUNDS):
-            dk, dv = _bwd_dkdv_loop(
-                dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
-                mid_lo, mid_hi, n0, seqlen_q, causal_offset, qk_scale,
-                seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
-                seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
-                0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
+        dk, dv = _bwd_dkdv_loop(
+            dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
+            mid_lo, mid_hi, n0, seqlen_q, causal_offset, qk_scale,
+            seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
+            seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
+            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
         if WINDOW_LEFT or MASK_BOUNDS:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -624,7 +609,6 @@ def _launch_dkdv(q, k, v, dout, lse, delta, dk, dv, feat, cfg, n_blocks, scale, 
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
         **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True} if use_tma else {}),
         **({"KEY_MAJOR": True} if cfg.dkdv.key_major else {}), **exact_ds,
-        **({"ONE_LOOP": True} if one_loop_eligible(feat, block_d, attn_mask) else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
 
