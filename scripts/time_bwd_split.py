@@ -76,7 +76,7 @@ def main() -> None:
                 def ours(pair=None, block_major=False, one_loop=False, dq_one_loop=False):
                     flash_bwd_split.ENABLED = pair is not None
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
-                    flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major
+                    flash_bwd_split.CAUSAL_BLOCK_MAJOR = frozenset({top} if block_major else ())
                     flash_bwd_split.CAUSAL_ONE_LOOP = frozenset({top} if one_loop else ())
                     flash_bwd_split.CAUSAL_DQ_ONE_LOOP = frozenset({top} if dq_one_loop else ())
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)

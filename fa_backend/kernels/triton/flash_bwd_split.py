@@ -215,11 +215,13 @@ SPLITS: dict[int, tuple[int, int]] = {192: (128, 64), 256: (128, 128)}
 
 # Off: d = 129-256 takes the general backward on 256-wide tiles. Tests and scripts switch it to compare both.
 ENABLED = True
-# Causal launches in block-major order (`_common._grid_order`): an experiment, off by default until timed (a model of
-# the grid's tail, 1280 programs of 4-64 steps at d=192 2k on 132 SMs, predicts about 9 %; the general dK / dV kernel's
-# key-major order gave causal GQA 1.11-1.12x). scripts/time_bwd_split.py --block-major times both. H100, fortieth
-# session, with two causal loops: d=192 +5-8 % (184 / 193, 214 / 231, 242 / 258, 267 / 272 at 2k-16k), d=256 +-1 %.
-CAUSAL_BLOCK_MAJOR = False
+# The split classes whose causal launches (dK / dV and dQ) run in block-major order (`_common._grid_order`: the
+# longest programs of every head first; a greedy model of the grid's tail, 1280 programs of 4-64 steps at d=192 2k on
+# 132 SMs, predicted about 9 %). H100, fortieth session (scripts/time_bwd_split.py --block-major --one-loop, whole
+# causal backward, TFLOP/s at 2k / 4k / 8k / 16k): with two dK / dV loops d=192 +2-8 % (184 / 193, 214 / 231,
+# 242 / 258, 267 / 272), d=256 none (154 / 153, 174 / 174, 189 / 188, 193 / 194); with one loop at d=192 206 / 211,
+# 243 / 256, 274 / 287, 308 / 304 (1l / bm1l; 0.98 / 1.06 / 1.08 / 1.10x SDPA-flash).
+CAUSAL_BLOCK_MAJOR: frozenset[int] = frozenset({192})
 # The split classes (SPLITS' keys) whose causal dK / dV runs one masked loop over the rows a key block sees (the mask
 # all-true past its diagonal) instead of a masked and an unmasked loop. sm90 compile, d=192 32 x 128 x 8 x 2: 444 bytes
 # of spills against 896 for the two loops (308 without a causal mask), for a compare and select per score in every
@@ -227,9 +229,10 @@ CAUSAL_BLOCK_MAJOR = False
 # loop at 2k / 4k / 8k / 16k): d=192 184 / 203, 214 / 241, 242 / 275, 267 / 311 (0.94-1.12x SDPA-flash, was
 # 0.86-0.96x); d=256 154 / 156, 174 / 177, 189 / 196, 193 / 190: not taken there.
 CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
-# The same for the causal dQ launch (its key blocks in one masked loop): an experiment, off until timed; no spills
-# either way at d=192 128 x 64 x 8 x 2 (sm90 compile, 213 / 215 registers). scripts/time_bwd_split.py --one-loop
-# times it too (`_1ldq`: both launches in one loop).
+# The same for the causal dQ launch (its key blocks in one masked loop): an experiment, off; no spills either way at
+# d=192 128 x 64 x 8 x 2 (sm90 compile, 192 / 215 registers). scripts/time_bwd_split.py --one-loop times it too
+# (`_1ldq`: both launches in one loop). H100, fortieth session, d=192 causal, dK / dV in one loop, dQ in two / in one:
+# 206 / 207, 243 / 244, 274 / 275, 308 / 298 TFLOP/s at 2k / 4k / 8k / 16k: not taken.
 CAUSAL_DQ_ONE_LOOP: frozenset[int] = frozenset()
 
 
@@ -270,7 +273,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     dkdv_tile, dq_tile = _INTERPRETER_TILES if _launch._INTERPRET and _INTERPRETER_TILES else TILES[top]
     kw = dict(HEAD_DIM=d, HEAD_DIM_V=dv_dim, D_A=width_a, D_B=width_b, CAUSAL=causal_offset is not None,
               **({"EXACT_DS": True} if exact_ds else {}),
-              **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
+              **({"BLOCK_MAJOR": True} if top in CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
     dkdv_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_ONE_LOOP and causal_offset is not None else {}))
     dq_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_DQ_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E

@@ -55,7 +55,7 @@ _SPLIT_KERNELS = ("_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split")
 def block_major(monkeypatch):
     """Both split kernels' causal launches in block-major order; yields the launches' keyword arguments by kernel."""
     monkeypatch.setattr(flash_fwd_split, "CAUSAL_BLOCK_MAJOR", True)
-    monkeypatch.setattr(flash_bwd_split, "CAUSAL_BLOCK_MAJOR", True)
+    monkeypatch.setattr(flash_bwd_split, "CAUSAL_BLOCK_MAJOR", frozenset(flash_bwd_split.SPLITS))
     return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
 
 
@@ -107,15 +107,19 @@ def test_split_causal_loops_interpreted(split_launches, request, monkeypatch, lo
 
 @pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
                                             (256, True, False), (224, True, False)])
-def test_one_loop_default(d, causal, taken, monkeypatch):
-    """By default the causal dK / dV runs one loop at head dims 129-192 (measured faster there) and two at 193-256;
-    calls without a causal mask never take it."""
+def test_causal_defaults(d, causal, taken, monkeypatch):
+    """By default the causal dK / dV runs one loop and both causal launches run block-major at head dims 129-192
+    (measured faster there), neither at 193-256; calls without a causal mask take neither; dQ keeps two loops."""
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
-    kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split")
+    kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
     q, k, v, do = (torch.empty(1, 2, 64, d, dtype=torch.float16) for _ in range(4))
     lse = delta = torch.empty(1, 2, 64)
-    flash_bwd_split.launches(q, k, v, do, lse, delta, q, k, v, d ** -0.5, 0 if causal else None, False)[0]()
-    assert kws["_bwd_dkdv_split"] and kws["_bwd_dkdv_split"][0].get("ONE_LOOP", False) == taken, kws
+    for launch in flash_bwd_split.launches(q, k, v, do, lse, delta, q, k, v, d ** -0.5, 0 if causal else None,
+                                           False):
+        launch()
+    (dkdv,), (dq,) = kws["_bwd_dkdv_split"], kws["_bwd_dq_split"]
+    assert dkdv.get("ONE_LOOP", False) == taken and not dq.get("ONE_LOOP", False), kws
+    assert dkdv.get("BLOCK_MAJOR", False) == taken and dq.get("BLOCK_MAJOR", False) == taken, kws
 
 
 @pytest.mark.gpu
