@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order] [d96]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -222,11 +222,11 @@ if [[ " $steps " == *" split "* ]]; then
   fi
 fi
 if [[ " $steps " == *" order "* ]]; then
-  # two causal experiments of the thirty-ninth session, off by default: launches in block-major order (longest
-  # programs of all heads first; CAUSAL_BLOCK_MAJOR) and the split dK / dV in one masked loop (CAUSAL_ONE_LOOP): their
-  # GPU tests, then each kernel timed with and without them in one process
+  # the causal variants of the thirty-ninth / fortieth sessions: block-major launches (`_bm`, the split backward's
+  # default at 129-192 since the fortieth), one masked dK / dV loop (`_1l`, likewise), dQ in one loop (`_1ldq`, off):
+  # their GPU tests, then each kernel timed with and without them in one process
   timeout -s INT -k 20 150 python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py \
-    tests/kernels/triton/test_program_order.py -k "block_major or one_loop" -q -p no:cacheprovider -n 3 \
+    tests/kernels/triton/test_program_order.py -k "block_major or loops or experiments" -q -p no:cacheprovider -n 3 \
     > "$OUT/order_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/order_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/order_tests.log" | head -20
   timeout 150 python3 scripts/time_fwd_ws.py --dims 64 128 --causal yes --block-major --seqlens 1024 2048 8192 \
@@ -236,6 +236,13 @@ if [[ " $steps " == *" order "* ]]; then
   timeout 200 python3 scripts/time_bwd_split.py --dims 192 256 --causal yes --block-major --one-loop \
     --seqlens 2048 8192 \
     --json "$OUT/order_bwd_split.json" 2>&1 | grep "^d=" || status=1
+fi
+if [[ " $steps " == *" d96 "* ]]; then
+  # the forward at d=96 on 64 + 32 columns (flash_fwd_split's experiment, off; not yet timed: sm90 compile, causal,
+  # 128 x 64 x 8 x 3 123 registers / 99 KB, 128 x 128 x 8 x 2 173 / 124 KB, no spills) against the general and
+  # warp-specialized kernels on 128-wide tiles
+  timeout 120 python3 scripts/time_fwd_split.py --dims 96 --causal no yes --seqlens 2048 8192 \
+    --tiles 128,64,8,3 128,128,8,2 128,128,8,3 --json "$OUT/fwd_split_d96.json" 2>&1 | grep "^d=" || status=1
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"
