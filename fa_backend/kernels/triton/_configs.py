@@ -194,6 +194,9 @@ def dkdv_candidates(width: int) -> list[TileConfig]:
     # and 4-warp TMA tiles (two CTAs per SM at d=128: 99 KB of shared memory each); the best dK/dV tile of the
     # feature backwards on the H200 (scripts/tune_features.py: key padding +14 %, explicit causal mask +12 %)
     tma += [TileConfig(64, 64, 4, 2, tma=True), TileConfig(64, 64, 4, 3, tma=True), TileConfig(32, 64, 4, 2, tma=True)]
+    # the d=64 causal table tile (32 x 128 x 4 x 1, pointer loads) by TMA with a second stage: sm90 compile, causal,
+    # 253 registers, no spills, 49 KB (fortieth session; not timed yet; 64 x 128 x 4 x 2 spills 1032 bytes)
+    tma += [TileConfig(32, 128, 4, 2, tma=True)] if width <= 64 else []
     # dQ by TMA bulk reduce-add (no per-element atomics) on tiles that leave registers for the dQ tile
     tma_atomic = [dataclasses.replace(c, tma=True, atomic_dq=True) for c in table + plain + _TMA_ATOMIC_EXTRA
                   if width <= 128 and c.block_m * (c.block_n if width <= 64 else 128) <= 64 * 128
