@@ -222,15 +222,13 @@ if [[ " $steps " == *" split "* ]]; then
   fi
 fi
 if [[ " $steps " == *" order "* ]]; then
-  # the causal variants of the thirty-ninth / fortieth sessions: block-major launches (`_bm`, the split backward's
-  # default at 129-192 since the fortieth), one masked dK / dV loop (`_1l`, likewise), dQ in one loop (`_1ldq`, off):
-  # their GPU tests, then each kernel timed with and without them in one process
+  # the causal variants of the split kernels (thirty-ninth / fortieth sessions): block-major launches (`_bm`) and one
+  # masked dK / dV loop (`_1l`), both the backward's default at 129-192 since the fortieth: their GPU tests, then
+  # each kernel timed with and without them in one process
   timeout -s INT -k 20 150 python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py \
-    tests/kernels/triton/test_program_order.py -k "block_major or loops or experiments" -q -p no:cacheprovider -n 3 \
+    -k "block_major or loops or experiments or defaults" -q -p no:cacheprovider -n 3 \
     > "$OUT/order_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/order_tests.log"; grep -h -E "^(FAILED|ERROR)" "$OUT/order_tests.log" | head -20
-  timeout 150 python3 scripts/time_fwd_ws.py --dims 64 128 --causal yes --block-major --seqlens 1024 2048 8192 \
-    --tiles --json "$OUT/order_fwd.json" 2>&1 | grep "^d=" || status=1
   timeout 100 python3 scripts/time_fwd_split.py --causal yes --block-major --seqlens 2048 8192 \
     --json "$OUT/order_fwd_split.json" 2>&1 | grep "^d=" || status=1
   timeout 200 python3 scripts/time_bwd_split.py --dims 192 256 --causal yes --block-major --one-loop \

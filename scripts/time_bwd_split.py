@@ -8,9 +8,8 @@ at d=96 without a causal mask the warp-specialized dK / dV); cuDNN and SDPA-flas
 autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 times the 64 + 32 split (off by
 default). `split_*` rows run flash_bwd_split's defaults; with --block-major / --one-loop, causal rows also run
 these variants (suffixes): `_hm2l` head-major with a masked and an unmasked dK / dV loop (before the fortieth
-session), `_bm` block-major, `_1l` one masked dK / dV loop, `_1ldq` that and dQ's key blocks in one masked loop,
-`_bm1l` block-major with one dK / dV loop (the default at 129-192 since the fortieth session). Until 6d7eb94 the
-unsuffixed causal rows were `_hm2l`.
+session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l` block-major with one dK / dV loop (the
+default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed causal rows were `_hm2l`.
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]
@@ -57,7 +56,6 @@ def main() -> None:
             flash_bwd_split.SPLITS[d] = widths
     tiles_before = dict(flash_bwd_split.TILES)
     block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
-    dq_one_loop_before = flash_bwd_split.CAUSAL_DQ_ONE_LOOP
     rows = []
     for d in args.dims:
         top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
@@ -75,23 +73,21 @@ def main() -> None:
                     flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                 ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
-                def ours(pair=None, block_major=None, one_loop=None, dq_one_loop=None):
+                def ours(pair=None, block_major=None, one_loop=None):
                     # (None: the module's default for this split class)
                     flash_bwd_split.ENABLED = pair is not None
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     for name, on, before in (("CAUSAL_BLOCK_MAJOR", block_major, block_major_before),
-                                             ("CAUSAL_ONE_LOOP", one_loop, one_loop_before),
-                                             ("CAUSAL_DQ_ONE_LOOP", dq_one_loop, dq_one_loop_before)):
+                                             ("CAUSAL_ONE_LOOP", one_loop, one_loop_before)):
                         setattr(flash_bwd_split, name, before if on is None else frozenset({top} if on else ()))
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
                 variants = {"": {}}  # name suffix -> ours()'s keyword arguments ("": the defaults)
                 if causal and (args.block_major or args.one_loop):
-                    two = dict(block_major=False, one_loop=False, dq_one_loop=False)
+                    two = dict(block_major=False, one_loop=False)
                     variants["_hm2l"] = two
                     variants.update({"_bm": dict(two, block_major=True)} if args.block_major else {})
-                    variants.update({"_1l": dict(two, one_loop=True),
-                                     "_1ldq": dict(two, one_loop=True, dq_one_loop=True)} if args.one_loop else {})
+                    variants.update({"_1l": dict(two, one_loop=True)} if args.one_loop else {})
                     variants.update({"_bm1l": dict(two, block_major=True, one_loop=True)}
                                     if args.block_major and args.one_loop else {})
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p) + suffix:
@@ -114,7 +110,6 @@ def main() -> None:
                 if args.launches:  # (the default loops and order)
                     flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
                     flash_bwd_split.CAUSAL_ONE_LOOP = one_loop_before
-                    flash_bwd_split.CAUSAL_DQ_ONE_LOOP = dq_one_loop_before
                     _time_launches(res, pairs or [tiles_before[top]], top, q, k, v, do, out, lse, d, causal)
                 rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
                 fl = res["sdpa_flash"]["tflops"]
@@ -127,7 +122,6 @@ def main() -> None:
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
     flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP = block_major_before, one_loop_before
-    flash_bwd_split.CAUSAL_DQ_ONE_LOOP = dq_one_loop_before
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 

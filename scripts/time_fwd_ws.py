@@ -2,11 +2,11 @@
 
 For each head dim, causal mode and seqlen (bf16, batch = 16384 / seqlen, heads = 2048 / d): `flash_fwd` with
 `flash_fwd_ws` (non-causal calls only; causal ones time `_attn_fwd` there too) in each tile of --tiles (BLOCK_M,
-BLOCK_N, warps, stages), `flash_fwd` with it off (the general `_attn_fwd`; with --block-major, causal rows also in
-block-major order), cuDNN and flash SDPA; do_bench medians; each output checked against cuDNN's first.
+BLOCK_N, warps, stages), `flash_fwd` with it off (the general `_attn_fwd`), cuDNN and flash SDPA; do_bench
+medians; each output checked against cuDNN's first.
 
     python3 scripts/time_fwd_ws.py [--dims 64 128] [--seqlens 512 1024 2048 4096 8192 16384] [--json F]
-                                   [--tiles 128,128,4,2 128,128,4,3] [--causal no yes] [--block-major]
+                                   [--tiles 128,128,4,2 128,128,4,3] [--causal no yes]
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from _records import write_records  # noqa: E402
 from fa_backend.kernels.triton import flash_fwd_ws
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
 
-_FLASH_FWD = sys.modules["fa_backend.kernels.triton.flash_fwd"]  # (the package exports the function under that name)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -37,8 +35,6 @@ def main() -> None:
     parser.add_argument("--causal", nargs="+", default=["no"], choices=["no", "yes"])
     parser.add_argument("--gqa", type=int, default=1, help="query heads per KV head")
     parser.add_argument("--tiles", nargs="*", default=["128,128,4,2"])
-    parser.add_argument("--block-major", action="store_true",
-                        help="causal rows: also the general kernel in block-major order (`general_bm`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
@@ -52,9 +48,8 @@ def main() -> None:
                         for _ in range(2))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
 
-                def ours(tile=None, block_major=False):
+                def ours(tile=None):
                     flash_fwd_ws.ENABLED = tile is not None
-                    _FLASH_FWD.CAUSAL_BLOCK_MAJOR = block_major
                     if tile is not None:
                         flash_fwd_ws.WS_TILES[d] = tile
                         flash_fwd_ws.MIN_SEQ_K = 0  # timed at every length
@@ -62,8 +57,6 @@ def main() -> None:
 
                 fns = {f"ws_{'x'.join(map(str, t))}": (lambda t=t: ours(t)) for t in tiles}
                 fns["general"] = ours
-                if args.block_major and causal:
-                    fns["general_bm"] = lambda: ours(block_major=True)
                 for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
                     def run(be=be):
                         with sdpa_kernel(be):
@@ -86,7 +79,6 @@ def main() -> None:
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v
     flash_fwd_ws.ENABLED = True
-    _FLASH_FWD.CAUSAL_BLOCK_MAJOR = False
     write_records(args.json, rows)
 
 

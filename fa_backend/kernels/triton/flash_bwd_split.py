@@ -150,7 +150,7 @@ def _bwd_dq_split(
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
-    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
+    BLOCK_MAJOR: tl.constexpr = False,
 ):
     bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, BLOCK_MAJOR)
     if CAUSAL:
@@ -175,12 +175,8 @@ def _bwd_dq_split(
     dq_a = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
     n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    if ONE_LOOP:  # (causal only) every key block in the masked loop
-        n_full = 0
-    else:
-        dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc,
-                                    vb_desc, 0, n_full, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, False,
-                                    CAUSAL, EXACT_DS)
+    dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc,
+                                0, n_full, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, False, CAUSAL, EXACT_DS)
     dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc,
                                 n_full, hi, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, True, CAUSAL, EXACT_DS)
     DQ_h = DQ + off_b * stride_dqb + off_h * stride_dqh
@@ -227,13 +223,9 @@ CAUSAL_BLOCK_MAJOR: frozenset[int] = frozenset({192})
 # of spills against 896 for the two loops (308 without a causal mask), for a compare and select per score in every
 # step. H100, fortieth session (scripts/time_bwd_split.py --one-loop, whole causal backward, TFLOP/s, two loops / one
 # loop at 2k / 4k / 8k / 16k): d=192 184 / 203, 214 / 241, 242 / 275, 267 / 311 (0.94-1.12x SDPA-flash, was
-# 0.86-0.96x); d=256 154 / 156, 174 / 177, 189 / 196, 193 / 190: not taken there.
+# 0.86-0.96x); d=256 154 / 156, 174 / 177, 189 / 196, 193 / 190: not taken there. The dQ launch's key blocks in one
+# masked loop as well (no spills to remove there) gave 206 / 207, 243 / 244, 274 / 275, 308 / 298 (code removed).
 CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
-# The same for the causal dQ launch (its key blocks in one masked loop): an experiment, off; no spills either way at
-# d=192 128 x 64 x 8 x 2 (sm90 compile, 192 / 215 registers). scripts/time_bwd_split.py --one-loop times it too
-# (`_1ldq`: both launches in one loop). H100, fortieth session, d=192 causal, dK / dV in one loop, dQ in two / in one:
-# 206 / 207, 243 / 244, 274 / 275, 308 / 298 TFLOP/s at 2k / 4k / 8k / 16k: not taken.
-CAUSAL_DQ_ONE_LOOP: frozenset[int] = frozenset()
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -275,7 +267,6 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
               **({"EXACT_DS": True} if exact_ds else {}),
               **({"BLOCK_MAJOR": True} if top in CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
     dkdv_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_ONE_LOOP and causal_offset is not None else {}))
-    dq_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_DQ_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
 
     def dkdv() -> None:
@@ -294,6 +285,6 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             q, k, v, dout, lse, delta, dq,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
             hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
-        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dq_kw))
+        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
 
     return dkdv, dq_

@@ -183,11 +183,12 @@ def _attn_fwd(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, BLOCK_MAJOR: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
-    # concurrently running programs share that head's K/V in L2 (BLOCK_MAJOR: block index outermost instead).
-    bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, BLOCK_MAJOR)
+    # concurrently running programs share that head's K/V in L2 (block-major order, the longest blocks of all heads
+    # first, lost 2-38 % causal on an H100 in the fortieth session: docs/perf-log.md)
+    bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, False)
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first: a better tail
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
@@ -324,12 +325,6 @@ def _attn_fwd(
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
-# Plain causal launches of `_attn_fwd` in block-major order (`_common._grid_order`: the longest query blocks of all
-# heads first): an experiment, off; scripts/time_fwd_ws.py --causal yes --block-major times it. H100, fortieth session
-# (TFLOP/s head-major / block-major): d=64 275 / 171, 344 / 290, 402 / 380 at 1k / 2k / 8k; d=128 295 / 205,
-# 359 / 293, 459 / 452: it loses.
-CAUSAL_BLOCK_MAJOR = False
-
 
 def flash_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, bottom_right: bool,
@@ -384,7 +379,6 @@ def flash_fwd(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
         **({"USE_TMA": True} if cfg.tma else {}),
-        **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and plain and feat.causal else {}),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse
