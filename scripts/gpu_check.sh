@@ -212,8 +212,8 @@ if [[ " $steps " == *" split "* ]]; then
     timeout 100 python3 scripts/time_bwd_ws.py --seqlens 2048 8192 $WS_ARGS --json "$OUT/bwd_ws.json" 2>&1 \
       | grep "^d=" || status=1
   fi
-  # SPLIT_SMALL=1: the 64 + 32 split at d=96 (an experiment, off by default; sm90 compile: forward 128 x 128 x 8 x 3
-  # 173 registers, no spills; dK / dV 32 x 128 x 8 x 2 none, 64 x 64 x 8 x 2 88 bytes), forward and backward
+  # SPLIT_SMALL=1: the 64 + 32 split at d=96 (the forward's default since the forty-first session; the backward's an
+  # experiment, off: sm90 compile, dK / dV 32 x 128 x 8 x 2 no spills, 64 x 64 x 8 x 2 88 bytes), forward and backward
   if [[ -n "${SPLIT_SMALL:-}" ]]; then
     timeout 80 python3 scripts/time_fwd_split.py --dims 96 --seqlens 2048 8192 --tiles 128,64,8,3 128,128,8,2 \
       128,128,8,3 --json "$OUT/fwd_split_small.json" 2>&1 | grep "^d=" || status=1
@@ -236,9 +236,9 @@ if [[ " $steps " == *" order "* ]]; then
     --json "$OUT/order_bwd_split.json" 2>&1 | grep "^d=" || status=1
 fi
 if [[ " $steps " == *" d96 "* ]]; then
-  # the forward at d=96 on 64 + 32 columns (flash_fwd_split's experiment, off; not yet timed: sm90 compile, causal,
-  # 128 x 64 x 8 x 3 123 registers / 99 KB, 128 x 128 x 8 x 2 173 / 124 KB, no spills) against the general and
-  # warp-specialized kernels on 128-wide tiles
+  # the forward at d=96 on 64 + 32 columns (flash_fwd_split, the default from 1k keys, causal 2k, since the forty-first
+  # session: 128 x 64 x 8 x 3; sm90 compile, causal, 123 registers / 99 KB, 128 x 128 x 8 x 2 173 / 124 KB, no spills)
+  # against the general and warp-specialized kernels on 128-wide tiles
   timeout 120 python3 scripts/time_fwd_split.py --dims 96 --causal no yes --seqlens 2048 8192 \
     --tiles 128,64,8,3 128,128,8,2 128,128,8,3 --json "$OUT/fwd_split_d96.json" 2>&1 | grep "^d=" || status=1
 fi

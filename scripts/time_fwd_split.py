@@ -1,10 +1,10 @@
-"""The split-column forward (head dims 129-192 on 128 + 64 columns) against the general kernel's 256-wide tiles
-and PyTorch's (GPU, sm90): TFLOP/s of the forward.
+"""The split-column forward (head dims 129-192 on 128 + 64 columns, 65-96 on 64 + 32) against the general kernel's
+256- / 128-wide tiles and PyTorch's (GPU, sm90): TFLOP/s of the forward.
 
 For each head dim, causal mode and seqlen (bf16, batch = 16384 / seqlen, heads = 2048 // d): `flash_fwd` with
 `flash_fwd_split` in each tile of --tiles (BLOCK_M, BLOCK_N, warps, stages), `flash_fwd` with it off (the general
 `_attn_fwd`), the warp-specialized kernel where it runs (d=96 non-causal), cuDNN and flash SDPA; do_bench medians;
-each output checked against cuDNN's first. --dims 96 times the 64 + 32 split (off by default).
+each output checked against cuDNN's first. The split rows run at every length (MIN_SEQ_K off).
 
     python3 scripts/time_fwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384] [--json F]
                                       [--tiles 128,64,8,2 128,64,8,3]  [--dims 96 192]
@@ -40,8 +40,8 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    if 96 in args.dims:
-        flash_fwd_split.SPLITS[96] = (64, 32)  # (the 64 + 32 experiment)
+    min_seq_k = flash_fwd_split.MIN_SEQ_K
+    flash_fwd_split.MIN_SEQ_K = {}
     tiles_before = dict(flash_fwd_split.TILES)
     rows = []
     for d in args.dims:
@@ -91,6 +91,7 @@ def main() -> None:
     flash_fwd_split.ENABLED = flash_fwd_ws.ENABLED = True
     flash_fwd_split.CAUSAL_BLOCK_MAJOR = False
     flash_fwd_split.TILES.update(tiles_before)
+    flash_fwd_split.MIN_SEQ_K = min_seq_k
     write_records(args.json, rows)
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _records import write_records  # noqa: E402
 
-from fa_backend.kernels.triton import flash_fwd_ws
+from fa_backend.kernels.triton import flash_fwd_split, flash_fwd_ws
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
 
 
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    flash_fwd_split.ENABLED = False  # (d=96's 64 + 32 split goes first: this script times the two others)
     rows = []
     for d in args.dims:
         for causal in (c == "yes" for c in args.causal):

@@ -356,11 +356,14 @@ def flash_fwd(
         lse.fill_(float("-inf"))
         return out, lse
     plain = plain_call(attn_mask, dropout_p, window, softcap, alibi_slopes)
-    if ws_eligible(q, k, v, out, scale, causal, plain) and flash_fwd_ws(q, k, v, scale, out, lse):
+    # d = 129-192 on 128 + 64 columns instead of 256, 65-96 on 64 + 32 instead of 128 (ahead of the
+    # warp-specialized kernel, which pads 96 to 128)
+    split = split_eligible(q, k, v, out, scale, plain, causal)
+    if not split and ws_eligible(q, k, v, out, scale, causal, plain) and flash_fwd_ws(q, k, v, scale, out, lse):
         return out, lse
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)
-    if split_eligible(q, k, v, out, scale, plain):  # d = 129-192 on 128 + 64 columns instead of 256
+    if split:
         flash_fwd_split(q, k, v, scale, feat.causal_offset if causal else None, out, lse)
         return out, lse
     features = tile_class(feat, attn_mask, b, hq, sq, sk, d)

@@ -1,4 +1,5 @@
-"""Forward for head dims 129-192 on two column tiles (128 + 64) instead of one 256-wide tile.
+"""Forward for head dims 129-192 on two column tiles (128 + 64) instead of one 256-wide tile, and 65-96 on 64 + 32
+instead of 128.
 
 Triton tiles are powers of two, so the general kernel (`flash_fwd._attn_fwd`) runs d=192 on 256-wide tiles and
 spends a quarter of its tensor-core work and of its Q / K / V traffic on zero columns. Here Q, K and V are read by
@@ -23,9 +24,14 @@ from ._tma import tma_ok
 from ._ws import _head_rows
 
 # Head-dim classes a split launch takes, keyed on the class's widest head dim: (first, second column tile). 129-192:
-# 128 + 64 (the general kernel pads them to 256). scripts/time_fwd_split.py --dims 96 adds 65-96 as 64 + 32 (padded to
-# 128 otherwise): an experiment, off by default.
-SPLITS: dict[int, tuple[int, int]] = {192: (128, 64)}
+# 128 + 64 (the general kernel pads them to 256); 65-96: 64 + 32 (padded to 128 by the general and warp-specialized
+# kernels; the default since the forty-first session, see MIN_SEQ_K).
+SPLITS: dict[int, tuple[int, int]] = {192: (128, 64), 96: (64, 32)}
+# Per class, the fewest keys (non-causal, causal) a call needs to take the split; shorter ones keep the other
+# kernels. H100, forty-first session, d=96 (scripts/time_fwd_split.py, 128 x 64 x 8 x 3, TFLOP/s at 1k / 2k / 4k /
+# 16k): non-causal 336 / 401 / 433 / 465 against the warp-specialized kernel's 321 / 373 / 397 / 415; causal
+# 219 / 303 / 367 / 431 against the general kernel's 230 / 272 / 309 / 375 (shorter than 1k: not timed).
+MIN_SEQ_K: dict[int, tuple[int, int]] = {96: (1024, 2048)}
 
 
 def split_widths(d: int, dv: int, splits: dict[int, tuple[int, int]]) -> tuple[int, int, int] | None:
@@ -121,11 +127,14 @@ def _attn_fwd_split(
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). H100, d=192, scripts/time_fwd_split.py (TFLOP/s at 2k / 8k, non-causal;
 # causal): 128 x 64 x 8 warps x 3 stages 408 / 480; 303 / 435 against two stages 341 / 398; 262 / 368, 128 x 32 x 3
 # 328 / 384; 250 / 340, 64 x 64 x 4 x 2 270 / 311; 197 / 279 (general kernel 315 / 343; 256 / 325). 198 KB of shared
-# memory, 179 registers, no spills (sm90 compile check).
+# memory, 179 registers, no spills (sm90 compile check). d=96 (forty-first session; 2k non-causal / causal): 128 x 64
+# x 8 x 3 401-411 / 303, x 4 warps 376 / 303, 64 x 64 x 4 x 3 306 / 232, 128 x 128 x 8 x 2 274 / 201, x 3 stages
+# 298 / 220; 123 registers, 99 KB, no spills.
 TILES: dict[int, tuple[int, int, int, int]] = {192: (128, 64, 8, 3), 96: (128, 64, 8, 3)}
 _INTERPRETER_TILE: tuple[int, int, int, int] | None = (16, 16, 4, 1)  # None: TILES' (a test's choice)
 
-# Off: every call takes `_attn_fwd` (d = 129-192 on 256-wide tiles). Tests and scripts switch it to compare both.
+# Off: every call takes `_attn_fwd` (d = 129-192 on 256-wide tiles, 65-96 on 128-wide ones or the warp-specialized
+# kernel). Tests and scripts switch it to compare both.
 ENABLED = True
 # Causal launches in block-major order (`_common._grid_order`, longest query blocks of all heads first): an
 # experiment, off; scripts/time_fwd_split.py --block-major times both. H100, fortieth session, d=192 TFLOP/s
@@ -134,13 +143,15 @@ CAUSAL_BLOCK_MAJOR = False
 
 
 def split_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
-                   plain: bool) -> bool:
+                   plain: bool, causal: bool) -> bool:
     """Whether `flash_fwd_split` may run this call: plain (no mask, dropout, softcap, ALiBi, window; causal
-    either way), scale > 0, both head dims in one class of SPLITS (129-192), fp16 / bf16 inputs and output of the
-    same dtype, strides TMA accepts (sm90 or the interpreter), and no forward tile pinned by `_configs.override`."""
+    either way), scale > 0, both head dims in one class of SPLITS (129-192, 65-96) with at least the class's
+    MIN_SEQ_K keys, fp16 / bf16 inputs and output of the same dtype, strides TMA accepts (sm90 or the interpreter),
+    and no forward tile pinned by `_configs.override`."""
     if not (ENABLED and plain and scale > 0) or _configs._override.get("fwd"):
         return False
-    if split_widths(q.shape[-1], v.shape[-1], SPLITS) is None:
+    widths = split_widths(q.shape[-1], v.shape[-1], SPLITS)
+    if widths is None or k.shape[2] < MIN_SEQ_K.get(widths[0], (0, 0))[causal]:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not k.shape[2]:
         return False

@@ -1,6 +1,6 @@
-"""The split-column forward (flash_fwd_split, head dims 129-192 on 128 + 64 columns): under the interpreter here,
-at real sizes on sm90 in the GPU suite: outputs within the 2x rule, the LSE, which calls take it, and the
-fallback to the general kernel."""
+"""The split-column forward (flash_fwd_split, head dims 129-192 on 128 + 64 columns, 65-96 on 64 + 32): under the
+interpreter here, at real sizes on sm90 in the GPU suite: outputs within the 2x rule, the LSE, which calls take it,
+and the fallback to the general kernel."""
 
 from __future__ import annotations
 
@@ -116,28 +116,56 @@ def test_split_not_taken(split_launches, kw):
 def test_split_switches(split_launches, monkeypatch):
     q, k, v = _plain_qkv()
     out = torch.empty_like(q)
-    assert flash_fwd_split.split_eligible(q, k, v, out, 0.1, True) == (DEVICE == "cpu" or ON_SM90)
-    assert not flash_fwd_split.split_eligible(q, k, v, out, 0.1, False)  # a feature call
+    assert flash_fwd_split.split_eligible(q, k, v, out, 0.1, True, False) == (DEVICE == "cpu" or ON_SM90)
+    assert not flash_fwd_split.split_eligible(q, k, v, out, 0.1, False, False)  # a feature call
     monkeypatch.setattr(flash_fwd_split, "ENABLED", False)
-    assert not flash_fwd_split.split_eligible(q, k, v, out, 0.1, True)
+    assert not flash_fwd_split.split_eligible(q, k, v, out, 0.1, True, False)
     monkeypatch.setattr(flash_fwd_split, "ENABLED", True)
     with _configs.override(fwd=_configs.TileConfig(16, 16, 4, 1)):  # a pinned tile is one for _attn_fwd
-        assert not flash_fwd_split.split_eligible(q, k, v, out, 0.1, True)
+        assert not flash_fwd_split.split_eligible(q, k, v, out, 0.1, True, False)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
-@pytest.mark.parametrize("d,dv,hq,hkv,causal", [(96, 96, 4, 2, True), (80, 96, 2, 2, False)])
+@pytest.mark.parametrize("d,dv,hq,hkv,causal", [(96, 96, 4, 2, True), (80, 96, 2, 2, False), (72, 72, 2, 1, True)])
 def test_split_forward_small_interpreted(split_launches, monkeypatch, d, dv, hq, hkv, causal):
-    """Head dims 65-96 (an experiment, off by default) on 64 + 32 columns."""
-    monkeypatch.setitem(flash_fwd_split.SPLITS, 96, (64, 32))
+    """Head dims 65-96 on 64 + 32 columns (the second tile zero-filled past d)."""
+    monkeypatch.setattr(flash_fwd_split, "MIN_SEQ_K", {})  # interpreter sizes
     _check(*qkv(2, hq, hkv, 37, 50, d, dv, torch.float16, True), causal, True, split_launches)
+
+
+def test_split_min_seq_k(monkeypatch):
+    """A class's MIN_SEQ_K (non-causal, causal): fewer keys keep the other kernels; d=96's defaults are 1k / 2k."""
+    def eligible(sk, causal, d=96):
+        q, k, v = qkv(1, 1, 1, 8, sk, d, d, torch.float16, False)
+        return flash_fwd_split.split_eligible(q, k, v, torch.empty_like(q), 0.1, True, causal)
+    if not (DEVICE == "cpu" or ON_SM90):
+        pytest.skip("TMA strides: sm90 or the interpreter")
+    assert flash_fwd_split.MIN_SEQ_K[96] == (1024, 2048)
+    assert [eligible(sk, False) for sk in (1023, 1024)] == [False, True]
+    assert [eligible(sk, True) for sk in (2047, 2048)] == [False, True]
+    assert eligible(8, True, d=192)  # 129-192: no minimum
+    monkeypatch.setattr(flash_fwd_split, "MIN_SEQ_K", {96: (5, 9)})
+    assert [eligible(sk, False) for sk in (4, 5)] == [False, True]
+    assert [eligible(sk, True) for sk in (8, 9)] == [False, True]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("hq,hkv,sq,sk", [(8, 8, 2048, 2048), (8, 2, 1000, 3001)])
-def test_split_forward_small_real_size(split_launches, monkeypatch, causal, hq, hkv, sq, sk):
-    monkeypatch.setitem(flash_fwd_split.SPLITS, 96, (64, 32))
-    monkeypatch.setattr(flash_fwd_ws, "ENABLED", False)
-    _check(*qkv(2, hq, hkv, sq, sk, 96, 96, torch.bfloat16, True), causal, True, split_launches)
+@pytest.mark.parametrize("d,hq,hkv,sq,sk", [(96, 8, 8, 2048, 2048), (96, 8, 2, 1000, 3001), (80, 4, 4, 4096, 4096)])
+def test_split_forward_small_real_size(split_launches, causal, d, hq, hkv, sq, sk):
+    """d=65-96 at sizes where the default routing takes the split."""
+    _check(*qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), causal, True, split_launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("causal,sk,kernel", [(False, 600, "_attn_fwd_ws"), (False, 1024, "_attn_fwd_split"),
+                                              (True, 1024, "_attn_fwd"), (True, 2048, "_attn_fwd_split")])
+def test_split_small_routing(split_launches, causal, sk, kernel):
+    """d=96 below its MIN_SEQ_K keeps the warp-specialized (non-causal) or general kernel."""
+    q, k, v = qkv(1, 2, 2, sk, sk, 96, 96, torch.bfloat16, True)
+    out, _ = flash_fwd(q, k, v, 96 ** -0.5, causal, False)
+    assert split_launches[-1] == kernel, split_launches
+    ref = attention_math(*(t.double() for t in (q, k, v)), is_causal=causal)
+    assert_within_bar("out", out, attention_same_dtype(q, k, v, is_causal=causal), ref)
