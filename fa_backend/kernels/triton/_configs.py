@@ -87,7 +87,10 @@ BWD_DKDV_VARLEN: dict[tuple[int, bool], TileConfig] = {(128, False): TileConfig(
 _GPU_BWD_CAUSAL: dict[int, BwdConfig] = {
     **_GPU_BWD,
     **{w: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3)) for w in (16, 32)},
-    64: BwdConfig(TileConfig(32, 128, 4, 1), TileConfig(64, 64, 4, 3, tma=True)),
+    # d=64 dK/dV: the 32 x 128 x 4 warps tile with Q / dO by TMA and two stages (forty-first session; without TMA
+    # strides it runs the previous tile, the same shape with pointer loads and one stage): H100, scripts/tune_triton.py
+    # --kernels dkdv --dims 64, 242.3 -> 244.9 (s = 2048), 292.8 -> 296.9 (8192) TFLOP/s. sm90: 253 registers, no spills
+    64: BwdConfig(TileConfig(32, 128, 4, 2, tma=True), TileConfig(64, 64, 4, 3, tma=True)),
     128: BwdConfig(TileConfig(64, 64, 4, 2, tma=True), TileConfig(64, 64, 4, 2, tma=True)),
 }
 # GQA (more query heads than key/value heads) at width 128, causal: the dK/dV programs in key-block-major order
@@ -194,8 +197,8 @@ def dkdv_candidates(width: int) -> list[TileConfig]:
     # and 4-warp TMA tiles (two CTAs per SM at d=128: 99 KB of shared memory each); the best dK/dV tile of the
     # feature backwards on the H200 (scripts/tune_features.py: key padding +14 %, explicit causal mask +12 %)
     tma += [TileConfig(64, 64, 4, 2, tma=True), TileConfig(64, 64, 4, 3, tma=True), TileConfig(32, 64, 4, 2, tma=True)]
-    # the d=64 causal table tile (32 x 128 x 4 x 1, pointer loads) by TMA with a second stage: sm90 compile, causal,
-    # 253 registers, no spills, 49 KB (fortieth session; not timed yet; 64 x 128 x 4 x 2 spills 1032 bytes)
+    # the d=64 causal tile before the forty-first session (32 x 128 x 4 x 1, pointer loads) by TMA with a second
+    # stage, the table's since: sm90 compile, causal, 253 registers, no spills, 49 KB (64 x 128 x 4 x 2 spills 1032)
     tma += [TileConfig(32, 128, 4, 2, tma=True)] if width <= 64 else []
     # dQ by TMA bulk reduce-add (no per-element atomics) on tiles that leave registers for the dQ tile
     tma_atomic = [dataclasses.replace(c, tma=True, atomic_dq=True) for c in table + plain + _TMA_ATOMIC_EXTRA
