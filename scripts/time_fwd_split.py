@@ -36,13 +36,15 @@ def main() -> None:
     parser.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
     parser.add_argument("--tiles", nargs="*", default=[], help="default: the table's tile (TILES)")
     parser.add_argument("--block-major", action="store_true",
-                        help="causal rows: also each tile with its launch in block-major order (`_bm`)")
+                        help="causal rows: also each tile with its launch in head-major (`_hm`) and block-major "
+                             "(`_bm`) order; unsuffixed rows run the module's default (CAUSAL_BLOCK_MAJOR)")
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
     min_seq_k = flash_fwd_split.MIN_SEQ_K
     flash_fwd_split.MIN_SEQ_K = {}
     tiles_before = dict(flash_fwd_split.TILES)
+    block_major_before = flash_fwd_split.CAUSAL_BLOCK_MAJOR
     rows = []
     for d in args.dims:
         top = flash_fwd_split.split_widths(d, d, flash_fwd_split.SPLITS)[0]
@@ -53,18 +55,21 @@ def main() -> None:
                            for _ in range(3))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
 
-                def ours(tile=None, ws=False, block_major=False):
+                def ours(tile=None, ws=False, block_major=None):
                     flash_fwd_split.ENABLED = tile is not None
                     flash_fwd_split.TILES[top] = tile or tiles_before[top]
-                    flash_fwd_split.CAUSAL_BLOCK_MAJOR = block_major
+                    flash_fwd_split.CAUSAL_BLOCK_MAJOR = (  # None: the module's default order
+                        block_major_before if block_major is None
+                        else frozenset(flash_fwd_split.SPLITS) if block_major else frozenset())
                     flash_fwd_ws.ENABLED = ws
                     return flash_fwd(q, k, v, d ** -0.5, causal, False)[0]
 
                 fns = {f"split_{'x'.join(map(str, t))}": (lambda t=t: ours(t))
                        for t in tiles or [tiles_before[top]]}
                 if args.block_major and causal:
-                    fns.update({f"split_{'x'.join(map(str, t))}_bm": (lambda t=t: ours(t, block_major=True))
-                                for t in tiles or [tiles_before[top]]})
+                    for order, on in (("hm", False), ("bm", True)):
+                        for t in tiles or [tiles_before[top]]:
+                            fns[f"split_{'x'.join(map(str, t))}_{order}"] = lambda t=t, on=on: ours(t, block_major=on)
                 fns["general"] = ours
                 if d in flash_fwd_ws.WS_TILES and not causal:
                     fns["ws"] = lambda: ours(ws=True)
@@ -89,7 +94,7 @@ def main() -> None:
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v
     flash_fwd_split.ENABLED = flash_fwd_ws.ENABLED = True
-    flash_fwd_split.CAUSAL_BLOCK_MAJOR = False
+    flash_fwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
     flash_fwd_split.TILES.update(tiles_before)
     flash_fwd_split.MIN_SEQ_K = min_seq_k
     write_records(args.json, rows)

@@ -136,10 +136,11 @@ _INTERPRETER_TILE: tuple[int, int, int, int] | None = (16, 16, 4, 1)  # None: TI
 # Off: every call takes `_attn_fwd` (d = 129-192 on 256-wide tiles, 65-96 on 128-wide ones or the warp-specialized
 # kernel). Tests and scripts switch it to compare both.
 ENABLED = True
-# Causal launches in block-major order (`_common._grid_order`, longest query blocks of all heads first): an
-# experiment, off; scripts/time_fwd_split.py --block-major times both. H100, fortieth session, d=192 TFLOP/s
-# head-major / block-major: 305 / 309 at 2k, 436 / 444 at 8k (+1-2 %): not taken.
-CAUSAL_BLOCK_MAJOR = False
+# The split classes (SPLITS' keys) whose causal launches run in block-major order (`_common._grid_order`, the longest
+# query blocks of all heads first); scripts/time_fwd_split.py --block-major times both orders. H100, d=192 TFLOP/s
+# head-major / block-major: fortieth session 305 / 309 at 2k, 436 / 444 at 8k; forty-first 304 / 310 at 2k, 379 / 388
+# at 4k, 435 / 435 at 8k. d=96 (forty-first): 219 / 193 at 1k, 303 / 274-279 at 2k, 367 / 356 at 4k, 431 / 434 at 16k.
+CAUSAL_BLOCK_MAJOR: frozenset = frozenset({192})
 
 
 def split_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
@@ -176,4 +177,4 @@ def flash_fwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         hq, hq // hkv, sq, sk, num_m_blocks, causal_offset or 0, scale * _LOG2E,
     ), dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=block_m, BLOCK_N=block_n, D_A=width_a, D_B=width_b,
             CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages,
-            **({"BLOCK_MAJOR": True} if CAUSAL_BLOCK_MAJOR and causal_offset is not None else {})))
+            **({"BLOCK_MAJOR": True} if causal_offset is not None and top in CAUSAL_BLOCK_MAJOR else {})))

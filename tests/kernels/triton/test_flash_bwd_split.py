@@ -54,7 +54,7 @@ _SPLIT_KERNELS = ("_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split")
 @pytest.fixture
 def block_major(monkeypatch):
     """Both split kernels' causal launches in block-major order; yields the launches' keyword arguments by kernel."""
-    monkeypatch.setattr(flash_fwd_split, "CAUSAL_BLOCK_MAJOR", True)
+    monkeypatch.setattr(flash_fwd_split, "CAUSAL_BLOCK_MAJOR", frozenset(flash_fwd_split.SPLITS))
     monkeypatch.setattr(flash_bwd_split, "CAUSAL_BLOCK_MAJOR", frozenset(flash_bwd_split.SPLITS))
     return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
 
@@ -117,6 +117,20 @@ def test_causal_defaults(d, causal, taken, monkeypatch):
     (dkdv,), (dq,) = kws["_bwd_dkdv_split"], kws["_bwd_dq_split"]
     assert dkdv.get("ONE_LOOP", False) == taken and "ONE_LOOP" not in dq, kws
     assert dkdv.get("BLOCK_MAJOR", False) == taken and dq.get("BLOCK_MAJOR", False) == taken, kws
+
+
+@pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
+                                            (96, True, False), (80, True, False)])
+def test_forward_block_major_default(d, causal, taken, monkeypatch):
+    """The split forward's causal launches run block-major by default at head dims 129-192 (measured faster there),
+    not at 65-96 (slower) nor without a causal mask."""
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
+    kws = record_launch_kwargs(monkeypatch, "_attn_fwd_split")
+    q = torch.empty(1, 2, 64, d, dtype=torch.float16)
+    flash_fwd_split.flash_fwd_split(q, q, q, d ** -0.5, 0 if causal else None, torch.empty_like(q),
+                                    torch.empty(1, 2, 64))
+    (fwd,) = kws["_attn_fwd_split"]
+    assert fwd.get("BLOCK_MAJOR", False) == taken, kws
 
 
 @pytest.mark.gpu
