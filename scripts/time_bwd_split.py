@@ -5,8 +5,8 @@ seqlen, heads = 2048 // d; 2.5x the forward's FLOPs, halved when causal).
 `split_<dK/dV tile>_<dQ tile>` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_split` in each pair of
 --pairs (BLOCK_M, BLOCK_N, warps, stages for each launch), `general` with it off (the kernels that run otherwise:
 at d=96 without a causal mask the warp-specialized dK / dV); cuDNN and SDPA-flash their SDPA backward through
-autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 times the 64 + 32 split (off by
-default). `split_*` rows run flash_bwd_split's defaults; with --block-major / --one-loop, causal rows also run
+autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 / 128 time the 64 + 32 / 64 + 64
+splits (off by default; d=192's tiles unless --pairs). `split_*` rows run flash_bwd_split's defaults; with --block-major / --one-loop, causal rows also run
 these variants (suffixes): `_hm2l` head-major with a masked and an unmasked dK / dV loop (before the fortieth
 session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l` block-major with one dK / dV loop (the
 default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed causal rows were `_hm2l`.
@@ -51,9 +51,11 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
-    for d, widths in ((96, (64, 32)), (256, (128, 128))):  # (64 + 32: the experiment; 128 + 128 the default)
+    # (64 + 32 and 64 + 64: experiments; 128 + 128 the default)
+    for d, widths in ((96, (64, 32)), (128, (64, 64)), (256, (128, 128))):
         if d in args.dims:
             flash_bwd_split.SPLITS[d] = widths
+            flash_bwd_split.TILES.setdefault(d, flash_bwd_split.TILES[192])
     tiles_before = dict(flash_bwd_split.TILES)
     block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
     rows = []

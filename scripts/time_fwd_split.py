@@ -8,6 +8,7 @@ each output checked against cuDNN's first. The split rows run at every length (M
 
     python3 scripts/time_fwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384] [--json F]
                                       [--tiles 128,64,8,2 128,64,8,3]  [--dims 96 192]
+                                      [--dims 128 --extra-class 128:64,64]
 """
 
 from __future__ import annotations
@@ -38,9 +39,17 @@ def main() -> None:
     parser.add_argument("--block-major", action="store_true",
                         help="causal rows: also each tile with its launch in head-major (`_hm`) and block-major "
                              "(`_bm`) order; unsuffixed rows run the module's default (CAUSAL_BLOCK_MAJOR)")
+    parser.add_argument("--extra-class", metavar="D:A,B",
+                        help="time a class SPLITS does not hold, e.g. 128:64,64 (d=128 on two 64-column tiles; "
+                             "its tile: the first of --tiles, else 128 x 64 x 8 x 3)")
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    splits_before = dict(flash_fwd_split.SPLITS)
+    if args.extra_class:
+        top, widths = args.extra_class.split(":")
+        flash_fwd_split.SPLITS[int(top)] = tuple(int(x) for x in widths.split(","))
+        flash_fwd_split.TILES.setdefault(int(top), tiles[0] if tiles else (128, 64, 8, 3))
     min_seq_k = flash_fwd_split.MIN_SEQ_K
     flash_fwd_split.MIN_SEQ_K = {}
     tiles_before = dict(flash_fwd_split.TILES)
@@ -95,7 +104,10 @@ def main() -> None:
                 del q, k, v
     flash_fwd_split.ENABLED = flash_fwd_ws.ENABLED = True
     flash_fwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
+    flash_fwd_split.TILES.clear()
     flash_fwd_split.TILES.update(tiles_before)
+    flash_fwd_split.SPLITS.clear()
+    flash_fwd_split.SPLITS.update(splits_before)
     flash_fwd_split.MIN_SEQ_K = min_seq_k
     write_records(args.json, rows)
 
