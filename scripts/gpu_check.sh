@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order] [d96]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order] [d96] [d128]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -241,6 +241,18 @@ if [[ " $steps " == *" d96 "* ]]; then
   # against the general and warp-specialized kernels on 128-wide tiles
   timeout 120 python3 scripts/time_fwd_split.py --dims 96 --causal no yes --seqlens 2048 8192 \
     --tiles 128,64,8,3 128,128,8,2 128,128,8,3 --json "$OUT/fwd_split_d96.json" 2>&1 | grep "^d=" || status=1
+fi
+if [[ " $steps " == *" d128 "* ]]; then
+  # experiments prepared in the forty-second session, not yet run: d=128 on two 64-column tiles (backward at d=192's
+  # tiles, causal with one loop / block-major; forward causal), and the 64-row 4-warp forward tiles by TMA at 512 / 1k
+  # (the short causal tile is 64 x 32 x 4 x 3 with pointer loads); sm90 compiles and interpreter numerics checked here
+  timeout 100 python3 scripts/time_bwd_split.py --dims 128 --causal yes no --seqlens 2048 8192 \
+    --pairs 32,128,8,2/128,64,8,2 --block-major --one-loop --json "$OUT/bwd_split_d128.json" 2>&1 | grep "^d=" || status=1
+  timeout 80 python3 scripts/time_fwd_split.py --dims 128 --causal yes --extra-class 128:64,64 --block-major \
+    --tiles 128,64,8,3 128,128,8,2 --seqlens 2048 8192 --json "$OUT/fwd_split_d128.json" 2>&1 | grep "^d=" || status=1
+  timeout 150 python3 scripts/tune_triton.py --dims 128 --seqlens 512 1024 --kernels fwd --match block_m=64 \
+    --json "$OUT/tune_short.json" > "$OUT/tune_short.log" 2>&1 || status=1
+  sed -n '/^compiled/p;/FAILED/p;/^best per/,$p' "$OUT/tune_short.log"
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"
