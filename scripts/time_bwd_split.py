@@ -6,10 +6,11 @@ seqlen, heads = 2048 // d; 2.5x the forward's FLOPs, halved when causal).
 --pairs (BLOCK_M, BLOCK_N, warps, stages for each launch), `general` with it off (the kernels that run otherwise:
 at d=96 without a causal mask the warp-specialized dK / dV); cuDNN and SDPA-flash their SDPA backward through
 autograd (retain_graph). Each gradient is compared with cuDNN's first. --dims 96 / 128 time the 64 + 32 / 64 + 64
-splits (off by default; d=192's tiles unless --pairs). `split_*` rows run flash_bwd_split's defaults; with --block-major / --one-loop, causal rows also run
-these variants (suffixes): `_hm2l` head-major with a masked and an unmasked dK / dV loop (before the fortieth
-session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l` block-major with one dK / dV loop (the
-default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed causal rows were `_hm2l`.
+splits (off by default; d=192's tiles unless --pairs). `split_*` rows run flash_bwd_split's defaults; with
+--block-major / --one-loop, causal rows also run these variants (suffixes): `_hm2l` head-major with a masked and an
+unmasked dK / dV loop (before the fortieth session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l`
+block-major with one dK / dV loop (the default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed
+causal rows were `_hm2l`.
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]

@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    splits_before = dict(flash_fwd_split.SPLITS)
+    splits_before, tiles_orig = dict(flash_fwd_split.SPLITS), dict(flash_fwd_split.TILES)
     if args.extra_class:
         top, widths = args.extra_class.split(":")
         flash_fwd_split.SPLITS[int(top)] = tuple(int(x) for x in widths.split(","))
@@ -105,7 +105,7 @@ def main() -> None:
     flash_fwd_split.ENABLED = flash_fwd_ws.ENABLED = True
     flash_fwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
     flash_fwd_split.TILES.clear()
-    flash_fwd_split.TILES.update(tiles_before)
+    flash_fwd_split.TILES.update(tiles_orig)
     flash_fwd_split.SPLITS.clear()
     flash_fwd_split.SPLITS.update(splits_before)
     flash_fwd_split.MIN_SEQ_K = min_seq_k
