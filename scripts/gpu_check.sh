@@ -243,14 +243,14 @@ if [[ " $steps " == *" d96 "* ]]; then
     --tiles 128,64,8,3 128,128,8,2 128,128,8,3 --json "$OUT/fwd_split_d96.json" 2>&1 | grep "^d=" || status=1
 fi
 if [[ " $steps " == *" d128 "* ]]; then
-  # experiments prepared in the forty-second session, not yet run: d=128 on two 64-column tiles (backward at d=192's
-  # tiles, causal with one loop / block-major; forward causal); sm90 compiles and interpreter numerics checked here
+  # d=128 on two 64-column tiles (backward at d=192's tiles, causal with one loop / block-major; forward causal):
+  # prepared in the forty-second session; both lose to the general kernels (H100, forty-third session, perf-log)
   timeout 100 python3 scripts/time_bwd_split.py --dims 128 --causal yes no --seqlens 2048 8192 \
     --pairs 32,128,8,2/128,64,8,2 --block-major --one-loop --json "$OUT/bwd_split_d128.json" 2>&1 | grep "^d=" || status=1
   timeout 80 python3 scripts/time_fwd_split.py --dims 128 --causal yes --extra-class 128:64,64 --block-major \
     --tiles 128,64,8,3 128,128,8,2 --seqlens 2048 8192 --json "$OUT/fwd_split_d128.json" 2>&1 | grep "^d=" || status=1
-  # the 512 / 1k forward tiles through the tune step: TUNE_KERNELS=fwd TUNE_DIMS=128 TUNE_SEQLENS="512 1024"
-  # TUNE_MATCH=block_m=64 bash scripts/gpu_check.sh d128 tune
+  # the 512 / 1k forward tiles through the tune step (no gain, forty-third session): TUNE_KERNELS=fwd TUNE_DIMS=128
+  # TUNE_SEQLENS="512 1024" TUNE_MATCH=block_m=64 bash scripts/gpu_check.sh d128 tune
 fi
 if [[ " $steps " == *" cute "* ]]; then
   skip=""; [[ " $steps " == *" cute_bwd "* ]] && skip="--ignore=tests/kernels/cute/test_flash_bwd_gpu.py"

@@ -10,12 +10,11 @@ splits (off by default; d=192's tiles unless --pairs). `split_*` rows run flash_
 --block-major / --one-loop, causal rows also run these variants (suffixes): `_hm2l` head-major with a masked and an
 unmasked dK / dV loop (before the fortieth session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l`
 block-major with one dK / dV loop (the default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed
-causal rows were `_hm2l`. --atomic-dq adds `_adq` rows: dQ added from the dK / dV launch by TMA bulk reduce-adds
-(flash_bwd_split.ATOMIC_DQ; the dQ tile of the pair unused).
+causal rows were `_hm2l`.
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]
-                                      [--atomic-dq] [--json F]
+                                      [--json F]
 """
 
 from __future__ import annotations
@@ -50,8 +49,6 @@ def main() -> None:
                         help="causal rows: also each pair with its launches in block-major order (`_bm`)")
     parser.add_argument("--one-loop", action="store_true",
                         help="causal rows: also each pair with its dK / dV in one masked loop (`_1l`)")
-    parser.add_argument("--atomic-dq", action="store_true",
-                        help="also each pair with dQ added from the dK / dV launch (`_adq`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
@@ -62,7 +59,6 @@ def main() -> None:
             flash_bwd_split.TILES.setdefault(d, flash_bwd_split.TILES[192])
     tiles_before = dict(flash_bwd_split.TILES)
     block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
-    atomic_before = flash_bwd_split.ATOMIC_DQ
     rows = []
     for d in args.dims:
         top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
@@ -80,13 +76,12 @@ def main() -> None:
                     flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                 ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
-                def ours(pair=None, block_major=None, one_loop=None, atomic=None):
+                def ours(pair=None, block_major=None, one_loop=None):
                     # (None: the module's default for this split class)
                     flash_bwd_split.ENABLED = pair is not None
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     for name, on, before in (("CAUSAL_BLOCK_MAJOR", block_major, block_major_before),
-                                             ("CAUSAL_ONE_LOOP", one_loop, one_loop_before),
-                                             ("ATOMIC_DQ", atomic, atomic_before)):
+                                             ("CAUSAL_ONE_LOOP", one_loop, one_loop_before)):
                         setattr(flash_bwd_split, name, before if on is None else frozenset({top} if on else ()))
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
@@ -98,8 +93,6 @@ def main() -> None:
                     variants.update({"_1l": dict(two, one_loop=True)} if args.one_loop else {})
                     variants.update({"_bm1l": dict(two, block_major=True, one_loop=True)}
                                     if args.block_major and args.one_loop else {})
-                if args.atomic_dq:
-                    variants["_adq"] = dict(atomic=True)
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p) + suffix:
                        (lambda p=p, kw=kw: ours(p, **kw)) for suffix, kw in variants.items()
                        for p in pairs or [tiles_before[top]]}
@@ -117,14 +110,10 @@ def main() -> None:
                         res[name] = dict(tflops=flops / ms / 1e9, ms=ms, max_diff_vs_cudnn=diff)
                     except Exception as e:  # noqa: BLE001 - a tile that does not build: reported
                         res[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                if args.launches:  # (the default loops and order; with --atomic-dq also the `_adq` launches)
+                if args.launches:  # (the default loops and order)
                     flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
                     flash_bwd_split.CAUSAL_ONE_LOOP = one_loop_before
-                    for atomic in (False, True) if args.atomic_dq else (False,):
-                        flash_bwd_split.ATOMIC_DQ = frozenset({top} if atomic else ())
-                        _time_launches(res, pairs or [tiles_before[top]], top, q, k, v, do, out, lse, d, causal,
-                                       "_adq" if atomic else "")
-                    flash_bwd_split.ATOMIC_DQ = atomic_before
+                    _time_launches(res, pairs or [tiles_before[top]], top, q, k, v, do, out, lse, d, causal)
                 rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
                 fl = res["sdpa_flash"]["tflops"]
                 print(f"d={d} causal={int(causal)} s={s}: " + "  ".join(
@@ -136,16 +125,13 @@ def main() -> None:
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
     flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP = block_major_before, one_loop_before
-    flash_bwd_split.ATOMIC_DQ = atomic_before
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 
 
-def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: int, causal: bool,
-                   suffix: str = "") -> None:
+def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: int, causal: bool) -> None:
     """Time the dK / dV and the dQ launch of each pair alone (delta computed once beforehand), in the grid order
-    and causal loops flash_bwd_split's CAUSAL_BLOCK_MAJOR and CAUSAL_ONE_LOOP say (with ATOMIC_DQ: the dK / dV launch
-    with its buffer's zero fill, and the conversion)."""
+    and causal loops flash_bwd_split's CAUSAL_BLOCK_MAJOR and CAUSAL_ONE_LOOP say."""
     delta = bwd_delta(out, do, None, triton.next_power_of_2(d))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     before = flash_bwd_split.TILES[top]
@@ -153,7 +139,7 @@ def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: i
         flash_bwd_split.TILES[top] = p
         dkdv, dq_ = flash_bwd_split.launches(q, k, v, do, lse, delta, dq, dk, dv, d ** -0.5, 0 if causal else None,
                                              False)
-        name = "launch_" + "_".join("x".join(map(str, t)) for t in p) + suffix
+        name = "launch_" + "_".join("x".join(map(str, t)) for t in p)
         try:
             res[name] = dict(dkdv=triton.testing.do_bench(dkdv, warmup=30, rep=200),
                              dq=triton.testing.do_bench(dq_, warmup=30, rep=200))

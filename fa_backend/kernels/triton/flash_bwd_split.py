@@ -38,29 +38,12 @@ def _tile_store(T, row0, n_rows, stride_row, col0, HEAD_DIM: tl.constexpr, x, BL
 
 
 @triton.jit
-def _dq_add(DQ_ACC, desc, row0, col0, SEQ_Q, x, DQ_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-            ATOMIC_DQ: tl.constexpr):
-    """Add the fp32 tile x into rows [row0, row0 + BLOCK_R) below SEQ_Q and columns [col0, col0 + BLOCK_C) of DQ_ACC
-    (row stride DQ_W): one TMA bulk reduce-add through desc (ATOMIC_DQ == 2; rows past SEQ_Q lie outside it) or an
-    atomic per value (1: the interpreter's)."""
-    if ATOMIC_DQ == 2:
-        desc.atomic_add([row0, col0], x)
-    else:
-        rows = row0 + tl.arange(0, BLOCK_R)
-        cols = col0 + tl.arange(0, BLOCK_C)
-        tl.atomic_add(DQ_ACC + rows[:, None].to(tl.int64) * DQ_W + cols[None, :], x, mask=rows[:, None] < SEQ_Q,
-                      sem="relaxed")
-
-
-@triton.jit
 def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE, DELTA,
                      start, end, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, D_A: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                     EXACT_DS: tl.constexpr, DQ_ACC=None, dqa_desc=None, dqb_desc=None, D_B: tl.constexpr = 0,
-                     DQ_W: tl.constexpr = 0, ATOMIC_DQ: tl.constexpr = 0):
+                     EXACT_DS: tl.constexpr):
     """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end), scores transposed (keys x
-    queries). Query rows past SEQ_Q get LSE = +inf (P = 0); MASKED applies the causal band. ATOMIC_DQ (1, 2): also
-    add dS K, these keys' share of dQ, into the fp32 rows at DQ_ACC (`_dq_add`), column tile by column tile."""
+    queries). Query rows past SEQ_Q get LSE = +inf (P = 0); MASKED applies the causal band."""
     cols = n0 + tl.arange(0, BLOCK_N)
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -81,12 +64,6 @@ def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_des
         ds_t = p_t * (dp_t - delta[None, :])
         dk_a = _ds_dot(ds_t, q_a, dk_a, EXACT_DS)
         dk_b = _ds_dot(ds_t, q_b, dk_b, EXACT_DS)
-        if ATOMIC_DQ:  # (keys past SEQ_K add nothing: their K rows are zero-filled)
-            ds = tl.trans(ds_t)
-            _dq_add(DQ_ACC, dqa_desc, start_m, 0, SEQ_Q,
-                    _ds_dot(ds, k_a, tl.zeros([BLOCK_M, D_A], tl.float32), EXACT_DS), DQ_W, BLOCK_M, D_A, ATOMIC_DQ)
-            _dq_add(DQ_ACC, dqb_desc, start_m, D_A, SEQ_Q,
-                    _ds_dot(ds, k_b, tl.zeros([BLOCK_M, D_B], tl.float32), EXACT_DS), DQ_W, BLOCK_M, D_B, ATOMIC_DQ)
     return dk_a, dk_b, dv_a, dv_b
 
 
@@ -98,8 +75,7 @@ def _bwd_dkdv_split(
     NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
-    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False, DQ_ACC=None, DQ_W: tl.constexpr = 0,
-    ATOMIC_DQ: tl.constexpr = 0,
+    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
 ):
     # (causal: key block 0 sees the most query rows, so block order is longest first)
     bh, pid_n = _grid_order(tl.program_id(0), NUM_N_BLOCKS, BLOCK_MAJOR)
@@ -127,27 +103,16 @@ def _bwd_dkdv_split(
         dob_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_B)
         LSE_h = LSE + bh_q * SEQ_Q
         DELTA_h = DELTA + bh_q * SEQ_Q
-        DQ_ACC_h = DQ_ACC
-        dqa_desc = None
-        dqb_desc = None
-        if ATOMIC_DQ:  # this head's (SEQ_Q, DQ_W) fp32 rows
-            DQ_ACC_h = DQ_ACC + bh_q * SEQ_Q * DQ_W
-        if ATOMIC_DQ == 2:
-            dqa_desc = tl.make_tensor_descriptor(DQ_ACC_h, shape=[SEQ_Q, DQ_W], strides=[DQ_W, 1],
-                                                 block_shape=[BLOCK_M, D_A])
-            dqb_desc = tl.make_tensor_descriptor(DQ_ACC_h, shape=[SEQ_Q, DQ_W], strides=[DQ_W, 1],
-                                                 block_shape=[BLOCK_M, D_B])
         if CAUSAL:
             dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
                 dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
-                m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, True, CAUSAL, EXACT_DS,
-                DQ_ACC_h, dqa_desc, dqb_desc, D_B, DQ_W, ATOMIC_DQ)
+                m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, True, CAUSAL, EXACT_DS)
         # (keys past SEQ_K: zero-filled rows whose dK / dV rows are never stored, so no mask here)
         if not ONE_LOOP:
             dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
                 dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
                 m_mid, SEQ_Q, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, False, CAUSAL,
-                EXACT_DS, DQ_ACC_h, dqa_desc, dqb_desc, D_B, DQ_W, ATOMIC_DQ)
+                EXACT_DS)
     DK_h = DK + off_b * stride_dkb + off_hk * stride_dkh
     DV_h = DV + off_b * stride_dvb + off_hk * stride_dvh
     _tile_store(DK_h, n0, SEQ_K, stride_dkn, 0, HEAD_DIM, dk_a * sm_scale, BLOCK_N, D_A)
@@ -261,12 +226,6 @@ CAUSAL_BLOCK_MAJOR: frozenset[int] = frozenset({192})
 # 0.86-0.96x); d=256 154 / 156, 174 / 177, 189 / 196, 193 / 190: not taken there. The dQ launch's key blocks in one
 # masked loop as well (no spills to remove there) gave 206 / 207, 243 / 244, 274 / 275, 308 / 298 (code removed).
 CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
-# The split classes whose dK / dV launch also adds dS K into an fp32 dQ buffer (a TMA bulk reduce-add per row step
-# and column tile; 5 products instead of 7: the dQ launch, which recomputes QK^T and dO V^T, becomes a conversion of
-# that buffer). Never under torch.use_deterministic_algorithms (the additions' order varies). An experiment
-# (forty-third session, for d=256's backward, 0.73-0.78x SDPA-flash on 7 products; FlashAttention-2 and -3 add dQ
-# this way there): scripts/time_bwd_split.py --atomic-dq. At d=128 the general kernel's version lost (2026-11-30).
-ATOMIC_DQ: frozenset[int] = frozenset()
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -309,30 +268,15 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
               **({"BLOCK_MAJOR": True} if top in CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
     dkdv_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
-    dq_acc = None
-    if top in ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled():
-        dq_w = triton.next_power_of_2(width_a + width_b)  # (the conversion's tl.arange needs a power of two)
-        dq_acc = torch.empty((b, hq, sq, dq_w), dtype=torch.float32, device=q.device)
-        dkdv_kw.update(DQ_ACC=dq_acc, DQ_W=dq_w, ATOMIC_DQ=1 if _launch._INTERPRET else 2)
 
     def dkdv() -> None:
         block_m, block_n, num_warps, num_stages = dkdv_tile
         n_blocks = cdiv(sk, block_n)
-        if dq_acc is not None:
-            dq_acc.zero_()
         _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
             q, k, v, dout, lse, delta, dk, dv,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw))
-
-    def dq_convert() -> None:
-        from .flash_bwd import _bwd_dq_convert  # (flash_bwd imports this module)
-        block_m = 64 if q.device.type == "cuda" else 16
-        m_blocks = cdiv(sq, block_m)
-        _launch.launch(_bwd_dq_convert, grid_1d(m_blocks * b * hq), (
-            dq_acc, dq, *dq.stride(), hq, sq, m_blocks, scale,
-        ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=dq_acc.shape[-1]))
 
     def dq_() -> None:
         block_m, block_n, num_warps, num_stages = dq_tile
@@ -343,4 +287,4 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
 
-    return dkdv, dq_ if dq_acc is None else dq_convert
+    return dkdv, dq_

@@ -21,11 +21,11 @@ ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 _FLASH_BWD = sys.modules["fa_backend.kernels.triton.flash_bwd"]
 
 
-def _check(q, k, v, causal, bottom_right, names, dq_kernel="_bwd_dq_split"):
+def _check(q, k, v, causal, bottom_right, names):
     check_attention(lambda q, k, v: fa_backend.attention(
         q, k, v, is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left"),
         q, k, v, is_causal=causal, bottom_right=bottom_right)
-    assert "_bwd_dkdv_split" in names and dq_kernel in names, names
+    assert "_bwd_dkdv_split" in names and "_bwd_dq_split" in names, names
     assert "_bwd_dkdv" not in names and "_bwd_dq" not in names, names
 
 
@@ -102,52 +102,6 @@ def test_split_causal_loops_interpreted(split_launches, request, monkeypatch, lo
     assert all(kw.get("ONE_LOOP", False) == (loops == "one_loop") for kw in kws["_bwd_dkdv_split"]), kws
 
 
-@pytest.fixture
-def atomic_dq(monkeypatch):
-    """dQ added from the dK / dV launch at every split class; yields the launches' keyword arguments by kernel."""
-    monkeypatch.setattr(flash_bwd_split, "ATOMIC_DQ", frozenset(flash_bwd_split.SPLITS))
-    return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS, "_bwd_dq_convert")
-
-
-ATOMIC_CASES = [
-    # d, hq, hkv, sq, sk, causal, bottom_right
-    (256, 4, 2, 40, 56, True, False),  # GQA: every head of a group adds into its own rows
-    (256, 2, 2, 37, 70, True, True),  # partial row and key blocks; bottom-right
-    (160, 2, 1, 70, 37, False, False),  # 128 + 64 columns in a 256-wide buffer; more queries than keys
-]
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
-@pytest.mark.parametrize("d,hq,hkv,sq,sk,causal,bottom_right", ATOMIC_CASES)
-def test_split_atomic_dq_interpreted(split_launches, atomic_dq, monkeypatch, d, hq, hkv, sq, sk, causal,
-                                     bottom_right):
-    """dQ as the sum of every key block's dS K, added by the dK / dV launch and converted: the 2x rule; no dQ
-    launch."""
-    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)
-    _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.float16, True), causal, bottom_right, split_launches,
-           "_bwd_dq_convert")
-    assert "_bwd_dq_split" not in split_launches, split_launches
-    assert all(kw["ATOMIC_DQ"] == 1 and kw["DQ_W"] == 256 for kw in atomic_dq["_bwd_dkdv_split"]), atomic_dq
-
-
-def test_split_atomic_dq_deterministic(atomic_dq, monkeypatch):
-    """Under torch.use_deterministic_algorithms the dQ launch runs (fp32 additions in a varying order otherwise)."""
-    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
-    kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split", "_bwd_dq_convert")
-    q = torch.empty(1, 2, 64, 256, dtype=torch.float16)
-    lse = torch.empty(1, 2, 64)
-    before = torch.are_deterministic_algorithms_enabled()
-    try:
-        for deterministic in (False, True):
-            torch.use_deterministic_algorithms(deterministic)
-            for launch in flash_bwd_split.launches(q, q, q, q, lse, lse, q, q, q, 0.1, None, False):
-                launch()
-    finally:
-        torch.use_deterministic_algorithms(before)
-    assert [("ATOMIC_DQ" in kw) for kw in kws["_bwd_dkdv_split"]] == [True, False], kws
-    assert len(kws["_bwd_dq_convert"]) == 1 and len(kws["_bwd_dq_split"]) == 1, kws
-
-
 @pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
                                             (256, True, False), (224, True, False)])
 def test_causal_defaults(d, causal, taken, monkeypatch):
@@ -193,18 +147,6 @@ def test_split_causal_experiments_real_size(split_launches, request, experiment,
     assert _flagged(kws, "_bwd_dkdv_split", flag), kws
     if experiment == "block_major":
         assert _flagged(kws, "_bwd_dq_split", flag), kws
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
-@pytest.mark.parametrize("d,hq,hkv,sq,sk,causal,bottom_right", [
-    (256, 8, 8, 2048, 2048, False, False), (256, 8, 2, 1000, 3001, True, True), (192, 4, 4, 3001, 3001, True, False),
-    (224, 16, 16, 128, 136, False, False)])
-def test_split_atomic_dq_real_size(split_launches, atomic_dq, d, hq, hkv, sq, sk, causal, bottom_right):
-    """dQ by TMA bulk reduce-adds from the dK / dV launch at real sizes: the 2x rule."""
-    _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), causal, bottom_right, split_launches,
-           "_bwd_dq_convert")
-    assert all(kw["ATOMIC_DQ"] == 2 for kw in atomic_dq["_bwd_dkdv_split"]), atomic_dq
 
 
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)
