@@ -429,13 +429,15 @@ def environment() -> dict:
 
 class Progress:
     """A one-line progress indicator, `[ 12/48] label`, on a stream (stderr). On a terminal the line
-    is rewritten in place; elsewhere (a log file) each step is its own line."""
+    is rewritten in place; elsewhere (a log file) each step is its own line, ending with the seconds
+    since the first step started (`at 85 s`): the gaps between lines are each step's time."""
 
-    def __init__(self, total: int, stream: TextIO | None = None):
+    def __init__(self, total: int, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
         self.total, self.count = total, 0
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._width = 0
+        self._clock, self._start = clock, None
 
     def line(self, label: str) -> str:
         """The text shown for the next step."""
@@ -445,11 +447,14 @@ class Progress:
     def step(self, label: str) -> None:
         """Shows that the next step, `label`, starts."""
         text = self.line(label)
+        now = self._clock()
+        if self._start is None:
+            self._start = now
         if self.tty:
             self.stream.write("\r" + text.ljust(self._width))
             self._width = len(text)
         else:
-            self.stream.write(text + "\n")
+            self.stream.write(f"{text}  (at {now - self._start:.0f} s)\n")
         self.stream.flush()
         self.count += 1
 
@@ -537,6 +542,18 @@ def sweep(dims: list[int], seqlens: list[int], causals: list[bool],
     return [(*standard_shape(s, d), s, d, c) for d in dims for c in causals for s in seqlens]
 
 
+def write_partial(paths: list[str], env: dict, records: list[Record], total: int) -> None:
+    """Writes the records measured so far to each of `paths` as JSON, `"partial": "<done>/<total>"` added (a
+    run's final JSON has no such key)."""
+    result = {"environment": env, "partial": f"{len(records)}/{total}",
+              "records": [dataclasses.asdict(r) for r in records]}
+    for path in paths:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)  # (a reader never sees a half-written file)
+
+
 def write_outputs(result: dict, out_dir: str, stream: TextIO | None = None) -> list[str]:
     """Writes `result` ({"environment", "records", ...}) to out_dir/bench.json and its plot to
     out_dir/bench.png (skipped, with a note on `stream` (stderr), when matplotlib is missing).
@@ -583,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-only", action="store_true",
                         help="only the host-time report (works without a GPU: the CPU fallback path)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png (plot needs matplotlib)")
-    parser.add_argument("--json", help="write the records (and environment) to this file")
+    parser.add_argument("--json", help="write the records (and environment) to this file (and DIR/bench.json: "
+                                       "rewritten after each measurement, with a \"partial\" key until the end)")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--features", action="store_true",
                         help="masks and dropout instead (fa_backend.bench_features): causal given as an explicit "
@@ -627,12 +645,16 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(backend, shape) for shape in shapes for backend in backends]
     progress = Progress(len(todo))
     records = []
+    # the JSON files are rewritten after every shape and backend, marked partial until the run ends: a run cut
+    # short (interrupted, or stuck in a call that does not return) keeps what it measured
+    json_paths = [p for p in (args.json, args.out and os.path.join(args.out, "bench.json")) if p]
     for backend, (batch, heads, s, d, causal) in todo:
         progress.step(f"{backend} d={d} {'causal' if causal else 'non-causal'} b={batch} h={heads} s={s}")
         rec = bench_one(backend, d, causal, s, dtype, backward=not args.fwd_only, batch=batch, heads=heads,
                         graph=args.graph, heads_kv=args.kv_heads)
         torch.cuda.empty_cache()
         records.append(rec)
+        write_partial(json_paths, env, records, len(todo))
     progress.close()
     print_table(records, backends)
     env["clocks_end"] = gpu_clocks(_device_uuid())

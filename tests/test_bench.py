@@ -121,12 +121,41 @@ def test_gpu_clocks_without_nvidia_smi_is_all_none(monkeypatch):
 
 def test_progress_line():
     out = io.StringIO()
-    p = bench.Progress(48, stream=out)
+    ticks = iter(range(100, 200, 5))
+    p = bench.Progress(48, stream=out, clock=lambda: next(ticks))
     for i in range(12):
         p.step(f"triton d=128 causal s={i}")
     p.close()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 12 and lines[0] == "[ 1/48] triton d=128 causal s=0" and lines[-1].startswith("[12/48] ")
+    assert len(lines) == 12 and lines[0] == "[ 1/48] triton d=128 causal s=0  (at 0 s)", lines[0]
+    assert lines[-1] == "[12/48] triton d=128 causal s=11  (at 55 s)", lines[-1]
+
+
+def test_records_are_written_as_they_come(tmp_path, monkeypatch, capsys):
+    """The JSON files hold every finished measurement, marked partial, while the run goes: a run that stops (here
+    interrupted in its third measurement) keeps the first two."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "test", "external_packages": {}})
+    seen = []
+
+    def one(backend, d, causal, s, dtype, **kw):
+        if len(seen) == 2:
+            for path in (tmp_path / "a.json", tmp_path / "out" / "bench.json"):
+                data = json.loads(path.read_text())
+                assert data["partial"] == "2/4" and [r["seqlen"] for r in data["records"]] == [512, 512], data
+            raise KeyboardInterrupt
+        seen.append(backend)
+        return bench.Record(backend, d, causal, s, 1, 1, "bfloat16", fwd_ms=1.0, fwd_tflops=2.0)
+
+    monkeypatch.setattr(bench, "bench_one", one)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--dims", "64", "--seqlens", "512", "1024", "--causal", "no", "--backends", "triton", "flash",
+                    "--json", str(tmp_path / "a.json"), "--out", str(tmp_path / "out")])
+    assert seen == ["triton", "flash"]
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert data["environment"]["gpu"] == "test" and [r["backend"] for r in data["records"]] == ["triton", "flash"]
+    assert not list(tmp_path.glob("**/*.tmp"))
 
 
 @pytest.mark.parametrize("causal", [False, True])
