@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fa_backend
 from fa_backend.kernels.triton import dropout_keep_mask
@@ -145,6 +147,53 @@ def test_all_features_together():
     mask = _bool_mask((b, 1, 1, 64), 0.85)
     _check(*_qkv(b, h, 1, 40, 64, 16), is_causal=True, bottom_right=True, attn_mask=mask, window=(24, -1),
            softcap=3.0, alibi_slopes=slopes)
+
+
+# fresh combinations every run (the seed changes); 6 per CPU run (about 10 s under the interpreter). Forty-third
+# session: 300 such calls by a scratch script, forward and backward, all within the rule.
+@settings(max_examples=6 if DEVICE == "cpu" else 16, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+    sq=st.sampled_from([1, 2, 7, 16, 31, 40]), sk=st.sampled_from([1, 3, 16, 33, 47]),
+    d=st.sampled_from([16, 32, 40, 64]), dv=st.sampled_from([None, 16, 48]),
+    is_causal=st.booleans(), bottom_right=st.booleans(),
+    window=st.tuples(st.sampled_from([-1, 0, 3, 17]), st.sampled_from([-1, 0, 5])),
+    softcap=st.sampled_from([0.0, 2.0, 30.0]), alibi=st.sampled_from([None, "h", "bh"]),
+    mask=st.sampled_from([None, "bool", "bool_heads", "additive", "key_padding"]),
+    scale=st.sampled_from([None, 0.3, -0.2]), bshd=st.booleans(),
+)
+def test_random_feature_combinations(b, hkv, group, sq, sk, d, dv, is_causal, bottom_right, window, softcap, alibi,
+                                     mask, scale, bshd):
+    """Any mix of mask, causal band (either alignment), window, softcap, ALiBi, scale, GQA, dv != d and layout:
+    forward and backward within the rule."""
+    hq, dv = hkv * group, d if dv is None else dv
+
+    def t(h, s, width):
+        if bshd:
+            return torch.randn(b, s, h, width, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+        return torch.randn(b, h, s, width, dtype=torch.float16, device=DEVICE)
+
+    q, k, v = t(hq, sq, d), t(hkv, sk, d), t(hkv, sk, dv)
+    if mask == "bool":
+        attn_mask = _bool_mask((sq, sk))
+    elif mask == "bool_heads":
+        attn_mask = _bool_mask((1, hq, 1, sk))
+    elif mask == "additive":
+        attn_mask = torch.randn(b, hq, sq, sk, dtype=torch.float16, device=DEVICE)
+    elif mask == "key_padding":
+        lengths = torch.randint(0, sk + 1, (b, 1), device=DEVICE)
+        attn_mask = (torch.arange(sk, device=DEVICE)[None] < lengths)[:, None, None, :]
+    else:
+        attn_mask = None
+    slopes = None if alibi is None else torch.rand((hq,) if alibi == "h" else (b, hq), device=DEVICE) * 0.5
+
+    def fn(q, k, v):
+        return fa_backend.attention(q, k, v, is_causal=is_causal, causal_alignment="bottom_right" if bottom_right
+                                    else "top_left", scale=scale, attn_mask=attn_mask, window_size=window,
+                                    softcap=softcap, alibi_slopes=slopes)
+    check_features(fn, q, k, v, is_causal=is_causal, bottom_right=bottom_right, scale=scale, attn_mask=attn_mask,
+                   window=window, softcap=softcap, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1), (1, 1)])
