@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fa_backend.kernels.triton import _configs, dropout_keep_mask_varlen
 from fa_backend.ops import new_rng_state, triton_varlen_attention
@@ -39,7 +41,8 @@ def _check(lens_q, lens_k, hq, hkv, d, dv=None, *, is_causal=False, window=(-1, 
     q, k, v, cq, ck = packed(lens_q, lens_k, hq, hkv, d, dv)
 
     def fn(q, k, v):
-        return triton_varlen_attention(q, k, v, cq, ck, max(lens_q) + max_extra, max(lens_k) + max_extra, scale,
+        return triton_varlen_attention(q, k, v, cq, ck, max(lens_q, default=0) + max_extra,
+                                       max(lens_k, default=0) + max_extra, scale,
                                        is_causal, window_left=window[0], window_right=window[1], softcap=softcap,
                                        alibi_slopes=alibi_slopes)
     return check_varlen(fn, q, k, v, cq, ck, is_causal=is_causal, window=window, softcap=softcap,
@@ -68,6 +71,27 @@ def test_softcap_and_alibi(per_batch):
     hq = 2
     slopes = torch.rand((len(lens_q), hq) if per_batch else (hq,), device=DEVICE) * 0.5
     _check(lens_q, lens_k, hq, 1, 16, is_causal=per_batch, softcap=3.0, alibi_slopes=slopes)
+
+
+# fresh combinations every run (the seed changes); 4 per CPU run
+@settings(max_examples=4 if DEVICE == "cpu" else 16, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
+    hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]), d=st.sampled_from([16, 40, 64]),
+    dv=st.sampled_from([None, 16, 32]), is_causal=st.booleans(),
+    window=st.tuples(st.sampled_from([-1, 0, 4, 13]), st.sampled_from([-1, 0, 3])),
+    softcap=st.sampled_from([0.0, 4.0]), alibi=st.sampled_from([None, "h", "bh"]),
+    scale=st.sampled_from([None, 0.25, -0.3]), max_extra=st.sampled_from([0, 9]),
+)
+def test_random_combinations(lens, hkv, group, d, dv, is_causal, window, softcap, alibi, scale, max_extra):
+    """Packed batches of any lengths (0 included, queries and keys apart) with any mix of causal, window, softcap,
+    ALiBi, scale, GQA, dv != d and a loose max_seqlen: output, LSE and gradients within the rule."""
+    lens_q, lens_k = [a for a, _ in lens], [b for _, b in lens]
+    hq = hkv * group
+    slopes = None if alibi is None else torch.rand((hq,) if alibi == "h" else (len(lens), hq), device=DEVICE) * 0.5
+    _check(lens_q, lens_k, hq, hkv, d, dv, is_causal=is_causal, window=window, softcap=softcap, alibi_slopes=slopes,
+           scale=scale, max_extra=max_extra)
 
 
 def test_tile_shapes():
