@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fa_backend
 from fa_backend.kernels.triton import decode
@@ -260,6 +262,44 @@ def test_all_features_together_paged():
                   rotary_interleaved=False, causal=True, window_size=(20, -1), softcap=10.0,
                   alibi_slopes=torch.rand(2, 6, device=DEVICE), cache_leftpad=_seqlens(3, 0), softmax_scale=0.2,
                   num_splits=0)
+
+
+# fresh combinations every run (the seed changes); 5 per CPU run
+@settings(max_examples=5 if DEVICE == "cpu" else 16, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    b=st.integers(1, 3), sq=st.integers(1, 4), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
+    d=st.sampled_from([32, 40, 64]), s_new=st.integers(0, 3),
+    storage=st.sampled_from(["contiguous", "paged16", "paged32", "batch_idx"]), leftpad=st.booleans(),
+    rotary=st.sampled_from([None, "interleaved", "halves"]), rotary_dim=st.sampled_from([16, 32]),
+    causal=st.booleans(), window=st.tuples(st.sampled_from([-1, 0, 9]), st.sampled_from([-1, 0, 2])),
+    softcap=st.sampled_from([0.0, 5.0]), alibi=st.sampled_from([None, "h", "bh"]),
+    scale=st.sampled_from([None, 0.2]), num_splits=st.sampled_from([0, 1, 3]), data=st.data(),
+)
+def test_random_combinations(b, sq, hkv, group, d, s_new, storage, leftpad, rotary, rotary_dim, causal, window,
+                             softcap, alibi, scale, num_splits, data):
+    """A decode step over a contiguous, paged or batch-indexed cache with any mix of appended rows, left padding,
+    rotary (both styles), causal, window, softcap, ALiBi, scale, GQA and split count: output, LSE and both caches
+    (tests/kernels/triton/kvcache_reference.py)."""
+    s_cache, hq = 64, hkv * group
+    seqlens = [data.draw(st.integers(0, s_cache - s_new)) for _ in range(b)]
+    kw = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=scale, num_splits=num_splits)
+    if leftpad:
+        kw["cache_leftpad"] = _seqlens(*[data.draw(st.integers(0, n)) for n in seqlens])
+    if rotary and s_new:  # (FlashAttention-2: rotary needs new k and v to append)
+        kw["rotary_cos"], kw["rotary_sin"] = _rotary(s_cache, rotary_dim)
+        kw["rotary_interleaved"] = rotary == "interleaved"
+    if alibi:
+        kw["alibi_slopes"] = torch.rand((hq,) if alibi == "h" else (b, hq), device=DEVICE) * 0.5
+    q, kc, vc, k, v, sl = _case(b=b, sq=sq, hq=hq, hkv=hkv, d=d, s_cache=s_cache, s_new=s_new,
+                                seqlens=_seqlens(*seqlens))
+    if storage.startswith("paged"):
+        kc, kw["block_table"] = _to_paged(kc, int(storage[5:]))
+        vc = _randn(*kc.shape)
+    elif storage == "batch_idx":
+        kc, vc = _randn(b + 2, s_cache, hkv, d), _randn(b + 2, s_cache, hkv, d)
+        kw["cache_batch_idx"] = torch.randperm(b + 2, device=DEVICE)[:b].to(torch.int32)
+    check_kvcache(q, kc, vc, k, v, cache_seqlens=sl, **kw)
 
 
 def test_rotary_reference_self_check():
