@@ -161,12 +161,12 @@ def test_all_features_together():
     window=st.tuples(st.sampled_from([-1, 0, 3, 17]), st.sampled_from([-1, 0, 5])),
     softcap=st.sampled_from([0.0, 2.0, 30.0]), alibi=st.sampled_from([None, "h", "bh"]),
     mask=st.sampled_from([None, "bool", "bool_heads", "additive", "key_padding"]),
-    scale=st.sampled_from([None, 0.3, -0.2]), bshd=st.booleans(),
+    scale=st.sampled_from([None, 0.3, -0.2]), bshd=st.booleans(), dropout_p=st.sampled_from([0.0, 0.0, 0.15, 0.5]),
 )
 def test_random_feature_combinations(b, hkv, group, sq, sk, d, dv, is_causal, bottom_right, window, softcap, alibi,
-                                     mask, scale, bshd):
-    """Any mix of mask, causal band (either alignment), window, softcap, ALiBi, scale, GQA, dv != d and layout:
-    forward and backward within the rule."""
+                                     mask, scale, bshd, dropout_p):
+    """Any mix of mask, causal band (either alignment), window, softcap, ALiBi, dropout, scale, GQA, dv != d and
+    layout: forward and backward within the rule (dropout against the kernels' own keep-mask)."""
     hq, dv = hkv * group, d if dv is None else dv
 
     def t(h, s, width):
@@ -188,12 +188,15 @@ def test_random_feature_combinations(b, hkv, group, sq, sk, d, dv, is_causal, bo
         attn_mask = None
     slopes = None if alibi is None else torch.rand((hq,) if alibi == "h" else (b, hq), device=DEVICE) * 0.5
 
+    rng = new_rng_state() if dropout_p else None
+    keep = dropout_keep_mask(b, hq, sq, sk, dropout_p, tuple(rng.tolist()), DEVICE) if dropout_p else None
+
     def fn(q, k, v):
-        return fa_backend.attention(q, k, v, is_causal=is_causal, causal_alignment="bottom_right" if bottom_right
-                                    else "top_left", scale=scale, attn_mask=attn_mask, window_size=window,
-                                    softcap=softcap, alibi_slopes=slopes)
+        return triton_flash_attention(q, k, v, scale, is_causal, is_causal and bottom_right, attn_mask=attn_mask,
+                                      dropout_p=dropout_p, rng_state=rng, window_left=window[0],
+                                      window_right=window[1], softcap=softcap, alibi_slopes=slopes)[0]
     check_features(fn, q, k, v, is_causal=is_causal, bottom_right=bottom_right, scale=scale, attn_mask=attn_mask,
-                   window=window, softcap=softcap, alibi_slopes=slopes)
+                   window=window, softcap=softcap, alibi_slopes=slopes, dropout_keep=keep, dropout_p=dropout_p)
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1), (1, 1)])
