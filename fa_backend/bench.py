@@ -600,8 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-only", action="store_true",
                         help="only the host-time report (works without a GPU: the CPU fallback path)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png (plot needs matplotlib)")
-    parser.add_argument("--json", help="write the records (and environment) to this file (and DIR/bench.json: "
-                                       "rewritten after each measurement, with a \"partial\" key until the end)")
+    parser.add_argument("--json", help="write the records (and environment) to this file; it and --out's "
+                                       "bench.json are rewritten after each measurement, with a \"partial\" key "
+                                       "until the run ends")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--features", action="store_true",
                         help="masks and dropout instead (fa_backend.bench_features): causal given as an explicit "

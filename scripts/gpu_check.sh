@@ -257,11 +257,13 @@ if [[ " $steps " == *" hang256 "* ]]; then
   # without a causal mask, 8k tokens (b=2, h=8), and that cell alone did not end within 140 s on the same machine.
   # The cell forward-only, then whole, with every thread's Python stack written every 15 s (stuck in a kernel, in
   # a compiler pass, or in the host code?)
-  for args in "--fwd-only" ""; do
-    timeout -s INT -k 10 ${HANG_TIMEOUT:-90} python3 scripts/with_stack_dumps.py --every 15 --file "$OUT/stacks.txt" \
-      -- fa_backend bench --backends triton --dims 256 --seqlens 8192 --causal no $args > "$OUT/hang.log" 2>&1
-    echo "hang256 ${args:-fwd+bwd}: rc=$?"; grep -v "it/s" "$OUT/hang.log" | tail -n 4
-    tail -n 30 "$OUT/stacks.txt" 2>/dev/null; rm -f "$OUT/stacks.txt"
+  for part in fwd whole; do
+    args=""; [[ $part == fwd ]] && args="--fwd-only"
+    timeout -s INT -k 10 ${HANG_TIMEOUT:-90} python3 scripts/with_stack_dumps.py --every 15 \
+      --file "$OUT/stacks_$part.txt" -- fa_backend bench --backends triton --dims 256 --seqlens 8192 --causal no \
+      $args > "$OUT/hang_$part.log" 2>&1
+    echo "hang256 $part: rc=$?"; grep -v "it/s" "$OUT/hang_$part.log" | tail -n 4
+    tail -n 30 "$OUT/stacks_$part.txt" 2>/dev/null
   done
 fi
 if [[ " $steps " == *" cute "* ]]; then

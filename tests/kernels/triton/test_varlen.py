@@ -41,8 +41,7 @@ def _check(lens_q, lens_k, hq, hkv, d, dv=None, *, is_causal=False, window=(-1, 
     q, k, v, cq, ck = packed(lens_q, lens_k, hq, hkv, d, dv)
 
     def fn(q, k, v):
-        return triton_varlen_attention(q, k, v, cq, ck, max(lens_q, default=0) + max_extra,
-                                       max(lens_k, default=0) + max_extra, scale,
+        return triton_varlen_attention(q, k, v, cq, ck, max(lens_q) + max_extra, max(lens_k) + max_extra, scale,
                                        is_causal, window_left=window[0], window_right=window[1], softcap=softcap,
                                        alibi_slopes=alibi_slopes)
     return check_varlen(fn, q, k, v, cq, ck, is_causal=is_causal, window=window, softcap=softcap,
