@@ -150,7 +150,8 @@ def test_all_features_together():
 
 
 # fresh combinations every run (the seed changes); 6 per CPU run (about 10 s under the interpreter). Forty-third
-# session: 300 such calls by a scratch script, forward and backward, all within the rule.
+# session: 300 such calls without dropout by a scratch script, and 150 with it, forward and backward, all within the
+# rule.
 @settings(max_examples=6 if DEVICE == "cpu" else 16, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
