@@ -257,6 +257,8 @@ if [[ " $steps " == *" hang256 "* ]]; then
   # without a causal mask, 8k tokens (b=2, h=8), and that cell alone did not end within 140 s on the same machine.
   # The cell forward-only, then whole, with every thread's Python stack written every 15 s (stuck in a kernel, in
   # a compiler pass, or in the host code?)
+  # forty-fourth session, another H100: both parts ended at once (446 / 202 TFLOP/s), and so did the whole command
+  # (65 s): the forty-third session's machine, not the code
   for part in fwd whole; do
     args=""; [[ $part == fwd ]] && args="--fwd-only"
     timeout -s INT -k 10 ${HANG_TIMEOUT:-90} python3 scripts/with_stack_dumps.py --every 15 \
