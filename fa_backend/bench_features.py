@@ -7,8 +7,9 @@ Cases (d=128 by default, seqlen 2k-16k, b*s = 16k tokens, h*d = 2048):
 - random_keys: a bool (b, 1, 1, sk) mask hiding a random ~10% of the keys (every tile partial);
 - dropout: dropout_p = 0.1, no mask.
 Ours: "triton" (fa_backend.attention, the Triton kernels) and, where nvidia-cutlass-dsl is installed, "cute"
-(the CuTe kernels through their op, which take bool key masks: key_padding and random_keys, and dropout: its
-forward in the CuTe kernel, its backward the Triton kernels'; causal_mask is reported with the op's refusal). Peers are PyTorch's efficient and cuDNN SDPA backends, each with exactly the same
+(the CuTe kernels through their op, which take bool key masks: key_padding and random_keys, and dropout: at d=128
+forward and backward in the CuTe kernels, the forward saving its keep bits for the backward; at other head dims
+the backward is the Triton kernels'; causal_mask is reported with the op's refusal). Peers are PyTorch's efficient and cuDNN SDPA backends, each with exactly the same
 arguments (a peer that refuses a case is reported with its error). FLOPs count the full (non-causal) matrix for
 masks, since neither side knows the mask is causal.
 """

@@ -4,7 +4,10 @@ Kernels are compiled in parallel worker processes first (they share Triton's dis
 timed one by one in this process. dK/dV candidates are timed with the table's dQ tile and vice
 versa: the two backward kernels are separate launches, so their times add.
 
-    python scripts/tune_triton.py --dims 64 128 256 --seqlen 4096 --json tune.json
+    python scripts/tune_triton.py --dims 64 128 256 --seqlens 4096 --json tune.json
+    python scripts/tune_triton.py --dims 96 --kernels dkdv dq --causal yes --seqlens 2048 8192
+
+A head dim between the tables' widths (96) is timed at its own size on its padded width's tiles.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _jobs(dims: list[int], kernels: list[str], match: list[str] | None = None):
+def _jobs(dims: list[int], kernels: list[str], match: list[str] | None = None,
+          causal_modes: tuple[bool, ...] = (False, True)):
     """(kernel, d, causal, tile) to time: the table's tile first, then the candidates (those whose repr holds
-    every string of `match`, when given)."""
+    every string of `match`, when given). A head dim between the tables' widths (96) takes its padded width's
+    table and candidates, as the kernels do."""
     from fa_backend.kernels.triton import _configs as C
 
     jobs = []
     for d in dims:
-        for causal in (False, True):
-            base = C.bwd_table(causal)[d]
-            plan = {"fwd": (C.fwd_table(causal)[d], C.fwd_candidates(d)),
-                    "dkdv": (base.dkdv, C.dkdv_candidates(d)),
-                    "dq": (base.dq, C.dq_candidates(d))}
+        width = C._width(d, d)
+        for causal in causal_modes:
+            base = C.bwd_table(causal)[width]
+            plan = {"fwd": (C.fwd_table(causal)[width], C.fwd_candidates(width)),
+                    "dkdv": (base.dkdv, C.dkdv_candidates(width)),
+                    "dq": (base.dq, C.dq_candidates(width))}
             for kind in kernels:
                 table, candidates = plan[kind]
                 chosen = [c for c in candidates if not match or all(m in repr(c) for m in match)]
@@ -41,7 +47,7 @@ def _jobs(dims: list[int], kernels: list[str], match: list[str] | None = None):
 def _override(kind, d, causal, cfg):
     from fa_backend.kernels.triton import _configs as C
 
-    base = C.bwd_table(causal)[d]
+    base = C.bwd_table(causal)[C._width(d, d)]
     if kind == "fwd":
         return C.override(fwd=cfg)
     if kind == "dkdv":
@@ -93,6 +99,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--match", nargs="+", help="only candidates whose repr holds these strings, e.g. tma=True")
     parser.add_argument("--group", type=int, default=1, help="GQA: query heads per key/value head (timed shapes)")
+    parser.add_argument("--causal", choices=("both", "no", "yes"), default="both")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -101,7 +108,8 @@ def main() -> int:
 
     from fa_backend.bench import attention_flops
 
-    jobs = _jobs(args.dims, args.kernels, args.match)
+    causal_modes = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    jobs = _jobs(args.dims, args.kernels, args.match, causal_modes)
     t0 = time.time()
     chunks = [jobs[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:
