@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [dropout] [op] [split] [order] [d96] [d128] [hang256]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -266,6 +266,15 @@ if [[ " $steps " == *" hang256 "* ]]; then
       $args > "$OUT/hang_$part.log" 2>&1
     echo "hang256 $part: rc=$?"; grep -v "it/s" "$OUT/hang_$part.log" | tail -n 4
     tail -n 30 "$OUT/stacks_$part.txt" 2>/dev/null
+  done
+fi
+if [[ " $steps " == *" cute_order "* ]]; then
+  # the causal CuTe backward's CTA order (scripts/time_cute_bwd_order.py), one process and DSL cache per setting,
+  # the default first and last (drift); ORDER_SETTINGS: each word "default", "block" or an L2 section in MiB
+  for o in ${ORDER_SETTINGS:-default 160 block 20 default}; do
+    args=""; [[ $o == block ]] && args="--block-order"; [[ $o =~ ^[0-9]+$ ]] && args="--l2-mb $o"
+    CUTE_DSL_CACHE_DIR="/tmp/order_cache_$o" timeout ${ORDER_TIMEOUT:-150} python3 scripts/time_cute_bwd_order.py \
+      $args ${ORDER_ARGS:-} --json "$OUT/order_${o}_$SECONDS.json" 2>&1 | grep -v -i warn || status=1
   done
 fi
 if [[ " $steps " == *" cute "* ]]; then
