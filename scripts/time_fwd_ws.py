@@ -1,8 +1,8 @@
 """The warp-specialized forward against the general one and PyTorch's (GPU, sm90): TFLOP/s of the forward.
 
 For each head dim, causal mode and seqlen (bf16, batch = 16384 / seqlen, heads = 2048 / d): `flash_fwd` with
-`flash_fwd_ws` (non-causal calls only; causal ones time `_attn_fwd` there too) in each tile of --tiles (BLOCK_M,
-BLOCK_N, warps, stages), `flash_fwd` with it off (the general `_attn_fwd`), cuDNN and flash SDPA; do_bench
+`flash_fwd_ws` in each tile of --tiles (BLOCK_M, BLOCK_N, warps, stages; causal calls on its opt-in causal variant,
+`flash_fwd_ws.CAUSAL_ENABLED`), `flash_fwd` with it off (the general `_attn_fwd`), cuDNN and flash SDPA; do_bench
 medians; each output checked against cuDNN's first.
 
     python3 scripts/time_fwd_ws.py [--dims 64 128] [--seqlens 512 1024 2048 4096 8192 16384] [--json F]
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    switches = flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED
     flash_fwd_split.ENABLED = False  # (d=96's 64 + 32 split goes first: this script times the two others)
     rows = []
     for d in args.dims:
@@ -50,7 +51,7 @@ def main() -> None:
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
 
                 def ours(tile=None):
-                    flash_fwd_ws.ENABLED = tile is not None
+                    flash_fwd_ws.ENABLED = flash_fwd_ws.CAUSAL_ENABLED = tile is not None
                     if tile is not None:
                         flash_fwd_ws.WS_TILES[d] = tile
                         flash_fwd_ws.MIN_SEQ_K = 0  # timed at every length
@@ -79,7 +80,7 @@ def main() -> None:
                     f"{n} {r['tflops']:.0f} ({r['tflops'] / cud:.3f}, diff {r['max_diff_vs_cudnn']:.1e})"
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v
-    flash_fwd_ws.ENABLED = True
+    flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED = switches
     write_records(args.json, rows)
 
 

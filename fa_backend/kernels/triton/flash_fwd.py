@@ -359,7 +359,8 @@ def flash_fwd(
     # d = 129-192 on 128 + 64 columns instead of 256, 65-96 on 64 + 32 instead of 128 (ahead of the
     # warp-specialized kernel, which pads 96 to 128)
     split = split_eligible(q, k, v, out, scale, plain, causal)
-    if not split and ws_eligible(q, k, v, out, scale, causal, plain) and flash_fwd_ws(q, k, v, scale, out, lse):
+    if (not split and ws_eligible(q, k, v, out, scale, causal, plain, bottom_right)
+            and flash_fwd_ws(q, k, v, scale, out, lse, causal, bottom_right)):
         return out, lse
     feat = kernel_features(q, k, scale, causal, bottom_right, attn_mask, dropout_p, rng, window, softcap,
                            alibi_slopes)

@@ -12,6 +12,11 @@ well: thirty-sixth session). So this kernel takes only non-causal plain calls (n
 window) at d=128 and d=96 (on 128-wide tiles), GQA, any strides TMA accepts, and stores O and the LSE by TMA
 (descriptor stores are split between the consumers correctly). Same contract as `_attn_fwd`: out in q's dtype,
 LSE (natural log) contiguous (b, hq, sq).
+
+CAUSAL_ENABLED (off: not yet run on a GPU) also gives it causal calls in which every query row sees a key: the rows'
+indices come from a 1-D TMA load of an index table (as Q's rows and the LSE's, which the pass splits right, instead
+of `tl.arange`), the loop stops at the tile's last visible key, and the mask is applied to every key block (an `if`
+on the block would leave the loop unspecialized).
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ from ._ws import HAS_WS, _head_rows, launch_or_mark, platform_ok
 
 
 @triton.jit
-def _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, SEQ_K, qk_scale, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
-             WARP_SPEC: tl.constexpr):
-    """Fold every key into (acc, l_i, m_i), hiding keys past SEQ_K (MASK_COLS: SEQ_K not a multiple of BLOCK_N;
-    applied to every tile, since an `if` on the tile index leaves the loop unspecialized)."""
+def _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, END, SEQ_K, qk_scale, last_key, BLOCK_N: tl.constexpr,
+             MASK_COLS: tl.constexpr, CAUSAL: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Fold keys [0, END) into (acc, l_i, m_i), hiding keys past SEQ_K (MASK_COLS: SEQ_K not a multiple of BLOCK_N;
+    applied to every tile, since an `if` on the tile index leaves the loop unspecialized) or, CAUSAL, past each
+    row's `last_key` (its last visible key, at most SEQ_K - 1: one compare for both)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(0, SEQ_K, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in tl.range(0, END, BLOCK_N, warp_specialize=WARP_SPEC):
         k = k_desc.load([start_n, 0])
         qk = tl.dot(q, tl.trans(k))
-        if MASK_COLS:
+        if CAUSAL:
+            qk = tl.where((start_n + offs_n)[None, :] <= last_key[:, None], qk, float("-inf"))
+        elif MASK_COLS:
             qk = tl.where((start_n + offs_n)[None, :] < SEQ_K, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
@@ -57,11 +65,15 @@ def _attn_fwd_ws(
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
     WARP_SPEC: tl.constexpr = True, BLOCK_D: tl.constexpr = 0,
+    CAUSAL: tl.constexpr = False, ROWS=None, causal_offset=0,
 ):
     # qk_scale includes log2(e) and is > 0 (the host sends other scales to _attn_fwd); SEQ_K > 0, so every row
-    # sees a key. Query blocks of one head adjacent: their K / V shared in L2.
+    # sees a key (causal: causal_offset >= 0, the host's condition). Query blocks of one head adjacent: their K / V
+    # shared in L2; causal, the head's last (longest) query block first.
     pid = tl.program_id(0)
     pid_m = pid % NUM_M_BLOCKS
+    if CAUSAL:
+        pid_m = NUM_M_BLOCKS - 1 - pid_m
     bh = pid // NUM_M_BLOCKS
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
     off_h = (bh % NUM_HEADS_Q).to(tl.int64)
@@ -81,7 +93,16 @@ def _attn_fwd_ws(
     # BLOCK_D > HEAD_DIM (d=96 on 128-wide tiles): the padded columns load as zeros, add nothing to q.k, and
     # their O columns are dropped by the store.
     acc = tl.zeros([BLOCK_M, BLOCK_D if BLOCK_D else HEAD_DIM], dtype=tl.float32)
-    acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, SEQ_K, qk_scale, BLOCK_N, MASK_COLS, WARP_SPEC)
+    if CAUSAL:
+        # ROWS: int32 0 .. BLOCK_M - 1 (causal_rows), read by TMA so that each consumer gets its own rows
+        rows = tl.make_tensor_descriptor(ROWS, shape=[BLOCK_M], strides=[1], block_shape=[BLOCK_M]).load([0])
+        last_key = tl.minimum(rows + (m0 + causal_offset), SEQ_K - 1)
+        end = tl.minimum(SEQ_K, m0 + BLOCK_M + causal_offset)
+    else:
+        last_key = m_i  # (unused)
+        end = SEQ_K
+    acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, end, SEQ_K, qk_scale, last_key, BLOCK_N, MASK_COLS,
+                             CAUSAL, WARP_SPEC)
     lse_desc.store([m0], (m_i + tl.math.log2(l_i)) * LN2)
     o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
 
@@ -98,35 +119,60 @@ MIN_SEQ_K = 512
 
 # Off: every forward takes `_attn_fwd`. Tests and scripts switch it to compare both.
 ENABLED = True
+# Causal calls too (where every query row sees a key: top-left, or bottom-right with sk >= sq). Off until its GPU
+# tests and timings (`bash scripts/gpu_check.sh ws_causal`) have run: written on the CPU in the forty-fourth session,
+# after the thirty-sixth's two causal attempts (docs/perf-log.md) failed on the pass's row split; sm90 compile: the
+# loop still specialized (12 warps, setmaxnreg, 197 KB of shared memory; tests/kernels/triton/test_ws_compile.py).
+CAUSAL_ENABLED = False
 # Whether the interpreter (TRITON_INTERPRET=1, CPU tests) may take this kernel (off: the CPU suite keeps
 # exercising `_attn_fwd` on plain calls); the interpreter ignores the specialization and runs the same math,
 # so tests that turn it on check this kernel's bounds. MIN_SEQ_K does not apply there.
 INTERPRET = False
 _LOG2E = 1.4426950408889634
 _HAS_WS = HAS_WS
-_FAILED: set = set()  # (head dim, dtype) whose compile failed here: not tried again
+_FAILED: set = set()  # (head dim, dtype, causal) whose compile failed here: not tried again
 
 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, causal: bool,
-                plain: bool) -> bool:
+                plain: bool, bottom_right: bool = False) -> bool:
     """Whether `flash_fwd_ws` may run this call: plain (no mask, dropout, softcap, ALiBi, window) and not
-    causal, scale > 0, equal head dims in WS_TILES, at least MIN_SEQ_K keys, fp16 / bf16 (out too), a query length
-    that is a multiple of 4 (the LSE rows' TMA alignment), on sm90 (or the interpreter) with strides TMA
-    accepts; and no forward tile pinned by `_configs.override`."""
-    if not (ENABLED and _HAS_WS and plain and not causal and scale > 0) or _configs._override.get("fwd"):
+    causal (with CAUSAL_ENABLED: causal where every query row sees a key), scale > 0, equal head dims in WS_TILES,
+    at least MIN_SEQ_K keys, fp16 / bf16 (out too), a query length that is a multiple of 4 (the LSE rows' TMA
+    alignment), on sm90 (or the interpreter) with strides TMA accepts; and no forward tile pinned by
+    `_configs.override`."""
+    if not (ENABLED and _HAS_WS and plain and scale > 0) or _configs._override.get("fwd"):
         return False  # (a forward tile pinned by _configs.override: tuning and tests of `_attn_fwd`)
     d, sq, sk = q.shape[-1], q.shape[2], k.shape[2]
+    if causal and not (CAUSAL_ENABLED and causal_offset(sq, sk, bottom_right) >= 0):
+        return False
     if d not in WS_TILES or v.shape[-1] != d or q.dtype not in (torch.float16, torch.bfloat16) or sq % 4 or not sk:
         return False
     if out.dtype != q.dtype:  # (flash_bwd's fp32 recomputation of O for small calls: the general kernel)
         return False
-    if (sk < MIN_SEQ_K and not _launch._INTERPRET) or (d, q.dtype) in _FAILED or not platform_ok(q, INTERPRET):
+    if ((sk < MIN_SEQ_K and not _launch._INTERPRET) or (d, q.dtype, causal) in _FAILED
+            or not platform_ok(q, INTERPRET)):
         return False  # (the cheap checks first: this runs on every plain forward, small ones included)
     return tma_ok(q, k, v, out)
 
 
+def causal_offset(sq: int, sk: int, bottom_right: bool) -> int:
+    """Key j is visible to query i when j <= i + causal_offset (top-left 0, bottom-right sk - sq)."""
+    return sk - sq if bottom_right else 0
+
+
+_ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def causal_rows(device: torch.device, block_m: int) -> torch.Tensor:
+    """int32 0 .. block_m - 1 on device (one per device and tile height): the causal kernel's row indices."""
+    key = (device, block_m)
+    if key not in _ROWS:
+        _ROWS[key] = torch.arange(block_m, dtype=torch.int32, device=device)
+    return _ROWS[key]
+
+
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
-                 lse: torch.Tensor) -> bool:
+                 lse: torch.Tensor, causal: bool = False, bottom_right: bool = False) -> bool:
     """Fill out (b, hq, sq, d) and lse (b, hq, sq, contiguous) as `flash_fwd` would, for a call `ws_eligible`
     accepted; False (nothing written) when the kernel does not compile with this Triton or lse is not a
     16-byte-aligned contiguous buffer."""
@@ -136,10 +182,14 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         return False
     block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
     num_m_blocks = triton.cdiv(sq, block_m)
+    kwargs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
+                  num_stages=num_stages, BLOCK_D=triton.next_power_of_2(d))
+    if causal:
+        kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, block_m), causal_offset=causal_offset(sq, sk,
+                                                                                                      bottom_right))
     return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), (
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
-    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
-            num_stages=num_stages, BLOCK_D=triton.next_power_of_2(d)), _FAILED, (d, q.dtype))
+    ), kwargs, _FAILED, (d, q.dtype, causal))

@@ -11,7 +11,7 @@ import torch
 from fa_backend.kernels.triton import _configs, _launch, flash_fwd_split, flash_fwd_ws
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
 from tests.conftest import DEVICE
-from tests.reference import assert_within_bar, attention_math, attention_same_dtype
+from tests.reference import assert_within_bar, attention_math, attention_same_dtype, causal_mask
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
@@ -42,20 +42,24 @@ def _qkv(b, hq, hkv, sq, sk, d, dtype, bshd):
     return make(hq, sq), make(hkv, sk), make(hkv, sk)
 
 
-def _lse(q, k):
-    """float64 natural-log sum-exp of the scaled scores."""
+def _lse(q, k, causal=False, bottom_right=False):
+    """float64 natural-log sum-exp of the scaled scores (of the visible keys)."""
     q, k = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
-    return torch.logsumexp((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, -1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], bottom_right, q.device), float("-inf"))
+    return torch.logsumexp(scores, -1)
 
 
-def _check(q, k, v, names):
-    out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
+def _check(q, k, v, names, causal=False, bottom_right=True):
+    out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5, causal, bottom_right)
     assert names and names[-1] == "_attn_fwd_ws", names
     big = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > 2**27
     ref_dtype = torch.float32 if big else torch.float64
-    ref = attention_math(*(t.to(ref_dtype) for t in (q, k, v)))
-    assert_within_bar("out", out, attention_same_dtype(q, k, v), ref)
-    lse_ref = _lse(q, k)
+    kw = dict(is_causal=causal, bottom_right=bottom_right)
+    ref = attention_math(*(t.to(ref_dtype) for t in (q, k, v)), **kw)
+    assert_within_bar("out", out, attention_same_dtype(q, k, v, **kw), ref)
+    lse_ref = _lse(q, k, causal, bottom_right)
     assert torch.isfinite(lse).all(), "unwritten LSE rows"
     # fp32 sum-exp of dtype-rounded scores against float64: within a few units of the scores' rounding
     assert (lse.double() - lse_ref).abs().max().item() < 2e-2
@@ -78,6 +82,42 @@ def test_ws_forward_interpreted(ws_launches, d, hq, hkv, sq, sk, bshd):
     _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_launches)
 
 
+@pytest.fixture
+def ws_causal_launches(ws_launches, monkeypatch):
+    """ws_launches with the opt-in causal variant on."""
+    monkeypatch.setattr(flash_fwd_ws, "CAUSAL_ENABLED", True)
+    return ws_launches
+
+
+CPU_CAUSAL_CASES = [
+    # d, hq, hkv, sq, sk, bottom_right, bshd
+    (64, 4, 2, 44, 70, False, True),  # top-left, more keys than queries, a partial last key tile, GQA
+    (64, 2, 2, 48, 64, True, False),  # bottom-right: the diagonal 16 keys to the right
+    (64, 2, 1, 72, 40, False, True),  # top-left, more queries than keys: rows past 40 see every key
+    (96, 2, 1, 40, 56, True, True),  # padded head dim, bottom-right, partial tiles
+    (64, 2, 2, 36, 36, True, False),  # square: both alignments agree
+]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right,bshd", CPU_CAUSAL_CASES)
+def test_ws_causal_forward_interpreted(ws_causal_launches, d, hq, hkv, sq, sk, bottom_right, bshd):
+    _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_causal_launches, True, bottom_right)
+
+
+def test_ws_causal_only_where_every_row_sees_a_key(ws_causal_launches, monkeypatch):
+    q, k, v = _qkv(1, 2, 2, 48, 32, 64 if DEVICE == "cpu" else 128, torch.float16, False)
+    out = torch.empty_like(q)
+    on = DEVICE == "cpu" or ON_SM90
+    assert flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, True, True, bottom_right=False) == on
+    # bottom-right with more queries than keys: the first 16 rows see none (PyTorch's zeros; the general kernel's)
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, True, True, bottom_right=True)
+    out, _ = flash_fwd(q, k, v, q.shape[-1] ** -0.5, True, True)
+    assert ws_causal_launches[-1] == "_attn_fwd"
+    monkeypatch.setattr(flash_fwd_ws, "CAUSAL_ENABLED", False)
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, True, True, bottom_right=False)
+
+
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd) for d in (128, 96)
              for hq, hkv, sq, sk, bshd in ((16, 16, 2048, 8192, True), (8, 2, 1000, 9001, False),
                                            (4, 4, 3000, 8192, True), (2, 2, 8192, 16384, False))]
@@ -89,6 +129,22 @@ GPU_CASES = [(d, hq, hkv, sq, sk, bshd) for d in (128, 96)
 @pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", GPU_CASES)
 def test_ws_forward_real_size(ws_launches, dtype, d, hq, hkv, sq, sk, bshd):
     _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_launches)
+
+
+GPU_CAUSAL_CASES = [(d, hq, hkv, sq, sk, br, bshd) for d in (128, 96)
+                    for hq, hkv, sq, sk, br, bshd in (
+                        (16, 16, 2048, 2048, False, True), (8, 2, 1000, 9001, True, False),
+                        (4, 4, 3000, 2999, False, True), (2, 2, 8192, 16384, True, False),
+                        (2, 1, 4096, 4096, True, True))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right,bshd", GPU_CAUSAL_CASES)
+def test_ws_causal_forward_real_size(ws_causal_launches, dtype, d, hq, hkv, sq, sk, bottom_right, bshd):
+    # the opt-in causal variant (CAUSAL_ENABLED): what its first GPU run has to pass before it goes on by default
+    _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_causal_launches, True, bottom_right)
 
 
 @pytest.mark.gpu
@@ -155,7 +211,7 @@ def test_ws_compile_failure_falls_back(ws_launches, monkeypatch):
     out, _ = flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
     ref = attention_math(q.double(), k.double(), v.double())
     assert_within_bar("out", out, attention_same_dtype(q, k, v), ref)
-    assert (q.shape[-1], torch.float16) in flash_fwd_ws._FAILED
+    assert (q.shape[-1], torch.float16, False) in flash_fwd_ws._FAILED
     assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
 
 

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fa_backend.kernels.triton import flash_bwd_ws, flash_fwd_ws
 
-kind, d, mask_cols = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+kind, d, mask_cols, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 mod = flash_fwd_ws if kind == "fwd" else flash_bwd_ws
 block_m, block_n, num_warps, num_stages = mod.WS_TILES[d]
 fn = flash_fwd_ws._attn_fwd_ws if kind == "fwd" else flash_bwd_ws._bwd_dkdv_ws
@@ -31,8 +31,11 @@ constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPEC=True)
 constexprs["BLOCK_D"] = triton.next_power_of_2(d)
 if kind == "fwd":
     constexprs["MASK_COLS"] = mask_cols
+    constexprs["CAUSAL"] = causal
+    if not causal:
+        constexprs["ROWS"] = None
 types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV")}
-types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
+types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32", ROWS="*i32")
 signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
 k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -43,11 +46,14 @@ print(json.dumps(dict(num_warps=k.metadata.num_warps, asked=num_warps, shared=k.
 """
 
 
-@pytest.mark.parametrize("kind,d,mask_cols", [("fwd", d, m) for d in sorted(flash_fwd_ws.WS_TILES) for m in (0, 1)]
-                         + [("bwd", d, 0) for d in sorted(flash_bwd_ws.WS_TILES)])
-def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols):
+# the forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED) too: its loop must still be specialized
+@pytest.mark.parametrize("kind,d,mask_cols,causal", [("fwd", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES)
+                                                     for m in (0, 1)]
+                         + [("fwd", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
+                         + [("bwd", d, 0, 0) for d in sorted(flash_bwd_ws.WS_TILES)])
+def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols, causal):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE, kind, str(d), str(mask_cols)], env=env,
+    res = subprocess.run([sys.executable, "-c", _COMPILE, kind, str(d), str(mask_cols), str(causal)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     info = json.loads(res.stdout.strip().splitlines()[-1])
