@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fa_backend.kernels.triton import _configs, _launch, flash_fwd_split, flash_fwd_ws
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
@@ -103,6 +105,20 @@ CPU_CAUSAL_CASES = [
 @pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right,bshd", CPU_CAUSAL_CASES)
 def test_ws_causal_forward_interpreted(ws_causal_launches, d, hq, hkv, sq, sk, bottom_right, bshd):
     _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_causal_launches, True, bottom_right)
+
+
+# fresh examples every run: the WS kernel's bounds (both causal alignments and none, GQA, partial tiles, layouts)
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3), sq4=st.integers(1, 16),
+       sk=st.integers(1, 70), d=st.sampled_from([48, 64, 96]), mode=st.sampled_from(["none", "tl", "br"]),
+       bshd=st.booleans())
+def test_ws_random_shapes_interpreted(ws_causal_launches, b, hkv, group, sq4, sk, d, mode, bshd):
+    sq = 4 * sq4  # the LSE rows' TMA alignment (ws_eligible)
+    if mode == "br":
+        sk = max(sk, sq)  # bottom-right rows all see a key only when sk >= sq (else the general kernel runs)
+    _check(*_qkv(b, hkv * group, hkv, sq, sk, d, torch.float16, bshd), ws_causal_launches, mode != "none",
+           mode == "br")
 
 
 def test_ws_causal_only_where_every_row_sees_a_key(ws_causal_launches, monkeypatch):
