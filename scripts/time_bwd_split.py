@@ -10,11 +10,12 @@ splits (off by default; d=192's tiles unless --pairs). `split_*` rows run flash_
 --block-major / --one-loop, causal rows also run these variants (suffixes): `_hm2l` head-major with a masked and an
 unmasked dK / dV loop (before the fortieth session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l`
 block-major with one dK / dV loop (the default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed
-causal rows were `_hm2l`.
+causal rows were `_hm2l`. --ds-gemm: also each pair with dQ from the dS^T the dK / dV launch writes, by one matmul
+(`_dsg`; flash_bwd_split.DS_GEMM, an experiment).
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]
-                                      [--json F]
+                                      [--ds-gemm] [--json F]
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main() -> None:
                         help="causal rows: also each pair with its launches in block-major order (`_bm`)")
     parser.add_argument("--one-loop", action="store_true",
                         help="causal rows: also each pair with its dK / dV in one masked loop (`_1l`)")
+    parser.add_argument("--ds-gemm", action="store_true",
+                        help="also each pair with dQ by one matmul from the dK / dV launch's dS^T (`_dsg`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
@@ -59,6 +62,7 @@ def main() -> None:
             flash_bwd_split.TILES.setdefault(d, flash_bwd_split.TILES[192])
     tiles_before = dict(flash_bwd_split.TILES)
     block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
+    ds_gemm_before = flash_bwd_split.DS_GEMM
     rows = []
     for d in args.dims:
         top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
@@ -76,12 +80,13 @@ def main() -> None:
                     flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                 ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
-                def ours(pair=None, block_major=None, one_loop=None):
+                def ours(pair=None, block_major=None, one_loop=None, ds_gemm=None):
                     # (None: the module's default for this split class)
                     flash_bwd_split.ENABLED = pair is not None
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     for name, on, before in (("CAUSAL_BLOCK_MAJOR", block_major, block_major_before),
-                                             ("CAUSAL_ONE_LOOP", one_loop, one_loop_before)):
+                                             ("CAUSAL_ONE_LOOP", one_loop, one_loop_before),
+                                             ("DS_GEMM", ds_gemm, ds_gemm_before)):
                         setattr(flash_bwd_split, name, before if on is None else frozenset({top} if on else ()))
                     return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
@@ -93,6 +98,8 @@ def main() -> None:
                     variants.update({"_1l": dict(two, one_loop=True)} if args.one_loop else {})
                     variants.update({"_bm1l": dict(two, block_major=True, one_loop=True)}
                                     if args.block_major and args.one_loop else {})
+                if args.ds_gemm:
+                    variants["_dsg"] = dict(ds_gemm=True)
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p) + suffix:
                        (lambda p=p, kw=kw: ours(p, **kw)) for suffix, kw in variants.items()
                        for p in pairs or [tiles_before[top]]}
@@ -125,6 +132,7 @@ def main() -> None:
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
     flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP = block_major_before, one_loop_before
+    flash_bwd_split.DS_GEMM = ds_gemm_before
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 

@@ -43,15 +43,19 @@ def _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _q_bounds(n0, SEQ_Q, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _q_bounds(n0, SEQ_Q, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              ALIGN: tl.constexpr = 1):
     """Query range of key block [n0, n0 + BLOCK_N) (the dK / dV kernels' counterpart of _kv_bounds).
 
     Row i sees key j iff not CAUSAL or j <= i + causal_offset. Returns (m_lo, m_mid): rows below m_lo see none of
     the block, rows [m_lo, m_mid) its diagonal (masked), rows from m_mid on all of it; m_mid - m_lo is a multiple of
-    BLOCK_M unless clipped at SEQ_Q. (0, 0) without CAUSAL.
+    BLOCK_M unless clipped at SEQ_Q. (0, 0) without CAUSAL. ALIGN: m_lo rounded down to a multiple of it (the rows
+    added see none of the block: masked).
     """
     if CAUSAL:
         m_lo = tl.minimum(tl.maximum(n0 - causal_offset, 0), SEQ_Q)
+        if ALIGN > 1:
+            m_lo = m_lo // ALIGN * ALIGN
         diag_rows = tl.maximum(n0 + BLOCK_N - 1 - causal_offset - m_lo, 0)
         m_mid = tl.minimum(m_lo + tl.cdiv(diag_rows, BLOCK_M) * BLOCK_M, SEQ_Q)
     else:

@@ -41,9 +41,10 @@ def _tile_store(T, row0, n_rows, stride_row, col0, HEAD_DIM: tl.constexpr, x, BL
 def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE, DELTA,
                      start, end, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, D_A: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                     EXACT_DS: tl.constexpr):
+                     EXACT_DS: tl.constexpr, DS_T=None, ds_scale=1.0, STORE_DS: tl.constexpr = False):
     """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end), scores transposed (keys x
-    queries). Query rows past SEQ_Q get LSE = +inf (P = 0); MASKED applies the causal band."""
+    queries). Query rows past SEQ_Q get LSE = +inf (P = 0); MASKED applies the causal band. STORE_DS: dS^T * ds_scale
+    also written, rounded once to the inputs' dtype, through DS_T (this head's (SEQ_K, SEQ_Q) descriptor)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -62,6 +63,8 @@ def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_des
         delta = tl.load(DELTA + rows, mask=rows < SEQ_Q, other=0.0)
         dp_t = tl.dot(v_b, tl.trans(do_b), tl.dot(v_a, tl.trans(do_a)))
         ds_t = p_t * (dp_t - delta[None, :])
+        if STORE_DS:  # (a TMA store: rows past SEQ_K and columns past SEQ_Q clipped)
+            DS_T.store([n0, start_m], (ds_t * ds_scale).to(DS_T.dtype))
         dk_a = _ds_dot(ds_t, q_a, dk_a, EXACT_DS)
         dk_b = _ds_dot(ds_t, q_b, dk_b, EXACT_DS)
     return dk_a, dk_b, dv_a, dv_b
@@ -75,7 +78,8 @@ def _bwd_dkdv_split(
     NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
-    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
+    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False, DS_T=None, DS_STRIDE=0,
+    STORE_DS: tl.constexpr = False,
 ):
     # (causal: key block 0 sees the most query rows, so block order is longest first)
     bh, pid_n = _grid_order(tl.program_id(0), NUM_N_BLOCKS, BLOCK_MAJOR)
@@ -91,7 +95,8 @@ def _bwd_dkdv_split(
     dk_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
     dv_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
     dv_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
-    m_lo, m_mid = _q_bounds(n0, SEQ_Q, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    # (STORE_DS: dS^T's TMA stores start at a query index that is a multiple of 8, 16 bytes)
+    m_lo, m_mid = _q_bounds(n0, SEQ_Q, causal_offset, BLOCK_M, BLOCK_N, CAUSAL, 8 if STORE_DS else 1)
     if ONE_LOOP:  # (causal only) one masked loop over every row the block sees: one copy of the loop body, not two
         m_mid = SEQ_Q
     for g in range(GROUP):
@@ -103,16 +108,21 @@ def _bwd_dkdv_split(
         dob_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_B)
         LSE_h = LSE + bh_q * SEQ_Q
         DELTA_h = DELTA + bh_q * SEQ_Q
+        DS_h = DS_T
+        if STORE_DS:  # this head's (SEQ_K, SEQ_Q) dS^T, rows DS_STRIDE apart (SEQ_Q rounded up to 8: TMA's alignment)
+            DS_h = tl.make_tensor_descriptor(DS_T + bh_q * SEQ_K * DS_STRIDE, shape=[SEQ_K, SEQ_Q],
+                                             strides=[DS_STRIDE, 1], block_shape=[BLOCK_N, BLOCK_M])
         if CAUSAL:
             dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
                 dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
-                m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, True, CAUSAL, EXACT_DS)
+                m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, True, CAUSAL, EXACT_DS,
+                DS_h, sm_scale, STORE_DS)
         # (keys past SEQ_K: zero-filled rows whose dK / dV rows are never stored, so no mask here)
         if not ONE_LOOP:
             dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
                 dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
                 m_mid, SEQ_Q, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, False, CAUSAL,
-                EXACT_DS)
+                EXACT_DS, DS_h, sm_scale, STORE_DS)
     DK_h = DK + off_b * stride_dkb + off_hk * stride_dkh
     DV_h = DV + off_b * stride_dvb + off_hk * stride_dvh
     _tile_store(DK_h, n0, SEQ_K, stride_dkn, 0, HEAD_DIM, dk_a * sm_scale, BLOCK_N, D_A)
@@ -226,6 +236,15 @@ CAUSAL_BLOCK_MAJOR: frozenset[int] = frozenset({192})
 # 0.86-0.96x); d=256 154 / 156, 174 / 177, 189 / 196, 193 / 190: not taken there. The dQ launch's key blocks in one
 # masked loop as well (no spills to remove there) gave 206 / 207, 243 / 244, 274 / 275, 308 / 298 (code removed).
 CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
+# The split classes whose dQ is not recomputed by its own launch (QK^T and dO V^T again, 7 products in all) but comes
+# from dS^T, which the dK / dV launch then also writes to memory in the inputs' dtype, by one batched matmul (cuBLAS)
+# per call: 5 products, at the price of a (b, hq, sk, sq) buffer (DS_GEMM_MAX_BYTES; larger calls keep the dQ launch)
+# and its write and read; not for the small calls that take dS unrounded (EXACT_DS). An experiment written on the CPU
+# (forty-fourth session; scripts/time_bwd_split.py --ds-gemm): the d=256 backward is 0.73-0.79x SDPA-flash on 7
+# products (H100), FlashAttention-2 runs 5; off until timed on a GPU. The dQ GEMM takes scale * dS rounded once to
+# the inputs' dtype, as FlashAttention-2's does (and as the dQ launch's products here).
+DS_GEMM: frozenset[int] = frozenset()
+DS_GEMM_MAX_BYTES = 4 << 30
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -268,6 +287,13 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
               **({"BLOCK_MAJOR": True} if top in CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
     dkdv_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
+    ds_t = None
+    if top in DS_GEMM and not exact_ds and b * hq * sk * sq * q.element_size() <= DS_GEMM_MAX_BYTES:
+        # causal: the blocks no program visits stay zero
+        stride = cdiv(sq, 8) * 8  # rows 16-byte aligned for the TMA stores
+        ds_t = (torch.zeros if causal_offset is not None else torch.empty)((b, hq, sk, stride), dtype=q.dtype,
+                                                                            device=q.device)[..., :sq]
+        dkdv_kw.update(DS_T=ds_t, DS_STRIDE=stride, STORE_DS=True)
 
     def dkdv() -> None:
         block_m, block_n, num_warps, num_stages = dkdv_tile
@@ -278,6 +304,13 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw))
 
+    def dq_from_ds() -> None:
+        # dQ = (scale dS) K per query head (the kernel stored scale * dS): (b, hkv, group, sq, sk) @ (b, hkv, 1, sk, d),
+        # accumulated in fp32 by the matmul
+        group = hq // hkv
+        prod = torch.matmul(ds_t.unflatten(1, (hkv, group)).transpose(-1, -2), k.unsqueeze(2))
+        dq.copy_(prod.view(b, hq, sq, d))
+
     def dq_() -> None:
         block_m, block_n, num_warps, num_stages = dq_tile
         m_blocks = cdiv(sq, block_m)
@@ -287,4 +320,4 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
 
-    return dkdv, dq_
+    return (dkdv, dq_from_ds) if ds_t is not None else (dkdv, dq_)

@@ -102,6 +102,55 @@ def test_split_causal_loops_interpreted(split_launches, request, monkeypatch, lo
     assert all(kw.get("ONE_LOOP", False) == (loops == "one_loop") for kw in kws["_bwd_dkdv_split"]), kws
 
 
+@pytest.fixture
+def ds_gemm(monkeypatch):
+    """dQ by one matmul from the dS^T the dK / dV launch writes (flash_bwd_split.DS_GEMM) at every split class;
+    yields the launches' keyword arguments by kernel."""
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM", frozenset(flash_bwd_split.SPLITS))
+    monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)  # (small calls with unrounded dS keep the dQ launch)
+    return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
+
+
+def _check_ds_gemm(q, k, v, causal, bottom_right, names, kws):
+    check_attention(lambda q, k, v: fa_backend.attention(
+        q, k, v, is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left"),
+        q, k, v, is_causal=causal, bottom_right=bottom_right)
+    assert "_bwd_dkdv_split" in names and "_bwd_dq_split" not in names and "_bwd_dq" not in names, names
+    assert _flagged(kws, "_bwd_dkdv_split", "STORE_DS"), kws
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd,causal,bottom_right", [
+    (192, 2, 2, 40, 56, False, False, False),  # partial key and query tiles
+    (192, 4, 2, 48, 48, True, True, False),  # GQA: one matmul per query head against its K/V head
+    (160, 2, 1, 37, 70, True, True, True),  # bottom-right: blocks no program visits stay zero
+    (256, 2, 2, 50, 33, False, True, False),  # 128 + 128 columns; more queries than keys
+])
+def test_split_ds_gemm_interpreted(split_launches, ds_gemm, d, hq, hkv, sq, sk, bshd, causal, bottom_right):
+    _check_ds_gemm(*_qkv(2, hq, hkv, sq, sk, d, d, torch.float16, bshd), causal, bottom_right, split_launches,
+                   ds_gemm)
+
+
+def test_ds_gemm_off_by_default_and_bounded(monkeypatch):
+    """The dQ launch runs unless DS_GEMM names the class, and for calls whose dS^T would pass DS_GEMM_MAX_BYTES."""
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
+    kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
+    q = torch.empty(1, 2, 64, 192, dtype=torch.float16)
+    lse = torch.empty(1, 2, 64)
+
+    def run():
+        for name in kws:
+            kws[name].clear()
+        for launch in flash_bwd_split.launches(q, q, q, q, lse, lse, q, q, q, 0.1, None, False):
+            launch()
+        return bool(kws["_bwd_dq_split"]), kws["_bwd_dkdv_split"][0].get("STORE_DS", False)
+
+    assert flash_bwd_split.DS_GEMM == frozenset() and run() == (True, False)
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM", frozenset({192}))
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", 2 * 64 * 64 * 2 - 1)  # one byte short
+    assert run() == (True, False)
+
+
 @pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
                                             (256, True, False), (224, True, False)])
 def test_causal_defaults(d, causal, taken, monkeypatch):
@@ -147,6 +196,17 @@ def test_split_causal_experiments_real_size(split_launches, request, experiment,
     assert _flagged(kws, "_bwd_dkdv_split", flag), kws
     if experiment == "block_major":
         assert _flagged(kws, "_bwd_dq_split", flag), kws
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd,causal,bottom_right", [
+    (256, 8, 8, 2048, 2048, True, False, False), (256, 8, 2, 1000, 3001, False, True, True),
+    (192, 4, 4, 3001, 3001, True, True, False), (256, 16, 16, 128, 136, False, False, False)])
+def test_split_ds_gemm_real_size(split_launches, ds_gemm, d, hq, hkv, sq, sk, bshd, causal, bottom_right):
+    """The dS-to-memory experiment (DS_GEMM) at real sizes: the 2x rule, no dQ launch."""
+    _check_ds_gemm(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, bshd), causal, bottom_right, split_launches,
+                   ds_gemm)
 
 
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)

@@ -24,9 +24,11 @@ types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
 types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
 for fn, (block_m, block_n, num_warps, num_stages) in kernels:
     constexprs = dict(HEAD_DIM=192, HEAD_DIM_V=192, BLOCK_M=block_m, BLOCK_N=block_n, D_A=128, D_B=64, CAUSAL=True)
-    for name in ("EXACT_DS", "BLOCK_MAJOR", "ONE_LOOP"):  # constexpr flags at their defaults (off)
+    for name in ("EXACT_DS", "BLOCK_MAJOR", "ONE_LOOP", "STORE_DS"):  # constexpr flags at their defaults (off)
         if name in fn.arg_names:
             constexprs[name] = False
+    if "DS_T" in fn.arg_names:
+        constexprs["DS_T"] = None
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
