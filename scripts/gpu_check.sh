@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal] [ds_gemm]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -260,6 +260,15 @@ if [[ " $steps " == *" ws_causal "* ]]; then
   tail -n 3 "$OUT/ws_causal_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_causal_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_fwd_ws.py --dims ${WS_DIMS:-128 96} --causal yes \
     --seqlens ${WS_SEQLENS:-1024 2048 4096 8192 16384} --json "$OUT/ws_causal.json" 2>&1 | grep -v -i warn || status=1
+fi
+if [[ " $steps " == *" ds_gemm "* ]]; then
+  # the d=193-256 backward's opt-in dQ from dS in memory (flash_bwd_split.DS_GEMM, forty-fourth session, CPU only so
+  # far): its GPU tests, then the whole backward against the default split backward, cuDNN and SDPA-flash
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py -m gpu -k ds_gemm -q \
+    -p no:cacheprovider -n ${SHARDS:-4} > "$OUT/ds_gemm_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/ds_gemm_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ds_gemm_tests.log" | head -20
+  timeout ${BENCH_TIMEOUT:-240} python3 scripts/time_bwd_split.py --dims 256 --ds-gemm \
+    --seqlens ${DSG_SEQLENS:-2048 8192 16384} --json "$OUT/ds_gemm.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" hang256 "* ]]; then
   # forty-third session: `bench --dims 96 192 256 --seqlens 2048 8192 16384` stopped at its cell of ours at d=256
