@@ -140,10 +140,11 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     at least MIN_SEQ_K keys, fp16 / bf16 (out too), a query length that is a multiple of 4 (the LSE rows' TMA
     alignment), on sm90 (or the interpreter) with strides TMA accepts; and no forward tile pinned by
     `_configs.override`."""
-    if not (ENABLED and _HAS_WS and plain and scale > 0) or _configs._override.get("fwd"):
+    if not (ENABLED and _HAS_WS and plain and scale > 0 and (CAUSAL_ENABLED or not causal)) or \
+            _configs._override.get("fwd"):
         return False  # (a forward tile pinned by _configs.override: tuning and tests of `_attn_fwd`)
     d, sq, sk = q.shape[-1], q.shape[2], k.shape[2]
-    if causal and not (CAUSAL_ENABLED and causal_offset(sq, sk, bottom_right) >= 0):
+    if causal and causal_offset(sq, sk, bottom_right) < 0:  # rows that see no key: the general kernel's zeros
         return False
     if d not in WS_TILES or v.shape[-1] != d or q.dtype not in (torch.float16, torch.bfloat16) or sq % 4 or not sk:
         return False
