@@ -20,9 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-# the op's backward variants (flash_bwd's keywords), as scripts/time_cute_bwd.py times them
-VARIANTS = {64: dict(wgs=2, warp_specialized=True, tile_m=128), 128: dict(wgs=2, warp_specialized=True)}
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _block_order(linear, m_tiles, pairs, section, minimum):
@@ -45,6 +43,7 @@ def main() -> None:
     from fa_backend.kernels.cute import _schedule, flash_bwd_ws
     from fa_backend.kernels.cute.flash_bwd import flash_bwd
     from fa_backend.kernels.cute.flash_fwd_ws import flash_fwd_ws
+    from time_cute_bwd import VARIANTS  # the op's backward variants (flash_bwd's keywords)
 
     if args.l2_mb:
         _schedule.L2_SECTION_BYTES = args.l2_mb * 1024 * 1024

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import _configs, _launch
+from ..keep_bits import causal_offset
 from ._common import LN2
 from ._launch import grid_1d
 from ._tma import tma_ok
@@ -144,7 +145,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
             _configs._override.get("fwd"):
         return False  # (a forward tile pinned by _configs.override: tuning and tests of `_attn_fwd`)
     d, sq, sk = q.shape[-1], q.shape[2], k.shape[2]
-    if causal and causal_offset(sq, sk, bottom_right) < 0:  # rows that see no key: the general kernel's zeros
+    if causal and causal_offset(sq, sk, True, bottom_right) < 0:  # rows that see no key: the general kernel's zeros
         return False
     if d not in WS_TILES or v.shape[-1] != d or q.dtype not in (torch.float16, torch.bfloat16) or sq % 4 or not sk:
         return False
@@ -154,11 +155,6 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
             or not platform_ok(q, INTERPRET)):
         return False  # (the cheap checks first: this runs on every plain forward, small ones included)
     return tma_ok(q, k, v, out)
-
-
-def causal_offset(sq: int, sk: int, bottom_right: bool) -> int:
-    """Key j is visible to query i when j <= i + causal_offset (top-left 0, bottom-right sk - sq)."""
-    return sk - sq if bottom_right else 0
 
 
 _ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -186,8 +182,8 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     kwargs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
                   num_stages=num_stages, BLOCK_D=triton.next_power_of_2(d))
     if causal:
-        kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, block_m), causal_offset=causal_offset(sq, sk,
-                                                                                                      bottom_right))
+        kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, block_m),
+                      causal_offset=causal_offset(sq, sk, True, bottom_right))
     return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), (
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
