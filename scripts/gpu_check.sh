@@ -262,12 +262,13 @@ if [[ " $steps " == *" ws_causal "* ]]; then
     --seqlens ${WS_SEQLENS:-1024 2048 4096 8192 16384} --json "$OUT/ws_causal.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" ds_gemm "* ]]; then
-  # the d=193-256 backward's opt-in dQ from dS in memory (flash_bwd_split.DS_GEMM, forty-fourth session, CPU only so
-  # far): its GPU tests, then the whole backward against the default split backward, cuDNN and SDPA-flash
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py -m gpu -k ds_gemm -q \
+  # the d=193-256 backward's dQ from dS^T in memory (flash_bwd_split.DS_GEMM; forty-fourth session on one buffer,
+  # forty-fifth in pieces of DS_GEMM_MAX_BYTES and causal panels, on by default): the split backward's GPU tests,
+  # then the whole backward in its variants against the dQ launch, cuDNN and SDPA-flash
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py -m gpu -q \
     -p no:cacheprovider -n ${SHARDS:-4} > "$OUT/ds_gemm_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/ds_gemm_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ds_gemm_tests.log" | head -20
-  timeout ${BENCH_TIMEOUT:-240} python3 scripts/time_bwd_split.py --dims 256 --ds-gemm \
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/time_bwd_split.py --dims 256 --ds-gemm ${DSG_ARGS:-} \
     --seqlens ${DSG_SEQLENS:-2048 8192 16384} --json "$OUT/ds_gemm.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" hang256 "* ]]; then

@@ -10,12 +10,14 @@ splits (off by default; d=192's tiles unless --pairs). `split_*` rows run flash_
 --block-major / --one-loop, causal rows also run these variants (suffixes): `_hm2l` head-major with a masked and an
 unmasked dK / dV loop (before the fortieth session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l`
 block-major with one dK / dV loop (the default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed
-causal rows were `_hm2l`. --ds-gemm: also each pair with dQ from the dS^T the dK / dV launch writes, by one matmul
-(`_dsg`; flash_bwd_split.DS_GEMM, an experiment).
+causal rows were `_hm2l`. --ds-gemm: also each pair with dQ from the dS^T the dK / dV launch writes, by matmuls (`_dsg`;
+flash_bwd_split.DS_GEMM, the default at 193-256 since the forty-fifth session) and with the dQ launch (`_dql`);
+--ds-mib M ...: with dS^T in pieces of at most M MiB each (`_dsg<M>M`; DS_GEMM_MAX_BYTES); --ds-panel-rows N ...: causal
+dQ matmuls in query panels of N rows (`_dsgp<N>`; DS_GEMM_PANEL_ROWS).
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]
-                                      [--ds-gemm] [--json F]
+                                      [--ds-gemm] [--ds-mib 256 4096] [--ds-panel-rows 1024 4096] [--json F]
 """
 
 from __future__ import annotations
@@ -51,7 +53,12 @@ def main() -> None:
     parser.add_argument("--one-loop", action="store_true",
                         help="causal rows: also each pair with its dK / dV in one masked loop (`_1l`)")
     parser.add_argument("--ds-gemm", action="store_true",
-                        help="also each pair with dQ by one matmul from the dK / dV launch's dS^T (`_dsg`)")
+                        help="also each pair with dQ from the dK / dV launch's dS^T (`_dsg`) and with the dQ "
+                             "launch (`_dql`)")
+    parser.add_argument("--ds-mib", type=int, nargs="*", default=[],
+                        help="also each pair with dQ from dS^T in pieces of at most this many MiB (`_dsg<M>M`)")
+    parser.add_argument("--ds-panel-rows", type=int, nargs="*", default=[],
+                        help="also each pair with causal dQ from dS^T in query panels of this many rows (`_dsgp<N>`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
@@ -63,6 +70,7 @@ def main() -> None:
     tiles_before = dict(flash_bwd_split.TILES)
     block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
     ds_gemm_before = flash_bwd_split.DS_GEMM
+    ds_bytes_before, panels_before = flash_bwd_split.DS_GEMM_MAX_BYTES, flash_bwd_split.DS_GEMM_PANEL_ROWS
     rows = []
     for d in args.dims:
         top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
@@ -80,9 +88,11 @@ def main() -> None:
                     flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                 ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
-                def ours(pair=None, block_major=None, one_loop=None, ds_gemm=None):
+                def ours(pair=None, block_major=None, one_loop=None, ds_gemm=None, ds_mib=None, panels=None):
                     # (None: the module's default for this split class)
                     flash_bwd_split.ENABLED = pair is not None
+                    flash_bwd_split.DS_GEMM_MAX_BYTES = ds_bytes_before if ds_mib is None else ds_mib << 20
+                    flash_bwd_split.DS_GEMM_PANEL_ROWS = panels_before if panels is None else panels
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     for name, on, before in (("CAUSAL_BLOCK_MAJOR", block_major, block_major_before),
                                              ("CAUSAL_ONE_LOOP", one_loop, one_loop_before),
@@ -99,7 +109,9 @@ def main() -> None:
                     variants.update({"_bm1l": dict(two, block_major=True, one_loop=True)}
                                     if args.block_major and args.one_loop else {})
                 if args.ds_gemm:
-                    variants["_dsg"] = dict(ds_gemm=True)
+                    variants.update(_dsg=dict(ds_gemm=True), _dql=dict(ds_gemm=False))
+                variants.update({f"_dsg{m}M": dict(ds_gemm=True, ds_mib=m) for m in args.ds_mib})
+                variants.update({f"_dsgp{n}": dict(ds_gemm=True, panels=n) for n in args.ds_panel_rows})
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p) + suffix:
                        (lambda p=p, kw=kw: ours(p, **kw)) for suffix, kw in variants.items()
                        for p in pairs or [tiles_before[top]]}
@@ -133,6 +145,7 @@ def main() -> None:
     flash_bwd_split.ENABLED = True
     flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP = block_major_before, one_loop_before
     flash_bwd_split.DS_GEMM = ds_gemm_before
+    flash_bwd_split.DS_GEMM_MAX_BYTES, flash_bwd_split.DS_GEMM_PANEL_ROWS = ds_bytes_before, panels_before
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 
@@ -145,8 +158,16 @@ def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: i
     before = flash_bwd_split.TILES[top]
     for p in pairs:
         flash_bwd_split.TILES[top] = p
-        dkdv, dq_ = flash_bwd_split.launches(q, k, v, do, lse, delta, dq, dk, dv, d ** -0.5, 0 if causal else None,
-                                             False)
+        calls = flash_bwd_split.launches(q, k, v, do, lse, delta, dq, dk, dv, d ** -0.5, 0 if causal else None,
+                                         False)
+        # (with DS_GEMM, a dK / dV launch and dQ's matmuls per piece of the call: each kind summed)
+        def dkdv(calls=calls):
+            for c in calls[0::2]:
+                c()
+
+        def dq_(calls=calls):
+            for c in calls[1::2]:
+                c()
         name = "launch_" + "_".join("x".join(map(str, t)) for t in p)
         try:
             res[name] = dict(dkdv=triton.testing.do_bench(dkdv, warmup=30, rep=200),

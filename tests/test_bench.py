@@ -159,18 +159,24 @@ def test_records_are_written_as_they_come(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_flex_runner_matches_sdpa_forward(causal, monkeypatch):
+def test_flex_runner_matches_sdpa_forward(causal):
     """The FlexAttention backend's call (compiled flex_attention, causal block mask) on CPU, forward only
     (FlexAttention has no CPU backward)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     import torch._dynamo.config as dynamo_config
 
-    for name in ("recompile_limit", "cache_size_limit"):  # the runner raises them; restored after the test
-        if hasattr(dynamo_config, name):
-            monkeypatch.setattr(dynamo_config, name, getattr(dynamo_config, name))
-    fn = bench._flex_runner(causal)
-    q, k, v = (torch.randn(1, 256, 2, 64).transpose(1, 2) for _ in range(3))
-    torch.testing.assert_close(fn(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    # the runner raises these limits; restored after the test by assignment: pytest's monkeypatch undoes an
+    # attribute missing from the module's __dict__ by delattr, which hides a torch >= 2.14 config entry for good
+    saved = {name: getattr(dynamo_config, name) for name in ("cache_size_limit", "recompile_limit")
+             if hasattr(dynamo_config, name)}
+    try:
+        fn = bench._flex_runner(causal)
+        q, k, v = (torch.randn(1, 256, 2, 64).transpose(1, 2) for _ in range(3))
+        torch.testing.assert_close(fn(q, k, v),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    finally:
+        for name, value in saved.items():
+            setattr(dynamo_config, name, value)
 
 
 def test_missing_or_unknown_backend_is_unavailable():

@@ -191,12 +191,17 @@ _MODULES: list = []  # dispatch.backends.cute and kernels.cute._fast_call, whose
 
 
 def _modules() -> list:
-    """_MODULES, imported once, not per call (the DSL's modules load with the first CuTe call)."""
+    """_MODULES, imported once, not per call (the DSL's modules load with the first CuTe call); _fast_call is None
+    where the DSL is missing."""
     if not _MODULES:
         from ..dispatch.backends import cute as cute_backend
-        from ..kernels.cute import _fast_call
 
-        _MODULES.extend((cute_backend, _fast_call))
+        if cute_backend.DSL_MISSING:  # no DSL: no prepared launch; check_cute_inputs gives the reason
+            _MODULES.extend((cute_backend, None))
+        else:
+            from ..kernels.cute import _fast_call
+
+            _MODULES.extend((cute_backend, _fast_call))
     return _MODULES
 
 
@@ -207,7 +212,8 @@ def _launch_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     or None where the call cannot take a prepared launch (data not 16-byte aligned: the op copies it first; a
     scale that is not positive)."""
     cute_backend, _fast_call = _modules()
-    if (scale is not None and not scale > 0) or not (_fast_call.ENABLED and cute_backend.KERNELS_ENABLED):
+    if (_fast_call is None or (scale is not None and not scale > 0)
+            or not (_fast_call.ENABLED and cute_backend.KERNELS_ENABLED)):
         return None
     size = q.element_size()
     for t in (q, k, v):
@@ -429,7 +435,8 @@ def _backward_key(dout, q, k, v, out, lse, dlse, scale, is_causal, bottom_right)
     each call), or None where the call cannot take a prepared launch (data of q, k, v or dout not 16-byte
     aligned, a scale that is not positive, deterministic algorithms, the pointer convention off)."""
     _, _fast_call = _modules()
-    if (scale is not None and not scale > 0) or not _fast_call.ENABLED or torch.are_deterministic_algorithms_enabled():
+    if (_fast_call is None or (scale is not None and not scale > 0) or not _fast_call.ENABLED
+            or torch.are_deterministic_algorithms_enabled()):
         return None
     for t in (q, k, v, dout):
         if t.data_ptr() & 15:

@@ -237,14 +237,27 @@ CAUSAL_BLOCK_MAJOR: frozenset[int] = frozenset({192})
 # masked loop as well (no spills to remove there) gave 206 / 207, 243 / 244, 274 / 275, 308 / 298 (code removed).
 CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
 # The split classes whose dQ is not recomputed by its own launch (QK^T and dO V^T again, 7 products in all) but comes
-# from dS^T, which the dK / dV launch then also writes to memory in the inputs' dtype, by one batched matmul (cuBLAS)
-# per call: 5 products, at the price of a (b, hq, sk, sq) buffer (DS_GEMM_MAX_BYTES; larger calls keep the dQ launch)
-# and its write and read; not for the small calls that take dS unrounded (EXACT_DS). An experiment written on the CPU
-# (forty-fourth session; scripts/time_bwd_split.py --ds-gemm): the d=256 backward is 0.73-0.79x SDPA-flash on 7
-# products (H100), FlashAttention-2 runs 5; off until timed on a GPU. The dQ GEMM takes scale * dS rounded once to
-# the inputs' dtype, as FlashAttention-2's does (and as the dQ launch's products here).
-DS_GEMM: frozenset[int] = frozenset()
-DS_GEMM_MAX_BYTES = 4 << 30
+# from dS^T, which the dK / dV launch then also writes to memory in the inputs' dtype, by batched matmuls (cuBLAS):
+# 5 products, as FlashAttention-2's backward, at the price of a (batch, heads, sk, sq) buffer and its write and read.
+# Not for the small calls that take dS unrounded (EXACT_DS). The dQ GEMM takes scale * dS rounded once to the inputs'
+# dtype, as FlashAttention-2's does (and as the dQ launch's products here). Written on the CPU in the forty-fourth
+# session; H100, forty-fifth (scripts/time_bwd_split.py --dims 256 --ds-gemm, one buffer for the whole call, whole
+# backward TFLOP/s against SDPA-flash at 2k / 8k / 16k): d=256 without a causal mask 258 / 291 / 302 (1.04 / 1.09 /
+# 1.12x; the dQ launch 193 / 204 / 202, 0.75-0.78x), causal 172 / 224 / 232 (0.84 / 0.88 / 0.88x; 153 / 189 / 192).
+# d=192 loses (its one-loop causal dQ launch is faster: 212 / 290 against 169 / 225 at 2k / 8k; without a mask 280 /
+# 322 against 266 / 308).
+DS_GEMM: frozenset[int] = frozenset({256})
+# The buffer's bytes at most: calls whose dS^T is larger run in pieces of whole (batch, key head) pairs, one after the
+# other on one buffer (its GQA group's query heads with each key head); where one pair's does not fit, the dQ launch.
+# The backward's memory beyond q, k, v, dout and the gradients stays bounded (FlashAttention's promise: nothing
+# quadratic in the sequence length grows without limit).
+DS_GEMM_MAX_BYTES = 1 << 30
+# Causal calls: dQ's matmuls in query panels of DS_GEMM_PANEL_ROWS rows (a multiple of 64), each over the keys its
+# rows see, so the GEMMs skip most of the masked triangle, and only the part of each panel's keys the dK / dV launch
+# leaves unwritten (its diagonal strip) is zeroed first, not the whole buffer. H100, forty-fifth session (d=256
+# causal, TFLOP/s at 2k / 8k / 16k by panel count): 1 panel 172 / 229 / 231, 4 164 / 245 / 245, 8 150 / 250 / 252,
+# 16 123 / 246 / 244: panels below ~1k rows lose to cuBLAS's fixed costs, 2048 rows are the best or within 2 %.
+DS_GEMM_PANEL_ROWS = 2048
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -275,9 +288,10 @@ def flash_bwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
 
 def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
-             causal_offset: int | None, exact_ds: bool) -> tuple[Callable[[], None], Callable[[], None]]:
-    """`flash_bwd_split`'s two launches (dK / dV, then dQ) as callables, in order (timed one by one by
-    scripts/time_bwd_split.py --launches)."""
+             causal_offset: int | None, exact_ds: bool) -> list[Callable[[], None]]:
+    """`flash_bwd_split`'s launches as callables, in order (timed one by one by scripts/time_bwd_split.py
+    --launches): dK / dV, then dQ; with DS_GEMM, dK / dV (writing dS^T) and dQ's matmuls, for each piece of the
+    call in turn."""
     b, hq, sq, d = q.shape
     hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     top, width_a, width_b = split_widths(d, dv_dim, SPLITS)
@@ -287,37 +301,100 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
               **({"BLOCK_MAJOR": True} if top in CAUSAL_BLOCK_MAJOR and causal_offset is not None else {}))
     dkdv_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
-    ds_t = None
-    if top in DS_GEMM and not exact_ds and b * hq * sk * sq * q.element_size() <= DS_GEMM_MAX_BYTES:
-        # causal: the blocks no program visits stay zero
-        stride = cdiv(sq, 8) * 8  # rows 16-byte aligned for the TMA stores
-        ds_t = (torch.zeros if causal_offset is not None else torch.empty)((b, hq, sk, stride), dtype=q.dtype,
-                                                                            device=q.device)[..., :sq]
-        dkdv_kw.update(DS_T=ds_t, DS_STRIDE=stride, STORE_DS=True)
 
-    def dkdv() -> None:
+    def dkdv(q, k, v, dout, lse, delta, dk, dv, extra) -> Callable[[], None]:
+        b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
         block_m, block_n, num_warps, num_stages = dkdv_tile
         n_blocks = cdiv(sk, block_n)
-        _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
+        return lambda: _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
             q, k, v, dout, lse, delta, dk, dv,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
-        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw))
+        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw, **extra))
 
-    def dq_from_ds() -> None:
-        # dQ = (scale dS) K per query head (the kernel stored scale * dS): (b, hkv, group, sq, sk) @ (b, hkv, 1, sk, d),
-        # accumulated in fp32 by the matmul
-        group = hq // hkv
-        prod = torch.matmul(ds_t.unflatten(1, (hkv, group)).transpose(-1, -2), k.unsqueeze(2))
-        dq.copy_(prod.view(b, hq, sq, d))
-
-    def dq_() -> None:
+    pieces = _ds_pieces(b, hkv, hq // hkv, sq, sk, q.element_size()) if top in DS_GEMM and not exact_ds else None
+    if pieces is None:
         block_m, block_n, num_warps, num_stages = dq_tile
         m_blocks = cdiv(sq, block_m)
-        _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
-            q, k, v, dout, lse, delta, dq,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-            hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
-        ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
 
-    return (dkdv, dq_from_ds) if ds_t is not None else (dkdv, dq_)
+        def dq_() -> None:
+            _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
+                q, k, v, dout, lse, delta, dq,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+                hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
+            ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
+
+        return [dkdv(q, k, v, dout, lse, delta, dk, dv, {}), dq_]
+
+    stride = cdiv(sq, 8) * 8  # dS^T's rows 16-byte aligned for the TMA stores
+    group = hq // hkv
+    largest = max((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs in pieces)
+    buffer = torch.empty(largest * group * sk * stride, dtype=q.dtype, device=q.device)
+    _launch.poison(buffer)  # (tests: an entry read before it is written or zeroed is NaN)
+    panels = _panels(sq, sk, causal_offset)
+    calls: list[Callable[[], None]] = []
+    for bs, hs in pieces:
+        qs = slice(hs.start * group, hs.stop * group)
+        # (the kernel reads the LSE and delta of head h of batch b at (b * heads + h) * sq: a piece is whole batch
+        # elements or key heads of one, so its slices stay contiguous)
+        lse_p, delta_p = lse[bs, qs].contiguous(), delta[bs, qs].contiguous()
+        ds_t = buffer[:(bs.stop - bs.start) * (qs.stop - qs.start) * sk * stride].view(
+            bs.stop - bs.start, qs.stop - qs.start, sk, stride)[..., :sq]
+        launch = dkdv(q[bs, qs], k[bs, hs], v[bs, hs], dout[bs, qs], lse_p, delta_p, dk[bs, hs], dv[bs, hs],
+                      dict(DS_T=ds_t, DS_STRIDE=stride, STORE_DS=True))
+        calls += [_zero_strips(ds_t, panels, offset, launch) if causal_offset is not None else launch,
+                  _dq_from_ds(ds_t, k[bs, hs], dq[bs, qs], panels)]
+    return calls
+
+
+def _ds_pieces(b: int, hkv: int, group: int, sq: int, sk: int, size: int) -> list[tuple[slice, slice]] | None:
+    """DS_GEMM's pieces of a call, (batch slice, key-head slice) each, whose dS^T fits DS_GEMM_MAX_BYTES, as even as
+    their count allows: whole batch elements where one holds all heads, else key heads of one batch element; None
+    where one key head's group of one batch element does not fit."""
+    pair = group * sk * (cdiv(sq, 8) * 8) * size
+    fit = DS_GEMM_MAX_BYTES // pair
+    if fit == 0:
+        return None
+    if fit >= hkv:
+        per = cdiv(b, cdiv(b, fit // hkv))
+        return [(slice(b0, min(b, b0 + per)), slice(0, hkv)) for b0 in range(0, b, per)]
+    per = cdiv(hkv, cdiv(hkv, fit))
+    return [(slice(b0, b0 + 1), slice(h0, min(hkv, h0 + per))) for b0 in range(b) for h0 in range(0, hkv, per)]
+
+
+def _panels(sq: int, sk: int, causal_offset: int | None) -> list[tuple[int, int, int]]:
+    """dQ's matmul panels: (first row, end row, keys seen by the panel's last row), one panel without a causal mask."""
+    if causal_offset is None:
+        return [(0, sq, sk)]
+    rows = cdiv(DS_GEMM_PANEL_ROWS, 64) * 64
+    return [(r0, min(sq, r0 + rows), max(0, min(sk, min(sq, r0 + rows) + causal_offset)))
+            for r0 in range(0, sq, rows)]
+
+
+def _zero_strips(ds_t: torch.Tensor, panels: list, offset: int, launch: Callable[[], None]) -> Callable[[], None]:
+    """`launch` after zeroing what the panels read and the causal dK / dV launch may leave unwritten: a key block's
+    program skips the query rows that see none of its keys, so an entry (key j, query i) it skips has
+    j > i + offset, within a panel's rows [r0, r1) the keys [r0 + offset, r1 + offset)."""
+    def run() -> None:
+        for r0, r1, keys in panels:
+            lo = max(0, r0 + offset)
+            if keys > lo:
+                ds_t[:, :, lo:keys, r0:r1].zero_()
+        launch()
+    return run
+
+
+def _dq_from_ds(ds_t: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, panels: list) -> Callable[[], None]:
+    """dQ = (scale dS) K per query head and panel (the kernel stored scale * dS^T), accumulated in fp32 by the matmul:
+    (b, hkv, group, rows, keys) @ (b, hkv, 1, keys, d)."""
+    b, hq, _, d = dq.shape
+    hkv = k.shape[1]
+
+    def run() -> None:
+        for r0, r1, keys in panels:
+            if keys == 0:  # (bottom-right, more queries than keys: rows that see no key)
+                dq[:, :, r0:r1].zero_()
+                continue
+            ds = ds_t[:, :, :keys, r0:r1].unflatten(1, (hkv, hq // hkv)).transpose(-1, -2)
+            dq[:, :, r0:r1].copy_(torch.matmul(ds, k[:, :, :keys].unsqueeze(2)).view(b, hq, r1 - r0, d))
+    return run

@@ -13,10 +13,10 @@ window) at d=128 and d=96 (on 128-wide tiles), GQA, any strides TMA accepts, and
 (descriptor stores are split between the consumers correctly). Same contract as `_attn_fwd`: out in q's dtype,
 LSE (natural log) contiguous (b, hq, sq).
 
-CAUSAL_ENABLED (off: not yet run on a GPU) also gives it causal calls in which every query row sees a key: the rows'
-indices come from a 1-D TMA load of an index table (as Q's rows and the LSE's, which the pass splits right, instead
-of `tl.arange`), the loop stops at the tile's last visible key, and the mask is applied to every key block (an `if`
-on the block would leave the loop unspecialized).
+CAUSAL_ENABLED (off: wrong on the GPU, see below) also gives it causal calls in which every query row sees a key:
+the rows' indices come from a 1-D TMA load of an index table (as Q's rows and the LSE's, which the pass splits
+right, instead of `tl.arange`), the loop stops at the tile's last visible key, and the mask is applied to every key
+block (an `if` on the block would leave the loop unspecialized).
 """
 
 from __future__ import annotations
@@ -120,10 +120,12 @@ MIN_SEQ_K = 512
 
 # Off: every forward takes `_attn_fwd`. Tests and scripts switch it to compare both.
 ENABLED = True
-# Causal calls too (where every query row sees a key: top-left, or bottom-right with sk >= sq). Off until its GPU
-# tests and timings (`bash scripts/gpu_check.sh ws_causal`) have run: written on the CPU in the forty-fourth session,
-# after the thirty-sixth's two causal attempts (docs/perf-log.md) failed on the pass's row split; sm90 compile: the
-# loop still specialized (12 warps, setmaxnreg, 197 KB of shared memory; tests/kernels/triton/test_ws_compile.py).
+# Causal calls too (where every query row sees a key: top-left, or bottom-right with sk >= sq). Off: wrong on the
+# GPU. Written on the CPU in the forty-fourth session, after the thirty-sixth's two causal attempts (docs/perf-log.md)
+# failed on the pass's row split; sm90 compile: the loop still specialized (12 warps, setmaxnreg, 197 KB of shared
+# memory; tests/kernels/triton/test_ws_compile.py); its interpreter tests pass. On an H100 (forty-fifth session,
+# `bash scripts/gpu_check.sh ws_causal`) every causal real-size GPU test failed with elements never written, and its
+# timing at most 1.08x the general kernel's while skipping work: not worth the GPU time to debug.
 CAUSAL_ENABLED = False
 # Whether the interpreter (TRITON_INTERPRET=1, CPU tests) may take this kernel (off: the CPU suite keeps
 # exercising `_attn_fwd` on plain calls); the interpreter ignores the specialization and runs the same math,

@@ -22,11 +22,21 @@ _FLASH_BWD = sys.modules["fa_backend.kernels.triton.flash_bwd"]
 
 
 def _check(q, k, v, causal, bottom_right, names):
+    """The 2x rule forward and backward; the split launches ran, and the dQ launch unless DS_GEMM took dQ."""
     check_attention(lambda q, k, v: fa_backend.attention(
         q, k, v, is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left"),
         q, k, v, is_causal=causal, bottom_right=bottom_right)
-    assert "_bwd_dkdv_split" in names and "_bwd_dq_split" in names, names
+    assert "_bwd_dkdv_split" in names and ("_bwd_dq_split" in names) != _takes_ds(q, v), names
     assert "_bwd_dkdv" not in names and "_bwd_dq" not in names, names
+
+
+def _takes_ds(q, v):
+    """Whether flash_bwd_split's DS_GEMM computes this call's dQ (its class, no unrounded dS, a piece that fits)."""
+    b, hq, sq, d = q.shape
+    top = flash_bwd_split.split_widths(d, v.shape[-1], flash_bwd_split.SPLITS)[0]
+    return (top in flash_bwd_split.DS_GEMM and b * hq * sq * v.shape[2] > _FLASH_BWD.EXACT_DS_MAX_SCORES
+            and flash_bwd_split._ds_pieces(b, v.shape[1], hq // v.shape[1], sq, v.shape[2], q.element_size())
+            is not None)
 
 
 CPU_CASES = [
@@ -131,31 +141,92 @@ def test_split_ds_gemm_interpreted(split_launches, ds_gemm, d, hq, hkv, sq, sk, 
                    ds_gemm)
 
 
-def test_ds_gemm_off_by_default_and_bounded(monkeypatch):
-    """The dQ launch runs unless DS_GEMM names the class, and for calls whose dS^T would pass DS_GEMM_MAX_BYTES."""
+def test_ds_gemm_defaults_and_bounded(monkeypatch):
+    """By default dQ comes from dS^T at head dims 193-256 and from the dQ launch at 129-192; where one (batch, key
+    head) pair's dS^T passes DS_GEMM_MAX_BYTES, from the dQ launch."""
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
     kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
-    q = torch.empty(1, 2, 64, 192, dtype=torch.float16)
-    lse = torch.empty(1, 2, 64)
 
-    def run():
+    def run(d):
+        q = torch.empty(1, 2, 64, d, dtype=torch.float16)
+        lse = torch.empty(1, 2, 64)
         for name in kws:
             kws[name].clear()
         for launch in flash_bwd_split.launches(q, q, q, q, lse, lse, q, q, q, 0.1, None, False):
             launch()
         return bool(kws["_bwd_dq_split"]), kws["_bwd_dkdv_split"][0].get("STORE_DS", False)
 
-    assert flash_bwd_split.DS_GEMM == frozenset() and run() == (True, False)
-    monkeypatch.setattr(flash_bwd_split, "DS_GEMM", frozenset({192}))
-    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", 2 * 64 * 64 * 2 - 1)  # one byte short
-    assert run() == (True, False)
+    assert flash_bwd_split.DS_GEMM == frozenset({256})
+    assert run(192) == (True, False) and run(256) == (False, True) and run(224) == (False, True)
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", 64 * 64 * 2 - 1)  # one byte short of one pair
+    assert run(256) == (True, False)
+
+
+def _pairs(pieces):
+    return [(b, h) for bs, hs in pieces for b in range(bs.start, bs.stop) for h in range(hs.start, hs.stop)]
+
+
+@pytest.mark.parametrize("b,hkv,group,fit,count", [
+    (4, 8, 1, 100, 1),  # all at once
+    (5, 8, 2, 16, 3),  # two batch elements a piece, as even as 3 pieces allow: 2, 2, 1
+    (2, 8, 1, 3, 6),  # 3 key heads at most: 3 pieces of 3, 3, 2 per batch element
+    (3, 4, 4, 1, 12),  # one key head (its 4 query heads) a piece
+    (2, 4, 1, 0, 0),  # one pair does not fit: the dQ launch
+])
+def test_ds_pieces_cover_every_pair_once_within_the_budget(monkeypatch, b, hkv, group, fit, count):
+    sq, sk, size = 100, 77, 2
+    pair = group * sk * 104 * size  # (rows padded to 8: 104)
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", fit * pair + pair - 1)
+    pieces = flash_bwd_split._ds_pieces(b, hkv, group, sq, sk, size)
+    if count == 0:
+        assert pieces is None
+        return
+    assert len(pieces) == count
+    assert _pairs(pieces) == [(i, h) for i in range(b) for h in range(hkv)]  # each once, in order
+    assert max((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs in pieces) <= fit
+    for bs, hs in pieces:  # whole batch elements, or key heads of one
+        assert hs == slice(0, hkv) or bs.stop - bs.start == 1
+
+
+@pytest.mark.parametrize("sq,sk,offset,rows,panels", [
+    (5000, 5000, None, 2048, [(0, 5000, 5000)]),
+    (5000, 5000, 0, 2048, [(0, 2048, 2048), (2048, 4096, 4096), (4096, 5000, 5000)]),
+    (2048, 2048, 0, 2048, [(0, 2048, 2048)]),
+    (1000, 1000, 0, 200, [(0, 256, 256), (256, 512, 512), (512, 768, 768), (768, 1000, 1000)]),  # 64-row multiples
+    (100, 30, -70, 64, [(0, 64, 0), (64, 100, 30)]),  # bottom-right, more queries than keys: rows that see no key
+    (100, 3000, 2900, 64, [(0, 64, 2964), (64, 100, 3000)]),
+])
+def test_ds_panels(monkeypatch, sq, sk, offset, rows, panels):
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_PANEL_ROWS", rows)
+    assert flash_bwd_split._panels(sq, sk, offset) == panels
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,b,hq,hkv,sq,sk,causal,bottom_right,fit", [
+    (192, 3, 2, 2, 40, 56, False, False, 2),  # one batch element a piece
+    (192, 2, 4, 2, 150, 140, True, False, 1),  # GQA, one key head a piece; 3 panels, a diagonal in each
+    (160, 2, 4, 4, 100, 30, True, True, 3),  # bottom-right with rows that see no key (a panel of them); 2 key heads a piece
+    (256, 2, 2, 1, 70, 90, True, True, 1),  # 128 + 128 columns; keys beyond the queries
+])
+def test_ds_gemm_pieces_and_panels_interpreted(split_launches, ds_gemm, monkeypatch, d, b, hq, hkv, sq, sk, causal,
+                                               bottom_right, fit):
+    """dQ from dS^T in pieces of the call (one buffer, reused: what a piece reads it wrote or zeroed, else the NaN
+    the buffer starts with shows) and in causal panels."""
+    pair = hq // hkv * sk * (-(-sq // 8) * 8) * 2
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", fit * pair)
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_PANEL_ROWS", 64)
+    _check_ds_gemm(*_qkv(b, hq, hkv, sq, sk, d, d, torch.float16, True), causal, bottom_right, split_launches, ds_gemm)
+    pieces = flash_bwd_split._ds_pieces(b, hkv, hq // hkv, sq, sk, 2)
+    assert len(pieces) > 1 and len(ds_gemm["_bwd_dkdv_split"]) % len(pieces) == 0
+    assert not causal or len(flash_bwd_split._panels(sq, sk, sk - sq if bottom_right else 0)) > 1
 
 
 @pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
                                             (256, True, False), (224, True, False)])
 def test_causal_defaults(d, causal, taken, monkeypatch):
     """By default the causal dK / dV runs one loop and both causal launches run block-major at head dims 129-192
-    (measured faster there), neither at 193-256; calls without a causal mask take neither; dQ keeps two loops."""
+    (measured faster there), neither at 193-256 (whose dQ comes from dS^T: no dQ launch); calls without a causal
+    mask take neither; dQ keeps two loops."""
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
     kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
     q, k, v, do = (torch.empty(1, 2, 64, d, dtype=torch.float16) for _ in range(4))
@@ -163,9 +234,13 @@ def test_causal_defaults(d, causal, taken, monkeypatch):
     for launch in flash_bwd_split.launches(q, k, v, do, lse, delta, q, k, v, d ** -0.5, 0 if causal else None,
                                            False):
         launch()
-    (dkdv,), (dq,) = kws["_bwd_dkdv_split"], kws["_bwd_dq_split"]
-    assert dkdv.get("ONE_LOOP", False) == taken and "ONE_LOOP" not in dq, kws
-    assert dkdv.get("BLOCK_MAJOR", False) == taken and dq.get("BLOCK_MAJOR", False) == taken, kws
+    (dkdv,) = kws["_bwd_dkdv_split"]
+    assert dkdv.get("ONE_LOOP", False) == taken and dkdv.get("BLOCK_MAJOR", False) == taken, kws
+    if d > 192:
+        assert kws["_bwd_dq_split"] == [] and dkdv["STORE_DS"], kws
+        return
+    (dq,) = kws["_bwd_dq_split"]
+    assert "ONE_LOOP" not in dq and dq.get("BLOCK_MAJOR", False) == taken, kws
 
 
 @pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
@@ -194,7 +269,7 @@ def test_split_causal_experiments_real_size(split_launches, request, experiment,
     _check(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, True), True, bottom_right, split_launches)
     flag = experiment.upper()
     assert _flagged(kws, "_bwd_dkdv_split", flag), kws
-    if experiment == "block_major":
+    if experiment == "block_major" and kws["_bwd_dq_split"]:  # (d=193-256: dQ from dS^T, no dQ launch)
         assert _flagged(kws, "_bwd_dq_split", flag), kws
 
 
@@ -207,6 +282,24 @@ def test_split_ds_gemm_real_size(split_launches, ds_gemm, d, hq, hkv, sq, sk, bs
     """The dS-to-memory experiment (DS_GEMM) at real sizes: the 2x rule, no dQ launch."""
     _check_ds_gemm(*_qkv(2, hq, hkv, sq, sk, d, d, torch.bfloat16, bshd), causal, bottom_right, split_launches,
                    ds_gemm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
+@pytest.mark.parametrize("d,b,hq,hkv,sq,sk,causal,bottom_right,fit", [
+    (256, 3, 8, 8, 2048, 2048, False, False, 8),  # one batch element a piece
+    (256, 2, 8, 2, 3001, 3001, True, True, 1),  # GQA, one key head a piece
+    (224, 1, 4, 4, 4000, 1000, True, True, 3),  # rows that see no key; 2 + 2 key heads
+    (256, 2, 4, 4, 1000, 3001, True, False, 4),
+])
+def test_ds_gemm_pieces_real_size(split_launches, ds_gemm, monkeypatch, d, b, hq, hkv, sq, sk, causal, bottom_right,
+                                  fit):
+    """dQ from dS^T in pieces of the call and causal panels at real sizes: the 2x rule, no dQ launch."""
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", fit * (hq // hkv) * sk * (-(-sq // 8) * 8) * 2)
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_PANEL_ROWS", 1024)  # (several panels at these lengths)
+    _check_ds_gemm(*_qkv(b, hq, hkv, sq, sk, d, d, torch.bfloat16, True), causal, bottom_right, split_launches,
+                   ds_gemm)
+    assert len(flash_bwd_split._ds_pieces(b, hkv, hq // hkv, sq, sk, 2)) > 1
 
 
 GPU_CASES = [(d, hq, hkv, sq, sk, bshd, causal)
