@@ -257,6 +257,8 @@ DS_GEMM_MAX_BYTES = 1 << 30
 # leaves unwritten (its diagonal strip) is zeroed first, not the whole buffer. H100, forty-fifth session (d=256
 # causal, TFLOP/s at 2k / 8k / 16k by panel count): 1 panel 172 / 229 / 231, 4 164 / 245 / 245, 8 150 / 250 / 252,
 # 16 123 / 246 / 244: panels below ~1k rows lose to cuBLAS's fixed costs, 2048 rows are the best or within 2 %.
+# This default at f7aa0f4: 173 / 245 / 252 (0.84 / 0.98 / 0.97x SDPA-flash; 1024 rows 165 / 243 / 241); without a
+# mask 259 / 297 / 299 (1.06 / 1.14 / 1.13x).
 DS_GEMM_PANEL_ROWS = 2048
 
 
