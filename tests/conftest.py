@@ -65,6 +65,15 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(_launch, "POISON_OUTPUTS", True)
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True, warn_only=True) for the test, the previous setting restored after."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed():
     """Fresh random inputs every run; the seed is printed so a failure can be replayed."""

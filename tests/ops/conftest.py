@@ -15,12 +15,3 @@ def clean():
     yield
     fa_backend.disable()
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True, warn_only=True) for the test, the previous setting restored after."""
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(was, warn_only=warn_only)

@@ -314,7 +314,10 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw, **extra))
 
-    pieces = _ds_pieces(b, hkv, hq // hkv, sq, sk, q.element_size()) if top in DS_GEMM and not exact_ds else None
+    # (not under torch.use_deterministic_algorithms: PyTorch refuses cuBLAS there unless CUBLAS_WORKSPACE_CONFIG is
+    # set; the dQ launch is deterministic by construction)
+    pieces = (_ds_pieces(b, hkv, hq // hkv, sq, sk, q.element_size())
+              if top in DS_GEMM and not exact_ds and not torch.are_deterministic_algorithms_enabled() else None)
     if pieces is None:
         block_m, block_n, num_warps, num_stages = dq_tile
         m_blocks = cdiv(sq, block_m)

@@ -141,25 +141,30 @@ def test_split_ds_gemm_interpreted(split_launches, ds_gemm, d, hq, hkv, sq, sk, 
                    ds_gemm)
 
 
+def _dq_source(monkeypatch, d):
+    """(dQ launched, dS^T stored) for a (1, 2, 64, d) backward without a causal mask, nothing run."""
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
+    kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
+    q = torch.empty(1, 2, 64, d, dtype=torch.float16)
+    lse = torch.empty(1, 2, 64)
+    for launch in flash_bwd_split.launches(q, q, q, q, lse, lse, q, q, q, 0.1, None, False):
+        launch()
+    return bool(kws["_bwd_dq_split"]), kws["_bwd_dkdv_split"][0].get("STORE_DS", False)
+
+
 def test_ds_gemm_defaults_and_bounded(monkeypatch):
     """By default dQ comes from dS^T at head dims 193-256 and from the dQ launch at 129-192; where one (batch, key
     head) pair's dS^T passes DS_GEMM_MAX_BYTES, from the dQ launch."""
-    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
-    kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
-
-    def run(d):
-        q = torch.empty(1, 2, 64, d, dtype=torch.float16)
-        lse = torch.empty(1, 2, 64)
-        for name in kws:
-            kws[name].clear()
-        for launch in flash_bwd_split.launches(q, q, q, q, lse, lse, q, q, q, 0.1, None, False):
-            launch()
-        return bool(kws["_bwd_dq_split"]), kws["_bwd_dkdv_split"][0].get("STORE_DS", False)
-
     assert flash_bwd_split.DS_GEMM == frozenset({256})
-    assert run(192) == (True, False) and run(256) == (False, True) and run(224) == (False, True)
+    assert _dq_source(monkeypatch, 192) == (True, False)
+    assert _dq_source(monkeypatch, 256) == (False, True) and _dq_source(monkeypatch, 224) == (False, True)
     monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", 64 * 64 * 2 - 1)  # one byte short of one pair
-    assert run(256) == (True, False)
+    assert _dq_source(monkeypatch, 256) == (True, False)
+
+
+def test_ds_gemm_not_under_deterministic_algorithms(monkeypatch, deterministic_algorithms):
+    # PyTorch refuses cuBLAS in deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set
+    assert _dq_source(monkeypatch, 256) == (True, False)
 
 
 def _pairs(pieces):
