@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 version="${1:-2.14.1}"
 venv="${COMPAT_VENV:-/tmp/fa_compat_$version}"
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
-"$venv/bin/pip" install -q "torch==$version" "numpy<2.4" pytest pytest-xdist hypothesis matplotlib 2>&1 | grep -v WARNING || true
-"$venv/bin/pip" install -q "nvidia-cutlass-dsl==4.8.1" 2>&1 | grep -v WARNING || echo "nvidia-cutlass-dsl not installed: CuTe compile tests skip"
+"$venv/bin/pip" install -q "torch==$version" "numpy<2.4" pytest pytest-xdist hypothesis matplotlib
+"$venv/bin/pip" install -q "nvidia-cutlass-dsl==4.8.1" \
+  || echo "nvidia-cutlass-dsl not installed: CuTe compile tests skip"
 "$venv/bin/python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # the source tree on the path rather than an editable install: the venv stays reusable across checkouts
 PYTHONPATH="$PWD" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest tests -q -n 2 -p no:cacheprovider

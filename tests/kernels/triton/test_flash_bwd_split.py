@@ -210,7 +210,7 @@ def test_ds_panels(monkeypatch, sq, sk, offset, rows, panels):
 @pytest.mark.parametrize("d,b,hq,hkv,sq,sk,causal,bottom_right,fit", [
     (192, 3, 2, 2, 40, 56, False, False, 2),  # one batch element a piece
     (192, 2, 4, 2, 150, 140, True, False, 1),  # GQA, one key head a piece; 3 panels, a diagonal in each
-    (160, 2, 4, 4, 100, 30, True, True, 3),  # bottom-right with rows that see no key (a panel of them); 2 key heads a piece
+    (160, 2, 4, 4, 100, 30, True, True, 3),  # rows that see no key (a panel of them); 2 key heads a piece
     (256, 2, 2, 1, 70, 90, True, True, 1),  # 128 + 128 columns; keys beyond the queries
 ])
 def test_ds_gemm_pieces_and_panels_interpreted(split_launches, ds_gemm, monkeypatch, d, b, hq, hkv, sq, sk, causal,
@@ -220,7 +220,8 @@ def test_ds_gemm_pieces_and_panels_interpreted(split_launches, ds_gemm, monkeypa
     pair = hq // hkv * sk * (-(-sq // 8) * 8) * 2
     monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", fit * pair)
     monkeypatch.setattr(flash_bwd_split, "DS_GEMM_PANEL_ROWS", 64)
-    _check_ds_gemm(*_qkv(b, hq, hkv, sq, sk, d, d, torch.float16, True), causal, bottom_right, split_launches, ds_gemm)
+    _check_ds_gemm(*_qkv(b, hq, hkv, sq, sk, d, d, torch.float16, True), causal, bottom_right, split_launches,
+                   ds_gemm)
     pieces = flash_bwd_split._ds_pieces(b, hkv, hq // hkv, sq, sk, 2)
     assert len(pieces) > 1 and len(ds_gemm["_bwd_dkdv_split"]) % len(pieces) == 0
     assert not causal or len(flash_bwd_split._panels(sq, sk, sk - sq if bottom_right else 0)) > 1
