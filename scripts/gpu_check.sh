@@ -263,12 +263,13 @@ if [[ " $steps " == *" ws_causal "* ]]; then
 fi
 if [[ " $steps " == *" ds_gemm "* ]]; then
   # the d=193-256 backward's dQ from dS^T in memory (flash_bwd_split.DS_GEMM; forty-fourth session on one buffer,
-  # forty-fifth in pieces of DS_GEMM_MAX_BYTES and causal panels, on by default): the split backward's GPU tests,
-  # then the whole backward in its variants against the dQ launch, cuDNN and SDPA-flash
+  # forty-fifth in pieces of DS_GEMM_MAX_BYTES, on by default; forty-sixth dQ by the dq_from_ds kernel): the split
+  # backward's GPU tests, then the whole backward in its variants against the dQ launch, cuDNN and SDPA-flash
+  # (DSG_DIMS: other head dims, e.g. 192)
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/kernels/triton/test_flash_bwd_split.py -m gpu -q \
     -p no:cacheprovider -n ${SHARDS:-4} > "$OUT/ds_gemm_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/ds_gemm_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ds_gemm_tests.log" | head -20
-  timeout ${BENCH_TIMEOUT:-300} python3 scripts/time_bwd_split.py --dims 256 --ds-gemm ${DSG_ARGS:-} \
+  timeout ${BENCH_TIMEOUT:-300} python3 scripts/time_bwd_split.py --dims ${DSG_DIMS:-256} --ds-gemm ${DSG_ARGS:-} \
     --seqlens ${DSG_SEQLENS:-2048 8192 16384} --json "$OUT/ds_gemm.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" hang256 "* ]]; then

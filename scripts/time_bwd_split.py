@@ -10,14 +10,17 @@ splits (off by default; d=192's tiles unless --pairs). `split_*` rows run flash_
 --block-major / --one-loop, causal rows also run these variants (suffixes): `_hm2l` head-major with a masked and an
 unmasked dK / dV loop (before the fortieth session), `_bm` block-major, `_1l` one masked dK / dV loop, `_bm1l`
 block-major with one dK / dV loop (the default at 129-192 since the fortieth session). Until 6d7eb94 the unsuffixed
-causal rows were `_hm2l`. --ds-gemm: also each pair with dQ from the dS^T the dK / dV launch writes, by matmuls (`_dsg`;
-flash_bwd_split.DS_GEMM, the default at 193-256 since the forty-fifth session) and with the dQ launch (`_dql`);
---ds-mib M ...: with dS^T in pieces of at most M MiB each (`_dsg<M>M`; DS_GEMM_MAX_BYTES); --ds-panel-rows N ...: causal
-dQ matmuls in query panels of N rows (`_dsgp<N>`; DS_GEMM_PANEL_ROWS).
+causal rows were `_hm2l`. --ds-gemm: also each pair with dQ from the dS^T the dK / dV launch writes, by the
+dq_from_ds kernel (`_dsg`; flash_bwd_split.DS_GEMM, the default at 193-256 since the forty-fifth session) and with
+the dQ launch (`_dql`);
+--ds-mib M ...: with dS^T in pieces of at most M MiB each (`_dsg<M>M`; DS_GEMM_MAX_BYTES); --dq-tiles M,N,W,S ...: dQ
+from dS^T by the dq_from_ds kernel at these tiles (`_dsgk<M>x<N>x<W>x<S>`; dq_from_ds.TILE). (Forty-fifth session:
+dQ from dS^T by cuBLAS matmuls, --ds-panel-rows: causal ones in query panels; forty-sixth: --dq-kernel, `_dsgk` the
+dq_from_ds kernel, `_dsgm` the matmuls; the matmuls removed since.)
 
     python3 scripts/time_bwd_split.py [--dims 192] [--causal no yes] [--seqlens 2048 4096 8192 16384]
                                       [--pairs 32,64,8,2/64,64,8,2 ...] [--launches] [--block-major] [--one-loop]
-                                      [--ds-gemm] [--ds-mib 256 4096] [--ds-panel-rows 1024 4096] [--json F]
+                                      [--ds-gemm] [--ds-mib 256 4096] [--dq-tiles 128,64,8,3 ...] [--json F]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _records import write_records  # noqa: E402
 
-from fa_backend.kernels.triton import flash_bwd_split
+from fa_backend.kernels.triton import dq_from_ds, flash_bwd_split
 from fa_backend.kernels.triton.flash_bwd import bwd_delta, flash_bwd
 from fa_backend.kernels.triton.flash_fwd import flash_fwd
 
@@ -57,8 +60,9 @@ def main() -> None:
                              "launch (`_dql`)")
     parser.add_argument("--ds-mib", type=int, nargs="*", default=[],
                         help="also each pair with dQ from dS^T in pieces of at most this many MiB (`_dsg<M>M`)")
-    parser.add_argument("--ds-panel-rows", type=int, nargs="*", default=[],
-                        help="also each pair with causal dQ from dS^T in query panels of this many rows (`_dsgp<N>`)")
+    parser.add_argument("--dq-tiles", nargs="*", default=[],
+                        help="also each pair with dQ from dS^T by the dq_from_ds kernel at these BLOCK_M,BLOCK_N,"
+                             "warps,stages (`_dsgk<tile>`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     pairs = [tuple(tuple(int(x) for x in t.split(",")) for t in p.split("/")) for p in args.pairs]
@@ -70,7 +74,8 @@ def main() -> None:
     tiles_before = dict(flash_bwd_split.TILES)
     block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
     ds_gemm_before = flash_bwd_split.DS_GEMM
-    ds_bytes_before, panels_before = flash_bwd_split.DS_GEMM_MAX_BYTES, flash_bwd_split.DS_GEMM_PANEL_ROWS
+    ds_bytes_before, dq_tile_before = flash_bwd_split.DS_GEMM_MAX_BYTES, dq_from_ds.TILE
+    dq_tiles = [tuple(int(x) for x in t.split(",")) for t in args.dq_tiles]
     rows = []
     for d in args.dims:
         top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
@@ -88,11 +93,11 @@ def main() -> None:
                     flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                 ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
 
-                def ours(pair=None, block_major=None, one_loop=None, ds_gemm=None, ds_mib=None, panels=None):
+                def ours(pair=None, block_major=None, one_loop=None, ds_gemm=None, ds_mib=None, dq_tile=None):
                     # (None: the module's default for this split class)
                     flash_bwd_split.ENABLED = pair is not None
+                    dq_from_ds.TILE = dq_tile or dq_tile_before
                     flash_bwd_split.DS_GEMM_MAX_BYTES = ds_bytes_before if ds_mib is None else ds_mib << 20
-                    flash_bwd_split.DS_GEMM_PANEL_ROWS = panels_before if panels is None else panels
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     for name, on, before in (("CAUSAL_BLOCK_MAJOR", block_major, block_major_before),
                                              ("CAUSAL_ONE_LOOP", one_loop, one_loop_before),
@@ -111,7 +116,7 @@ def main() -> None:
                 if args.ds_gemm:
                     variants.update(_dsg=dict(ds_gemm=True), _dql=dict(ds_gemm=False))
                 variants.update({f"_dsg{m}M": dict(ds_gemm=True, ds_mib=m) for m in args.ds_mib})
-                variants.update({f"_dsgp{n}": dict(ds_gemm=True, panels=n) for n in args.ds_panel_rows})
+                variants.update({"_dsgk" + "x".join(map(str, t)): dict(ds_gemm=True, dq_tile=t) for t in dq_tiles})
                 fns = {"split_" + "_".join("x".join(map(str, t)) for t in p) + suffix:
                        (lambda p=p, kw=kw: ours(p, **kw)) for suffix, kw in variants.items()
                        for p in pairs or [tiles_before[top]]}
@@ -132,6 +137,7 @@ def main() -> None:
                 if args.launches:  # (the default loops and order)
                     flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
                     flash_bwd_split.CAUSAL_ONE_LOOP = one_loop_before
+                    flash_bwd_split.DS_GEMM_MAX_BYTES, dq_from_ds.TILE = ds_bytes_before, dq_tile_before
                     _time_launches(res, pairs or [tiles_before[top]], top, q, k, v, do, out, lse, d, causal)
                 rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
                 fl = res["sdpa_flash"]["tflops"]
@@ -145,7 +151,7 @@ def main() -> None:
     flash_bwd_split.ENABLED = True
     flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP = block_major_before, one_loop_before
     flash_bwd_split.DS_GEMM = ds_gemm_before
-    flash_bwd_split.DS_GEMM_MAX_BYTES, flash_bwd_split.DS_GEMM_PANEL_ROWS = ds_bytes_before, panels_before
+    flash_bwd_split.DS_GEMM_MAX_BYTES, dq_from_ds.TILE = ds_bytes_before, dq_tile_before
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)
 
@@ -160,7 +166,7 @@ def _time_launches(res: dict, pairs: list, top: int, q, k, v, do, out, lse, d: i
         flash_bwd_split.TILES[top] = p
         calls = flash_bwd_split.launches(q, k, v, do, lse, delta, dq, dk, dv, d ** -0.5, 0 if causal else None,
                                          False)
-        # (with DS_GEMM, a dK / dV launch and dQ's matmuls per piece of the call: each kind summed)
+        # (with DS_GEMM, a dK / dV launch and a dQ one per piece of the call: each kind summed)
         def dkdv(calls=calls):
             for c in calls[0::2]:
                 c()

@@ -11,6 +11,7 @@ positive scale, strides TMA accepts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ from ._common import _band_keep, _ds_dot, _grid_order, _kv_bounds, _load_lse_log
 from ._launch import cdiv, grid_1d
 from ._tma import tma_ok
 from ._ws import _head_rows
+from .dq_from_ds import dq_from_ds
 from .flash_fwd_split import split_widths
 
 
@@ -237,29 +239,25 @@ CAUSAL_BLOCK_MAJOR: frozenset[int] = frozenset({192})
 # masked loop as well (no spills to remove there) gave 206 / 207, 243 / 244, 274 / 275, 308 / 298 (code removed).
 CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
 # The split classes whose dQ is not recomputed by its own launch (QK^T and dO V^T again, 7 products in all) but comes
-# from dS^T, which the dK / dV launch then also writes to memory in the inputs' dtype, by batched matmuls (cuBLAS):
-# 5 products, as FlashAttention-2's backward, at the price of a (batch, heads, sk, sq) buffer and its write and read.
-# Not for the small calls that take dS unrounded (EXACT_DS). The dQ GEMM takes scale * dS rounded once to the inputs'
-# dtype, as FlashAttention-2's does (and as the dQ launch's products here). Written on the CPU in the forty-fourth
-# session; H100, forty-fifth (scripts/time_bwd_split.py --dims 256 --ds-gemm, one buffer for the whole call, whole
-# backward TFLOP/s against SDPA-flash at 2k / 8k / 16k): d=256 without a causal mask 258 / 291 / 302 (1.04 / 1.09 /
-# 1.12x; the dQ launch 193 / 204 / 202, 0.75-0.78x), causal 172 / 224 / 232 (0.84 / 0.88 / 0.88x; 153 / 189 / 192).
-# d=192 loses (its one-loop causal dQ launch is faster: 212 / 290 against 169 / 225 at 2k / 8k; without a mask 280 /
-# 322 against 266 / 308).
+# from dS^T, which the dK / dV launch then also writes to memory in the inputs' dtype, by a GEMM kernel (`dq_from_ds`:
+# per query block over the key blocks it sees): 5 products, as FlashAttention-2's backward, at the price of a
+# (batch, heads, sk, sq) buffer and its write and read. Not for the small calls that take dS unrounded (EXACT_DS).
+# dQ takes scale * dS rounded once to the inputs' dtype, as FlashAttention-2's does (and as the dQ launch's products
+# here); deterministic. Forty-fifth session (H100, scripts/time_bwd_split.py --dims 256 --ds-gemm, whole backward
+# TFLOP/s at 2k / 8k / 16k against SDPA-flash), dQ by cuBLAS matmuls: without a causal mask 259 / 297 / 299 (1.06 /
+# 1.14 / 1.13x; the dQ launch 192 / 199 / 199), causal 173 / 245 / 252 (0.84 / 0.98 / 0.97x) in 2048-row query
+# panels after zero-filling what the dK / dV launch skips. Forty-sixth, the kernel instead (--dq-kernel, same run:
+# matmuls / the kernel at its tile since, 128 x 64 x 8 x 4): without a causal mask 258 / 296 / 303 against 276 / 301
+# / 304 (1.13 / 1.14 / 1.14x), causal 172 / 243 / 248 against 218 / 272 / 275 (1.06 / 1.08 / 1.05x): half the
+# products of a dense matmul over the causal square and no zero-fill (dQ alone at 2k causal 0.43 -> 0.19 ms at
+# 3 stages); the matmul path removed. d=192 lost with the matmuls (its one-loop causal dQ launch: 212 / 290 against
+# 169 / 225 at 2k / 8k; without a mask 280 / 322 against 266 / 308).
 DS_GEMM: frozenset[int] = frozenset({256})
 # The buffer's bytes at most: calls whose dS^T is larger run in pieces of whole (batch, key head) pairs, one after the
 # other on one buffer (its GQA group's query heads with each key head); where one pair's does not fit, the dQ launch.
 # The backward's memory beyond q, k, v, dout and the gradients stays bounded (FlashAttention's promise: nothing
 # quadratic in the sequence length grows without limit).
 DS_GEMM_MAX_BYTES = 1 << 30
-# Causal calls: dQ's matmuls in query panels of DS_GEMM_PANEL_ROWS rows (a multiple of 64), each over the keys its
-# rows see, so the GEMMs skip most of the masked triangle, and only the part of each panel's keys the dK / dV launch
-# leaves unwritten (its diagonal strip) is zeroed first, not the whole buffer. H100, forty-fifth session (d=256
-# causal, TFLOP/s at 2k / 8k / 16k by panel count): 1 panel 172 / 229 / 231, 4 164 / 245 / 245, 8 150 / 250 / 252,
-# 16 123 / 246 / 244: panels below ~1k rows lose to cuBLAS's fixed costs, 2048 rows are the best or within 2 %.
-# This default at f7aa0f4: 173 / 245 / 252 (0.84 / 0.98 / 0.97x SDPA-flash; 1024 rows 165 / 243 / 241); without a
-# mask 259 / 297 / 299 (1.06 / 1.14 / 1.13x).
-DS_GEMM_PANEL_ROWS = 2048
 
 
 def split_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
@@ -292,7 +290,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
              causal_offset: int | None, exact_ds: bool) -> list[Callable[[], None]]:
     """`flash_bwd_split`'s launches as callables, in order (timed one by one by scripts/time_bwd_split.py
-    --launches): dK / dV, then dQ; with DS_GEMM, dK / dV (writing dS^T) and dQ's matmuls, for each piece of the
+    --launches): dK / dV, then dQ; with DS_GEMM, dK / dV (writing dS^T) and dQ from it, for each piece of the
     call in turn."""
     b, hq, sq, d = q.shape
     hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -314,10 +312,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw, **extra))
 
-    # (not under torch.use_deterministic_algorithms: PyTorch refuses cuBLAS there unless CUBLAS_WORKSPACE_CONFIG is
-    # set; the dQ launch is deterministic by construction)
-    pieces = (_ds_pieces(b, hkv, hq // hkv, sq, sk, q.element_size())
-              if top in DS_GEMM and not exact_ds and not torch.are_deterministic_algorithms_enabled() else None)
+    pieces = _ds_pieces(b, hkv, hq // hkv, sq, sk, q.element_size()) if top in DS_GEMM and not exact_ds else None
     if pieces is None:
         block_m, block_n, num_warps, num_stages = dq_tile
         m_blocks = cdiv(sq, block_m)
@@ -335,8 +330,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     group = hq // hkv
     largest = max((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs in pieces)
     buffer = torch.empty(largest * group * sk * stride, dtype=q.dtype, device=q.device)
-    _launch.poison(buffer)  # (tests: an entry read before it is written or zeroed is NaN)
-    panels = _panels(sq, sk, causal_offset)
+    _launch.poison(buffer)  # (tests: an entry the dQ kernel takes before it is written is NaN)
     calls: list[Callable[[], None]] = []
     for bs, hs in pieces:
         qs = slice(hs.start * group, hs.stop * group)
@@ -347,8 +341,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             bs.stop - bs.start, qs.stop - qs.start, sk, stride)[..., :sq]
         launch = dkdv(q[bs, qs], k[bs, hs], v[bs, hs], dout[bs, qs], lse_p, delta_p, dk[bs, hs], dv[bs, hs],
                       dict(DS_T=ds_t, DS_STRIDE=stride, STORE_DS=True))
-        calls += [_zero_strips(ds_t, panels, offset, launch) if causal_offset is not None else launch,
-                  _dq_from_ds(ds_t, k[bs, hs], dq[bs, qs], panels)]
+        calls += [launch, functools.partial(dq_from_ds, ds_t, k[bs, hs], dq[bs, qs], causal_offset,
+                                            (width_a, width_b))]
     return calls
 
 
@@ -365,41 +359,3 @@ def _ds_pieces(b: int, hkv: int, group: int, sq: int, sk: int, size: int) -> lis
         return [(slice(b0, min(b, b0 + per)), slice(0, hkv)) for b0 in range(0, b, per)]
     per = cdiv(hkv, cdiv(hkv, fit))
     return [(slice(b0, b0 + 1), slice(h0, min(hkv, h0 + per))) for b0 in range(b) for h0 in range(0, hkv, per)]
-
-
-def _panels(sq: int, sk: int, causal_offset: int | None) -> list[tuple[int, int, int]]:
-    """dQ's matmul panels: (first row, end row, keys seen by the panel's last row), one panel without a causal mask."""
-    if causal_offset is None:
-        return [(0, sq, sk)]
-    rows = cdiv(DS_GEMM_PANEL_ROWS, 64) * 64
-    return [(r0, min(sq, r0 + rows), max(0, min(sk, min(sq, r0 + rows) + causal_offset)))
-            for r0 in range(0, sq, rows)]
-
-
-def _zero_strips(ds_t: torch.Tensor, panels: list, offset: int, launch: Callable[[], None]) -> Callable[[], None]:
-    """`launch` after zeroing what the panels read and the causal dK / dV launch may leave unwritten: a key block's
-    program skips the query rows that see none of its keys, so an entry (key j, query i) it skips has
-    j > i + offset, within a panel's rows [r0, r1) the keys [r0 + offset, r1 + offset)."""
-    def run() -> None:
-        for r0, r1, keys in panels:
-            lo = max(0, r0 + offset)
-            if keys > lo:
-                ds_t[:, :, lo:keys, r0:r1].zero_()
-        launch()
-    return run
-
-
-def _dq_from_ds(ds_t: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, panels: list) -> Callable[[], None]:
-    """dQ = (scale dS) K per query head and panel (the kernel stored scale * dS^T), accumulated in fp32 by the matmul:
-    (b, hkv, group, rows, keys) @ (b, hkv, 1, keys, d)."""
-    b, hq, _, d = dq.shape
-    hkv = k.shape[1]
-
-    def run() -> None:
-        for r0, r1, keys in panels:
-            if keys == 0:  # (bottom-right, more queries than keys: rows that see no key)
-                dq[:, :, r0:r1].zero_()
-                continue
-            ds = ds_t[:, :, :keys, r0:r1].unflatten(1, (hkv, hq // hkv)).transpose(-1, -2)
-            dq[:, :, r0:r1].copy_(torch.matmul(ds, k[:, :, :keys].unsqueeze(2)).view(b, hq, r1 - r0, d))
-    return run

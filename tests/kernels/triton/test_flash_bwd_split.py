@@ -114,11 +114,11 @@ def test_split_causal_loops_interpreted(split_launches, request, monkeypatch, lo
 
 @pytest.fixture
 def ds_gemm(monkeypatch):
-    """dQ by one matmul from the dS^T the dK / dV launch writes (flash_bwd_split.DS_GEMM) at every split class;
-    yields the launches' keyword arguments by kernel."""
+    """dQ by the dq_from_ds kernel from the dS^T the dK / dV launch writes (flash_bwd_split.DS_GEMM) at every split
+    class; yields the launches' keyword arguments by kernel."""
     monkeypatch.setattr(flash_bwd_split, "DS_GEMM", frozenset(flash_bwd_split.SPLITS))
     monkeypatch.setattr(_FLASH_BWD, "EXACT_DS_MAX_SCORES", 0)  # (small calls with unrounded dS keep the dQ launch)
-    return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
+    return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS, "_dq_from_ds")
 
 
 def _check_ds_gemm(q, k, v, causal, bottom_right, names, kws):
@@ -127,12 +127,13 @@ def _check_ds_gemm(q, k, v, causal, bottom_right, names, kws):
         q, k, v, is_causal=causal, bottom_right=bottom_right)
     assert "_bwd_dkdv_split" in names and "_bwd_dq_split" not in names and "_bwd_dq" not in names, names
     assert _flagged(kws, "_bwd_dkdv_split", "STORE_DS"), kws
+    assert len(kws["_dq_from_ds"]) == len(kws["_bwd_dkdv_split"]), kws  # (once per piece of the call)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
 @pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd,causal,bottom_right", [
     (192, 2, 2, 40, 56, False, False, False),  # partial key and query tiles
-    (192, 4, 2, 48, 48, True, True, False),  # GQA: one matmul per query head against its K/V head
+    (192, 4, 2, 48, 48, True, True, False),  # GQA: each query head against its K / V head
     (160, 2, 1, 37, 70, True, True, True),  # bottom-right: blocks no program visits stay zero
     (256, 2, 2, 50, 33, False, True, False),  # 128 + 128 columns; more queries than keys
 ])
@@ -162,9 +163,9 @@ def test_ds_gemm_defaults_and_bounded(monkeypatch):
     assert _dq_source(monkeypatch, 256) == (True, False)
 
 
-def test_ds_gemm_not_under_deterministic_algorithms(monkeypatch, deterministic_algorithms):
-    # PyTorch refuses cuBLAS in deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set
-    assert _dq_source(monkeypatch, 256) == (True, False)
+def test_ds_gemm_under_deterministic_algorithms(monkeypatch, deterministic_algorithms):
+    # (the dq_from_ds kernel sums each output tile's keys in order, in one program: no atomics, no cuBLAS)
+    assert _dq_source(monkeypatch, 256) == (False, True)
 
 
 def _pairs(pieces):
@@ -193,38 +194,23 @@ def test_ds_pieces_cover_every_pair_once_within_the_budget(monkeypatch, b, hkv, 
         assert hs == slice(0, hkv) or bs.stop - bs.start == 1
 
 
-@pytest.mark.parametrize("sq,sk,offset,rows,panels", [
-    (5000, 5000, None, 2048, [(0, 5000, 5000)]),
-    (5000, 5000, 0, 2048, [(0, 2048, 2048), (2048, 4096, 4096), (4096, 5000, 5000)]),
-    (2048, 2048, 0, 2048, [(0, 2048, 2048)]),
-    (1000, 1000, 0, 200, [(0, 256, 256), (256, 512, 512), (512, 768, 768), (768, 1000, 1000)]),  # 64-row multiples
-    (100, 30, -70, 64, [(0, 64, 0), (64, 100, 30)]),  # bottom-right, more queries than keys: rows that see no key
-    (100, 3000, 2900, 64, [(0, 64, 2964), (64, 100, 3000)]),
-])
-def test_ds_panels(monkeypatch, sq, sk, offset, rows, panels):
-    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_PANEL_ROWS", rows)
-    assert flash_bwd_split._panels(sq, sk, offset) == panels
-
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
 @pytest.mark.parametrize("d,b,hq,hkv,sq,sk,causal,bottom_right,fit", [
     (192, 3, 2, 2, 40, 56, False, False, 2),  # one batch element a piece
-    (192, 2, 4, 2, 150, 140, True, False, 1),  # GQA, one key head a piece; 3 panels, a diagonal in each
-    (160, 2, 4, 4, 100, 30, True, True, 3),  # rows that see no key (a panel of them); 2 key heads a piece
+    (192, 2, 4, 2, 150, 140, True, False, 1),  # GQA, one key head a piece
+    (160, 2, 4, 4, 100, 30, True, True, 3),  # rows that see no key; 2 key heads a piece
     (256, 2, 2, 1, 70, 90, True, True, 1),  # 128 + 128 columns; keys beyond the queries
 ])
-def test_ds_gemm_pieces_and_panels_interpreted(split_launches, ds_gemm, monkeypatch, d, b, hq, hkv, sq, sk, causal,
+def test_ds_gemm_pieces_interpreted(split_launches, ds_gemm, monkeypatch, d, b, hq, hkv, sq, sk, causal,
                                                bottom_right, fit):
-    """dQ from dS^T in pieces of the call (one buffer, reused: what a piece reads it wrote or zeroed, else the NaN
-    the buffer starts with shows) and in causal panels."""
+    """dQ from dS^T in pieces of the call (one buffer, reused: what a piece reads unmasked it wrote, else the NaN
+    the buffer starts with shows)."""
     pair = hq // hkv * sk * (-(-sq // 8) * 8) * 2
     monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", fit * pair)
-    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_PANEL_ROWS", 64)
     _check_ds_gemm(*_qkv(b, hq, hkv, sq, sk, d, d, torch.float16, True), causal, bottom_right, split_launches,
                    ds_gemm)
     pieces = flash_bwd_split._ds_pieces(b, hkv, hq // hkv, sq, sk, 2)
     assert len(pieces) > 1 and len(ds_gemm["_bwd_dkdv_split"]) % len(pieces) == 0
-    assert not causal or len(flash_bwd_split._panels(sq, sk, sk - sq if bottom_right else 0)) > 1
 
 
 @pytest.mark.parametrize("d,causal,taken", [(192, True, True), (160, True, True), (192, False, False),
@@ -300,9 +286,8 @@ def test_split_ds_gemm_real_size(split_launches, ds_gemm, d, hq, hkv, sq, sk, bs
 ])
 def test_ds_gemm_pieces_real_size(split_launches, ds_gemm, monkeypatch, d, b, hq, hkv, sq, sk, causal, bottom_right,
                                   fit):
-    """dQ from dS^T in pieces of the call and causal panels at real sizes: the 2x rule, no dQ launch."""
+    """dQ from dS^T in pieces of the call at real sizes: the 2x rule, no dQ launch."""
     monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", fit * (hq // hkv) * sk * (-(-sq // 8) * 8) * 2)
-    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_PANEL_ROWS", 1024)  # (several panels at these lengths)
     _check_ds_gemm(*_qkv(b, hq, hkv, sq, sk, d, d, torch.bfloat16, True), causal, bottom_right, split_launches,
                    ds_gemm)
     assert len(flash_bwd_split._ds_pieces(b, hkv, hq // hkv, sq, sk, 2)) > 1
