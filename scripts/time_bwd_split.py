@@ -73,7 +73,7 @@ def main() -> None:
             flash_bwd_split.TILES.setdefault(d, flash_bwd_split.TILES[192])
     tiles_before = dict(flash_bwd_split.TILES)
     block_major_before, one_loop_before = flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP
-    ds_gemm_before = flash_bwd_split.DS_GEMM
+    ds_gemm_before, ds_whole_before = flash_bwd_split.DS_GEMM, flash_bwd_split.DS_GEMM_CAUSAL_WHOLE
     ds_bytes_before, dq_tile_before = flash_bwd_split.DS_GEMM_MAX_BYTES, dq_from_ds.TILE
     dq_tiles = [tuple(int(x) for x in t.split(",")) for t in args.dq_tiles]
     rows = []
@@ -97,6 +97,8 @@ def main() -> None:
                     # (None: the module's default for this split class)
                     flash_bwd_split.ENABLED = pair is not None
                     dq_from_ds.TILE = dq_tile or dq_tile_before
+                    # (ds_gemm given: DS_GEMM alone says, in any number of pieces)
+                    flash_bwd_split.DS_GEMM_CAUSAL_WHOLE = ds_whole_before if ds_gemm is None else frozenset()
                     flash_bwd_split.DS_GEMM_MAX_BYTES = ds_bytes_before if ds_mib is None else ds_mib << 20
                     flash_bwd_split.TILES[top] = pair or tiles_before[top]
                     for name, on, before in (("CAUSAL_BLOCK_MAJOR", block_major, block_major_before),
@@ -138,6 +140,7 @@ def main() -> None:
                     flash_bwd_split.CAUSAL_BLOCK_MAJOR = block_major_before
                     flash_bwd_split.CAUSAL_ONE_LOOP = one_loop_before
                     flash_bwd_split.DS_GEMM_MAX_BYTES, dq_from_ds.TILE = ds_bytes_before, dq_tile_before
+                    flash_bwd_split.DS_GEMM, flash_bwd_split.DS_GEMM_CAUSAL_WHOLE = ds_gemm_before, ds_whole_before
                     _time_launches(res, pairs or [tiles_before[top]], top, q, k, v, do, out, lse, d, causal)
                 rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
                 fl = res["sdpa_flash"]["tflops"]
@@ -150,7 +153,7 @@ def main() -> None:
                 del q, k, v, do, out, lse, leaves, ref_out, flash_out
     flash_bwd_split.ENABLED = True
     flash_bwd_split.CAUSAL_BLOCK_MAJOR, flash_bwd_split.CAUSAL_ONE_LOOP = block_major_before, one_loop_before
-    flash_bwd_split.DS_GEMM = ds_gemm_before
+    flash_bwd_split.DS_GEMM, flash_bwd_split.DS_GEMM_CAUSAL_WHOLE = ds_gemm_before, ds_whole_before
     flash_bwd_split.DS_GEMM_MAX_BYTES, dq_from_ds.TILE = ds_bytes_before, dq_tile_before
     flash_bwd_split.TILES.update(tiles_before)
     write_records(args.json, rows)

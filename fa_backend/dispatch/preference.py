@@ -162,7 +162,7 @@ PREFERENCES: tuple[FasterPeer, ...] = (
     # forward, 1.99-2.55x backward. Since then (H100, thirty-seventh and thirty-ninth sessions, the split-column
     # kernels) cuDNN runs 0.95-1.07x our d=192 backward without a causal mask (1.18-1.39x with one) but still
     # 1.28-1.68x its forward, and 1.77-2.02x our d=256 backward (1.23-1.71x since the forty-fifth session's dQ from
-    # dS^T, H100): the rule stands.
+    # dS^T, 1.18-1.38x with the forty-sixth's dq_from_ds kernel, H100): the rule stands.
     FasterPeer(backend="triton", kernel="cuDNN", capabilities=frozenset({(9, 0)}),
                dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=frozenset({64, 96, 128, 192, 256}),
                evidence="H200, torch 2.11: cuDNN 1.06-1.43x our Triton forward, 1.23-1.69x backward (d=64 / 128; "

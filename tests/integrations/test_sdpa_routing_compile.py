@@ -161,8 +161,9 @@ _FIRST_COMPILE = textwrap.dedent("""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # a call our backends take: on sm90 the dispatcher leaves small ones to PyTorch's kernels (measured faster)
-    seqlen, d = (2048, 64) if device == "cuda" else (24, 16)
+    # a call our backends take: on sm90 the dispatcher leaves small ones to PyTorch's kernels (measured faster) and,
+    # without the CuTe DSL, plain calls at head dims 64, 96, 128, 192 and 256 to cuDNN (preference.py): 80 is none
+    seqlen, d = (2048, 80) if device == "cuda" else (24, 16)
     q, k, v = (torch.randn(1, 2, seqlen, d, dtype=torch.float16, device=device) for _ in range(3))
     fa_backend.enable()
     compiled = torch.compile(block, fullgraph=True, backend=rec)
@@ -182,6 +183,7 @@ def test_first_routed_compile_of_a_process():
     its first call, inside the trace (two graphs; SpeculationLogDivergence with dynamic=True on the H200). A fresh
     interpreter, since any earlier call in this one would have filled that state. (On the GPU, a call the dispatcher
     routes there: the CPU's small shape goes to PyTorch's kernels on sm90, likely why the test failed in the
-    thirty-fourth session's H100 run, whose message was not captured.)"""
+    thirty-fourth session's H100 run, whose message was not captured; d=64 went to cuDNN without the DSL, forty-sixth
+    session.)"""
     res = subprocess.run([sys.executable, "-c", _FIRST_COMPILE], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

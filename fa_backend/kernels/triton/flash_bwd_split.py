@@ -251,8 +251,14 @@ CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
 # / 304 (1.13 / 1.14 / 1.14x), causal 172 / 243 / 248 against 218 / 272 / 275 (1.06 / 1.08 / 1.05x): half the
 # products of a dense matmul over the causal square and no zero-fill (dQ alone at 2k causal 0.43 -> 0.19 ms at
 # 3 stages); the matmul path removed. d=192 lost with the matmuls (its one-loop causal dQ launch: 212 / 290 against
-# 169 / 225 at 2k / 8k; without a mask 280 / 322 against 266 / 308).
+# 169 / 225 at 2k / 8k; without a mask 280 / 322 against 266 / 308): see DS_GEMM_CAUSAL_WHOLE.
 DS_GEMM: frozenset[int] = frozenset({256})
+# The split classes whose dQ comes from dS^T only in causal calls whose whole dS^T fits in one piece. H100,
+# forty-sixth session, d=192 (scripts/time_bwd_split.py --dims 192 --ds-gemm --ds-mib 4096, TFLOP/s at 2k / 4k / 8k,
+# dQ launch / dq_from_ds in 1 GiB pieces / in one piece): causal 212 / 257 / 287, 226 / 263 / 266, 226 / 266 / 293
+# (2k: one piece of 640 MiB, 0.98 -> 1.05x SDPA-flash); without a causal mask 279 / 305 / 319, 283 / 302 / 262, 282 /
+# 303 / 311. Pieces cost: each one's dK / dV launch runs fewer programs (8k: 4 pieces of 320), one after another.
+DS_GEMM_CAUSAL_WHOLE: frozenset[int] = frozenset({192})
 # The buffer's bytes at most: calls whose dS^T is larger run in pieces of whole (batch, key head) pairs, one after the
 # other on one buffer (its GQA group's query heads with each key head); where one pair's does not fit, the dQ launch.
 # The backward's memory beyond q, k, v, dout and the gradients stays bounded (FlashAttention's promise: nothing
@@ -312,7 +318,11 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
             *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw, **extra))
 
-    pieces = _ds_pieces(b, hkv, hq // hkv, sq, sk, q.element_size()) if top in DS_GEMM and not exact_ds else None
+    pieces = None
+    if ds_gemm_class(top, causal_offset) and not exact_ds:
+        pieces = _ds_pieces(b, hkv, hq // hkv, sq, sk, q.element_size())
+        if pieces is not None and len(pieces) > 1 and top not in DS_GEMM:
+            pieces = None  # (DS_GEMM_CAUSAL_WHOLE: in one piece only)
     if pieces is None:
         block_m, block_n, num_warps, num_stages = dq_tile
         m_blocks = cdiv(sq, block_m)
@@ -344,6 +354,12 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
         calls += [launch, functools.partial(dq_from_ds, ds_t, k[bs, hs], dq[bs, qs], causal_offset,
                                             (width_a, width_b))]
     return calls
+
+
+def ds_gemm_class(top: int, causal_offset: int | None) -> bool:
+    """Whether calls of split class `top` may take dQ from dS^T (DS_GEMM; DS_GEMM_CAUSAL_WHOLE when causal, if the
+    call's dS^T fits in one piece)."""
+    return top in DS_GEMM or (top in DS_GEMM_CAUSAL_WHOLE and causal_offset is not None)
 
 
 def _ds_pieces(b: int, hkv: int, group: int, sq: int, sk: int, size: int) -> list[tuple[slice, slice]] | None:

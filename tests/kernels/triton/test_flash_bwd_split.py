@@ -26,17 +26,20 @@ def _check(q, k, v, causal, bottom_right, names):
     check_attention(lambda q, k, v: fa_backend.attention(
         q, k, v, is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left"),
         q, k, v, is_causal=causal, bottom_right=bottom_right)
-    assert "_bwd_dkdv_split" in names and ("_bwd_dq_split" in names) != _takes_ds(q, v), names
+    assert "_bwd_dkdv_split" in names and ("_bwd_dq_split" in names) != _takes_ds(q, v, causal), names
     assert "_bwd_dkdv" not in names and "_bwd_dq" not in names, names
 
 
-def _takes_ds(q, v):
-    """Whether flash_bwd_split's DS_GEMM computes this call's dQ (its class, no unrounded dS, a piece that fits)."""
+def _takes_ds(q, v, causal):
+    """Whether dQ comes from dS^T in this call (its class, no unrounded dS, pieces that fit: DS_GEMM in any number,
+    DS_GEMM_CAUSAL_WHOLE in one)."""
     b, hq, sq, d = q.shape
     top = flash_bwd_split.split_widths(d, v.shape[-1], flash_bwd_split.SPLITS)[0]
-    return (top in flash_bwd_split.DS_GEMM and b * hq * sq * v.shape[2] > _FLASH_BWD.EXACT_DS_MAX_SCORES
-            and flash_bwd_split._ds_pieces(b, v.shape[1], hq // v.shape[1], sq, v.shape[2], q.element_size())
-            is not None)
+    if not flash_bwd_split.ds_gemm_class(top, 0 if causal else None) or \
+            b * hq * sq * v.shape[2] <= _FLASH_BWD.EXACT_DS_MAX_SCORES:
+        return False
+    pieces = flash_bwd_split._ds_pieces(b, v.shape[1], hq // v.shape[1], sq, v.shape[2], q.element_size())
+    return pieces is not None and (top in flash_bwd_split.DS_GEMM or len(pieces) == 1)
 
 
 CPU_CASES = [
@@ -63,9 +66,11 @@ _SPLIT_KERNELS = ("_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split")
 
 @pytest.fixture
 def block_major(monkeypatch):
-    """Both split kernels' causal launches in block-major order; yields the launches' keyword arguments by kernel."""
+    """Both split kernels' causal launches in block-major order (the dQ launch too at 129-192, where causal calls
+    otherwise take dQ from dS^T); yields the launches' keyword arguments by kernel."""
     monkeypatch.setattr(flash_fwd_split, "CAUSAL_BLOCK_MAJOR", frozenset(flash_fwd_split.SPLITS))
     monkeypatch.setattr(flash_bwd_split, "CAUSAL_BLOCK_MAJOR", frozenset(flash_bwd_split.SPLITS))
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_CAUSAL_WHOLE", frozenset())
     return record_launch_kwargs(monkeypatch, *_SPLIT_KERNELS)
 
 
@@ -142,25 +147,31 @@ def test_split_ds_gemm_interpreted(split_launches, ds_gemm, d, hq, hkv, sq, sk, 
                    ds_gemm)
 
 
-def _dq_source(monkeypatch, d):
-    """(dQ launched, dS^T stored) for a (1, 2, 64, d) backward without a causal mask, nothing run."""
+def _dq_source(monkeypatch, d, causal=False, b=1):
+    """(dQ launched, dS^T stored) for a (b, 2, 64, d) backward, nothing run."""
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
     kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
-    q = torch.empty(1, 2, 64, d, dtype=torch.float16)
-    lse = torch.empty(1, 2, 64)
-    for launch in flash_bwd_split.launches(q, q, q, q, lse, lse, q, q, q, 0.1, None, False):
+    q = torch.empty(b, 2, 64, d, dtype=torch.float16)
+    lse = torch.empty(b, 2, 64)
+    for launch in flash_bwd_split.launches(q, q, q, q, lse, lse, q, q, q, 0.1, 0 if causal else None, False):
         launch()
-    return bool(kws["_bwd_dq_split"]), kws["_bwd_dkdv_split"][0].get("STORE_DS", False)
+    return bool(kws["_bwd_dq_split"]), all(kw.get("STORE_DS", False) for kw in kws["_bwd_dkdv_split"])
 
 
 def test_ds_gemm_defaults_and_bounded(monkeypatch):
-    """By default dQ comes from dS^T at head dims 193-256 and from the dQ launch at 129-192; where one (batch, key
-    head) pair's dS^T passes DS_GEMM_MAX_BYTES, from the dQ launch."""
-    assert flash_bwd_split.DS_GEMM == frozenset({256})
+    """By default dQ comes from dS^T at head dims 193-256, and at 129-192 in causal calls whose dS^T fits in one
+    piece; from the dQ launch otherwise, and where one (batch, key head) pair's dS^T passes DS_GEMM_MAX_BYTES."""
+    assert flash_bwd_split.DS_GEMM == frozenset({256}) and flash_bwd_split.DS_GEMM_CAUSAL_WHOLE == frozenset({192})
     assert _dq_source(monkeypatch, 192) == (True, False)
+    assert _dq_source(monkeypatch, 192, causal=True) == (False, True)
+    assert _dq_source(monkeypatch, 160, causal=True, b=2) == (False, True)
     assert _dq_source(monkeypatch, 256) == (False, True) and _dq_source(monkeypatch, 224) == (False, True)
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", 2 * 64 * 64 * 2)  # one batch element a piece
+    assert _dq_source(monkeypatch, 192, causal=True, b=2) == (True, False)
+    assert _dq_source(monkeypatch, 256, causal=True, b=2) == (False, True)
     monkeypatch.setattr(flash_bwd_split, "DS_GEMM_MAX_BYTES", 64 * 64 * 2 - 1)  # one byte short of one pair
     assert _dq_source(monkeypatch, 256) == (True, False)
+    assert _dq_source(monkeypatch, 192, causal=True) == (True, False)
 
 
 def test_ds_gemm_under_deterministic_algorithms(monkeypatch, deterministic_algorithms):
@@ -219,6 +230,7 @@ def test_causal_defaults(d, causal, taken, monkeypatch):
     """By default the causal dK / dV runs one loop and both causal launches run block-major at head dims 129-192
     (measured faster there), neither at 193-256 (whose dQ comes from dS^T: no dQ launch); calls without a causal
     mask take neither; dQ keeps two loops."""
+    monkeypatch.setattr(flash_bwd_split, "DS_GEMM_CAUSAL_WHOLE", frozenset())  # (at 129-192: the dQ launch)
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: None)  # what is launched, not run
     kws = record_launch_kwargs(monkeypatch, "_bwd_dkdv_split", "_bwd_dq_split")
     q, k, v, do = (torch.empty(1, 2, 64, d, dtype=torch.float16) for _ in range(4))

@@ -1,5 +1,5 @@
-"""The split-column kernels (head dims 129-192) compiled for sm90 on any machine (no GPU needed), at their default
-tiles: they fit sm90's shared memory and use wgmma and TMA. The tiles were timed on a GPU; a Triton that needs more
+"""The split-column kernels (head dims 129-192; dq_from_ds at 256) compiled for sm90 on any machine (no GPU needed), at
+their default tiles: they fit sm90's shared memory and use wgmma and TMA. The tiles were timed on a GPU; a Triton that needs more
 shared memory for them would otherwise fail only at launch there. Compiled in a fresh interpreter without
 TRITON_INTERPRET (under it @triton.jit functions cannot be compiled)."""
 
@@ -15,19 +15,21 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fa_backend.kernels.triton import flash_bwd_split, flash_fwd_split
+from fa_backend.kernels.triton import dq_from_ds, flash_bwd_split, flash_fwd_split
 
-kernels = ((flash_fwd_split._attn_fwd_split, flash_fwd_split.TILES[192]),
-           (flash_bwd_split._bwd_dkdv_split, flash_bwd_split.TILES[192][0]),
-           (flash_bwd_split._bwd_dq_split, flash_bwd_split.TILES[192][1]))
-types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
+d192 = dict(HEAD_DIM=192, HEAD_DIM_V=192, D_A=128, D_B=64, CAUSAL=True)
+kernels = ((flash_fwd_split._attn_fwd_split, flash_fwd_split.TILES[192], d192),
+           (flash_bwd_split._bwd_dkdv_split, flash_bwd_split.TILES[192][0], d192),
+           (flash_bwd_split._bwd_dq_split, flash_bwd_split.TILES[192][1], d192),
+           (dq_from_ds._dq_from_ds, dq_from_ds.TILE, dict(HEAD_DIM=256, D_A=128, D_B=128, CAUSAL=True)))
+types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "DS_T")}
 types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
-for fn, (block_m, block_n, num_warps, num_stages) in kernels:
-    constexprs = dict(HEAD_DIM=192, HEAD_DIM_V=192, BLOCK_M=block_m, BLOCK_N=block_n, D_A=128, D_B=64, CAUSAL=True)
+for fn, (block_m, block_n, num_warps, num_stages), dims in kernels:
+    constexprs = dict(dims, BLOCK_M=block_m, BLOCK_N=block_n)
     for name in ("EXACT_DS", "BLOCK_MAJOR", "ONE_LOOP", "STORE_DS"):  # constexpr flags at their defaults (off)
         if name in fn.arg_names:
             constexprs[name] = False
-    if "DS_T" in fn.arg_names:
+    if "DS_STRIDE" in fn.arg_names:  # (the dK / dV launch without dS^T stores)
         constexprs["DS_T"] = None
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
@@ -43,7 +45,7 @@ def test_split_kernels_fit_sm90():
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     infos = [json.loads(line) for line in res.stdout.strip().splitlines() if line.startswith("{")]
-    assert [i["kernel"] for i in infos] == ["_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split"], infos
+    assert [i["kernel"] for i in infos] == ["_attn_fwd_split", "_bwd_dkdv_split", "_bwd_dq_split", "_dq_from_ds"], infos
     for info in infos:
         assert info["wgmma"] and info["tma"], info
         assert info["shared"] <= 232448, info  # sm90's per-block limit
