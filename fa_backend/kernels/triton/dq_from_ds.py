@@ -19,7 +19,7 @@ from ._ws import _head_rows
 
 # (BLOCK_M, BLOCK_N, warps, stages): a 128 x 256 fp32 accumulator over two warpgroups (sm90 compile: 154 registers,
 # 208 causal, no spills), dS^T and K tiles by TMA, 16 + 32 KB a stage of 64 keys (192 KB for four). H100, forty-sixth
-# session (scripts/time_bwd_split.py --dims 256 --dq-kernel --dq-kernel-tiles ..., whole d=256 backward TFLOP/s at
+# session (scripts/time_bwd_split.py --dims 256 --dq-tiles ..., whole d=256 backward TFLOP/s at
 # 2k / 8k / 16k, without a causal mask; causal): 128 x 64 x 8 x 4 276 / 301 / 304; 218 / 272 / 275, x 3 stages 273 /
 # 295 / 297; 215 / 262 / 266, 128 x 32 x 8 x 4 276 / 294 / 300; 215 / 268 / 272, 128 x 128 x 8 x 2 269 / 290 / 291;
 # 213 / 259 / 263, 64 x 64 x 4 x 3 266 / 286 / 288; 209 / 262 / 265

@@ -246,12 +246,12 @@ CAUSAL_ONE_LOOP: frozenset[int] = frozenset({192})
 # here); deterministic. Forty-fifth session (H100, scripts/time_bwd_split.py --dims 256 --ds-gemm, whole backward
 # TFLOP/s at 2k / 8k / 16k against SDPA-flash), dQ by cuBLAS matmuls: without a causal mask 259 / 297 / 299 (1.06 /
 # 1.14 / 1.13x; the dQ launch 192 / 199 / 199), causal 173 / 245 / 252 (0.84 / 0.98 / 0.97x) in 2048-row query
-# panels after zero-filling what the dK / dV launch skips. Forty-sixth, the kernel instead (--dq-kernel, same run:
-# matmuls / the kernel at its tile since, 128 x 64 x 8 x 4): without a causal mask 258 / 296 / 303 against 276 / 301
-# / 304 (1.13 / 1.14 / 1.14x), causal 172 / 243 / 248 against 218 / 272 / 275 (1.06 / 1.08 / 1.05x): half the
-# products of a dense matmul over the causal square and no zero-fill (dQ alone at 2k causal 0.43 -> 0.19 ms at
-# 3 stages); the matmul path removed. d=192 lost with the matmuls (its one-loop causal dQ launch: 212 / 290 against
-# 169 / 225 at 2k / 8k; without a mask 280 / 322 against 266 / 308): see DS_GEMM_CAUSAL_WHOLE.
+# panels after zero-filling what the dK / dV launch skips. Forty-sixth, the kernel instead (the script's --dq-kernel
+# then, one run: matmuls / the kernel at its tile since, 128 x 64 x 8 x 4): without a causal mask 258 / 296 / 303
+# against 276 / 301 / 304 (1.13 / 1.14 / 1.14x), causal 172 / 243 / 248 against 218 / 272 / 275 (1.06 / 1.08 /
+# 1.05x): half the products of a dense matmul over the causal square and no zero-fill (dQ alone at 2k causal
+# 0.43 -> 0.19 ms at 3 stages); the matmul path removed. d=192 lost with the matmuls (its one-loop causal dQ launch:
+# 212 / 290 against 169 / 225 at 2k / 8k; without a mask 280 / 322 against 266 / 308): see DS_GEMM_CAUSAL_WHOLE.
 DS_GEMM: frozenset[int] = frozenset({256})
 # The split classes whose dQ comes from dS^T only in causal calls whose whole dS^T fits in one piece. H100,
 # forty-sixth session, d=192 (scripts/time_bwd_split.py --dims 192 --ds-gemm --ds-mib 4096, TFLOP/s at 2k / 4k / 8k,

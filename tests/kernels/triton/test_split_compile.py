@@ -1,7 +1,7 @@
-"""The split-column kernels (head dims 129-192; dq_from_ds at 256) compiled for sm90 on any machine (no GPU needed), at
-their default tiles: they fit sm90's shared memory and use wgmma and TMA. The tiles were timed on a GPU; a Triton that needs more
-shared memory for them would otherwise fail only at launch there. Compiled in a fresh interpreter without
-TRITON_INTERPRET (under it @triton.jit functions cannot be compiled)."""
+"""The split-column kernels (head dims 129-192; dq_from_ds at 256) compiled for sm90 on any machine (no GPU
+needed), at their default tiles: they fit sm90's shared memory and use wgmma and TMA. The tiles were timed on a GPU;
+a Triton that needs more shared memory for them would otherwise fail only at launch there. Compiled in a fresh
+interpreter without TRITON_INTERPRET (under it @triton.jit functions cannot be compiled)."""
 
 from __future__ import annotations
 
