@@ -40,6 +40,7 @@ def _fwd_kv_loop(
     MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     DROPOUT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     gap_at=None, gap_len=None, GAP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    EXACT_PV: tl.constexpr = False,
 ):
     """Fold keys [start, end) into (acc, l_i, m_i). GAP: the keys are [start, gap_at) and
     [gap_at + gap_len, end + gap_len) instead, in one loop (two ranges in one loop body keep the
@@ -146,7 +147,12 @@ def _fwd_kv_loop(
             keep_d = _dropout_keep(seed, rng_offset, bh, offs_m, start_n, DROP_SEQ_Q, DROP_SEQ_K, drop_threshold,
                                    BLOCK_N, DROPOUT)
             p = tl.where(keep_d, p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        if EXACT_PV:
+            # P @ V of unrounded probabilities (fp32 products, no TF32): the fp32 output flash_bwd recomputes for
+            # delta = sum_j P_ij dP_ij, with the P its backward kernels use
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
         if not GAP and not USE_TMA:
             k_ptrs += BLOCK_N * stride_kn
@@ -183,7 +189,7 @@ def _attn_fwd(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, EXACT_PV: tl.constexpr = False,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
     # concurrently running programs share that head's K/V in L2 (block-major order, the longest blocks of all heads
@@ -256,7 +262,7 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            0, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
+            0, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             lo, hi - (open_hi - open_lo), offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
@@ -264,7 +270,7 @@ def _attn_fwd(
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
             MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE,
-            open_lo, open_hi - open_lo, True, USE_TMA)
+            open_lo, open_hi - open_lo, True, USE_TMA, EXACT_PV)
     elif WINDOW_LEFT:
         # Keys before lo are left of every row's window; from full_lo on, left of no row's.
         lo, full_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
@@ -274,21 +280,21 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             full_lo, n_full, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             tl.maximum(full_lo, n_full), hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
     else:
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -296,14 +302,14 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             n_full, hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
 
     # Rows that saw no key (l = 0) output 0 with LSE = -inf, as PyTorch's math backend does.
     empty = l_i == 0.0
@@ -382,7 +388,7 @@ def flash_fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
-        **({"USE_TMA": True} if cfg.tma else {}),
+        **({"USE_TMA": True} if cfg.tma else {}), **_exact_pv(q, out),
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse
@@ -445,9 +451,17 @@ def flash_fwd_varlen(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs, **_exact_pv(q, out),
     ))
     return out, lse
+
+
+def _exact_pv(q: torch.Tensor, out: torch.Tensor) -> dict[str, bool]:
+    """EXACT_PV for an fp32 output of 16-bit inputs (flash_bwd's recomputation of O for delta on small calls):
+    P @ V then takes the fp32 probabilities the backward kernels recompute, not their 16-bit rounding, so that delta
+    is sum_j P_ij dP_ij of those P (with the rounded ones, 1-query 2-key fp16 calls drew dQ / dK errors of 2-8x
+    PyTorch's on about 1 % of seeds)."""
+    return {"EXACT_PV": True} if out.dtype == torch.float32 and q.dtype != torch.float32 else {}
 
 
 @triton.jit

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fa_backend.kernels.triton import flash_bwd, flash_bwd_varlen, flash_fwd, flash_fwd_varlen
+from fa_backend.kernels.triton.flash_fwd import dropout_keep_mask
 from tests.conftest import DEVICE
 from tests.reference import max_err
 
@@ -75,6 +76,47 @@ def test_fp32_delta_lowers_the_gradient_error_of_small_calls(monkeypatch):
             dq, dk, _ = flash_bwd(dout, q, k, v, out, lse, 24 ** -0.5, True, True)
             totals[exact] += max_err(dq, ref[0]) + max_err(dk, ref[1])
     assert totals[True] < totals[False], totals
+
+
+def _reference_out(q, k, v, scale, causal, keep=None, dropout_p=0.0):
+    """float64 attention of (b, h, s, d) inputs (GQA by repeat; causal bottom-right), dropout by `keep`."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq).logical_not(),
+                          float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num()
+    if keep is not None:
+        p = p * keep / (1 - dropout_p)
+    return p @ v
+
+
+@pytest.mark.parametrize("case", ["one_query_two_keys", "causal_gqa", "dropout"])
+def test_fp32_recomputation_takes_unrounded_probabilities(case):
+    """The fp32 O flash_bwd recomputes for delta is P @ V of the fp32 probabilities (the P its backward kernels
+    use), not of their fp16 rounding: within fp32 error of float64 (rounded P: about 2e-4 off). With the rounded P,
+    delta missed sum_j P_ij dP_ij by 2e-4 on a 1-query 2-key draw and dQ's error was 8x PyTorch's."""
+    b, hq, hkv, sq, sk, d, causal, dropout_p = dict(
+        one_query_two_keys=(4, 2, 2, 1, 2, 8, False, 0.0), causal_gqa=(1, 4, 2, 13, 21, 24, True, 0.0),
+        dropout=(2, 2, 1, 9, 17, 16, False, 0.25))[case]
+    q = torch.randn(b, hq, sq, d, dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(b, hkv, sk, d, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    rng = (int(torch.randint(0, 2**31, ())), 4 * int(torch.randint(0, 2**20, ()))) if dropout_p else None
+    out32 = torch.empty(b, hq, sq, d, dtype=torch.float32, device=DEVICE)
+    flash_fwd(q, k, v, d ** -0.5, causal, True, out32, dropout_p=dropout_p, rng=rng)
+    keep = dropout_keep_mask(b, hq, sq, sk, dropout_p, rng, DEVICE) if dropout_p else None
+    ref = _reference_out(q, k, v, d ** -0.5, causal, keep, dropout_p)
+    assert max_err(out32, ref) < 2e-5, max_err(out32, ref)  # (values of order 1; exp2's ulps on the GPU)
+    # the varlen kernel takes the same path: one sequence of the call's first batch entry
+    cu_q = torch.tensor([0, sq], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, sk], dtype=torch.int32, device=DEVICE)
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    out32_v = torch.empty(sq, hq, d, dtype=torch.float32, device=DEVICE)
+    flash_fwd_varlen(*packed, cu_q, cu_k, sq, sk, d ** -0.5, causal, out32_v, dropout_p=dropout_p, rng=rng)
+    assert max_err(out32_v, ref[0].transpose(0, 1)) < 2e-5
 
 
 @pytest.mark.parametrize("varlen", [False, True])
