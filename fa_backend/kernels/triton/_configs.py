@@ -279,6 +279,18 @@ def fwd_config(q: torch.Tensor, d: int, dv: int, causal: bool, seqlen_k: int,
     return fwd_table(causal, seqlen_k)[width]
 
 
+# flash_fwd's EXACT_PV launches (the fp32 recomputation of O for small backward calls: fp32 P @ V, no tensor cores):
+# a tile whose fp32 operands fit at every head dim. The plain tables' tiles spilled up to 18 KB and asked for up to
+# 320 KB of shared memory at d = 128-256 (sm90 compile check); this one: 206 / 228 registers at d = 128 / 256, no
+# spills, 22 / 43 KB. Host-bound calls: the tile's speed is not seen. Pinned tiles do not apply.
+FWD_EXACT_PV = TileConfig(16, 32, 8, 1)
+
+
+def fwd_exact_pv_config(q: torch.Tensor) -> TileConfig:
+    """The forward tile of an EXACT_PV launch (the interpreter's tile on the CPU)."""
+    return _INTERPRETER_FWD if q.device.type != "cuda" or _launch._INTERPRET else FWD_EXACT_PV
+
+
 def fwd_without_tma(cfg: TileConfig, causal: bool, d: int, dv: int, features: bool | str = False) -> TileConfig:
     """The forward tile of a launch that cannot read K / V by TMA although `cfg` asks for it: the pointer-load
     tile of its table (plain, or the feature calls' _GPU_FWD_FEATURES); for a pinned tile, the same tile with

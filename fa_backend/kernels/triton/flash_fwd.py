@@ -18,7 +18,7 @@ from .._layout import new_attention_output
 from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep,
                       _grid_order, _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_descs,
                       _tile_ptrs, _window_lo)
-from ._configs import fwd_config, fwd_without_tma
+from ._configs import fwd_config, fwd_exact_pv_config, fwd_without_tma
 from .flash_fwd_split import flash_fwd_split, split_eligible
 from .flash_fwd_ws import flash_fwd_ws, ws_eligible
 from ._features import dropout_draw, kernel_features, plain_call, tile_class
@@ -374,7 +374,8 @@ def flash_fwd(
         flash_fwd_split(q, k, v, scale, feat.causal_offset if causal else None, out, lse)
         return out, lse
     features = tile_class(feat, attn_mask, b, hq, sq, sk, d)
-    cfg = fwd_config(q, d, dv, feat.causal, sk, features=features)
+    cfg = fwd_config(q, d, dv, feat.causal, sk, features=features) if not _exact_pv(q, out) else \
+        fwd_exact_pv_config(q)
     if cfg.tma and not tma_ok(k, v):
         cfg = fwd_without_tma(cfg, feat.causal, d, dv, features)
     num_m_blocks = cdiv(sq, cfg.block_m)
@@ -437,7 +438,8 @@ def flash_fwd_varlen(
         raise ValueError(f"max_seqlen_q={max_seqlen_q} with {total_q} query rows (it must bound every length)")
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
-    cfg = fwd_config(q, d, dv, feat.causal, max_seqlen_k, features=bool(feat.constexprs))
+    cfg = fwd_config(q, d, dv, feat.causal, max_seqlen_k, features=bool(feat.constexprs)) if not _exact_pv(q, out) \
+        else fwd_exact_pv_config(q)
     if cfg.tma:  # packed sequences: pointer loads
         cfg = fwd_without_tma(cfg, feat.causal, d, dv)
     num_m_blocks = cdiv(max_seqlen_q, cfg.block_m)

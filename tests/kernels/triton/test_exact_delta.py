@@ -9,6 +9,10 @@ Runs on CUDA when present, otherwise in Triton's interpreter (fp16)."""
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -205,3 +209,30 @@ def test_unrounded_ds_lowers_the_gradient_error_of_small_calls(monkeypatch):
             dq, dk, _ = flash_bwd(dout, q, k, v, out, lse, 16 ** -0.5, True, True)
             totals[exact] += max_err(dq, ref[0]) + max_err(dk, ref[1])
     assert totals[True] < totals[False], totals
+
+
+_COMPILE_EXACT_PV = r"""
+import sys
+sys.path.insert(0, "scripts")
+import compile_check
+from fa_backend.kernels.triton._configs import FWD_EXACT_PV
+for d in (64, 256):
+    print(d, compile_check.check_fwd(FWD_EXACT_PV, d, True, "bf16", dict(EXACT_PV=True, O="ptr32")))
+"""
+
+
+def test_exact_pv_tile_fits_sm90():
+    """The EXACT_PV launch's tile (fp32 P @ V on the CUDA cores) compiled for sm90 without a GPU: within the
+    shared memory of a block and without spills at d = 64 and 256 (the plain tables' tiles asked for up to 320 KB
+    there)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_EXACT_PV], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 2, res.stdout
+    for line in lines:
+        smem = int(re.search(r"smem=\s*(\d+)", line).group(1))
+        spills = int(re.search(r"spills=\s*(\d+)", line).group(1))
+        assert smem <= 232448 and spills == 0, line
