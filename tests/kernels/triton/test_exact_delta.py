@@ -236,3 +236,25 @@ def test_exact_pv_tile_fits_sm90():
         smem = int(re.search(r"smem=\s*(\d+)", line).group(1))
         spills = int(re.search(r"spills=\s*(\d+)", line).group(1))
         assert smem <= 232448 and spills == 0, line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU (the EXACT_PV tile's launch at every head dim)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_small_calls_at_every_head_dim_within_bar(d, is_causal, dtype, delta_inputs):
+    """Small calls (their O recomputed in fp32 by an EXACT_PV launch) on the Triton backend at every head dim, forward
+    and gradients within the 2x rule: the launch's tile fits each one (the tables' tiles did not at d >= 128)."""
+    import fa_backend
+    from tests.reference import check_attention
+
+    q = torch.randn(2, 3, 100, d, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(2, 3, 150, d, dtype=dtype, device=DEVICE) for _ in range(2))
+
+    def fn(q, k, v):
+        with fa_backend.sdpa_backends(["triton"]):
+            return fa_backend.attention(q, k, v, is_causal=is_causal, causal_alignment="bottom_right")
+
+    check_attention(fn, q, k, v, is_causal=is_causal, bottom_right=True)
+    assert delta_inputs == [torch.float32]  # delta from the recomputed fp32 O
