@@ -195,7 +195,8 @@ def test_tma_tiles_with_masks_and_dropout(monkeypatch, case):
                 mask = torch.rand(sq, sk, generator=gen) < 0.7
             mask = mask.to(DEVICE)
             check_features(lambda q, k, v: fa_backend.attention(q, k, v, attn_mask=mask), q, k, v, attn_mask=mask)
-    tiled = [kw for kw in kwargs if "CAUSAL" in kw]
+    # (not the fp32 recomputation of O of a small call's backward: its own tile, _configs.FWD_EXACT_PV)
+    tiled = [kw for kw in kwargs if "CAUSAL" in kw and not kw.get("EXACT_PV")]
     assert tiled and all(kw.get("USE_TMA") for kw in tiled)
     if case != "dropout":
         assert all(kw.get("MASK_BOUNDS") for kw in tiled)
