@@ -374,8 +374,8 @@ def flash_fwd(
         flash_fwd_split(q, k, v, scale, feat.causal_offset if causal else None, out, lse)
         return out, lse
     features = tile_class(feat, attn_mask, b, hq, sq, sk, d)
-    cfg = fwd_config(q, d, dv, feat.causal, sk, features=features) if not _exact_pv(q, out) else \
-        fwd_exact_pv_config(q)
+    exact_pv = _exact_pv(q, out)
+    cfg = fwd_exact_pv_config(q) if exact_pv else fwd_config(q, d, dv, feat.causal, sk, features=features)
     if cfg.tma and not tma_ok(k, v):
         cfg = fwd_without_tma(cfg, feat.causal, d, dv, features)
     num_m_blocks = cdiv(sq, cfg.block_m)
@@ -389,7 +389,7 @@ def flash_fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
-        **({"USE_TMA": True} if cfg.tma else {}), **_exact_pv(q, out),
+        **({"USE_TMA": True} if cfg.tma else {}), **exact_pv,
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse
@@ -438,8 +438,9 @@ def flash_fwd_varlen(
         raise ValueError(f"max_seqlen_q={max_seqlen_q} with {total_q} query rows (it must bound every length)")
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
-    cfg = fwd_config(q, d, dv, feat.causal, max_seqlen_k, features=bool(feat.constexprs)) if not _exact_pv(q, out) \
-        else fwd_exact_pv_config(q)
+    exact_pv = _exact_pv(q, out)
+    cfg = fwd_exact_pv_config(q) if exact_pv else fwd_config(q, d, dv, feat.causal, max_seqlen_k,
+                                                             features=bool(feat.constexprs))
     if cfg.tma:  # packed sequences: pointer loads
         cfg = fwd_without_tma(cfg, feat.causal, d, dv)
     num_m_blocks = cdiv(max_seqlen_q, cfg.block_m)
@@ -453,7 +454,7 @@ def flash_fwd_varlen(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs, **_exact_pv(q, out),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs, **exact_pv,
     ))
     return out, lse
 
