@@ -17,10 +17,12 @@ import sys
 import pytest
 import torch
 
+import fa_backend
+
 from fa_backend.kernels.triton import flash_bwd, flash_bwd_varlen, flash_fwd, flash_fwd_varlen
 from fa_backend.kernels.triton.flash_fwd import dropout_keep_mask
 from tests.conftest import DEVICE
-from tests.reference import max_err
+from tests.reference import attention_ref, check_attention, max_err
 
 bwd_module = importlib.import_module("fa_backend.kernels.triton.flash_bwd")  # the package exports the function
 
@@ -82,22 +84,6 @@ def test_fp32_delta_lowers_the_gradient_error_of_small_calls(monkeypatch):
     assert totals[True] < totals[False], totals
 
 
-def _reference_out(q, k, v, scale, causal, keep=None, dropout_p=0.0):
-    """float64 attention of (b, h, s, d) inputs (GQA by repeat; causal bottom-right), dropout by `keep`."""
-    q, k, v = (t.double() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq).logical_not(),
-                          float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num()
-    if keep is not None:
-        p = p * keep / (1 - dropout_p)
-    return p @ v
-
-
 @pytest.mark.parametrize("case", ["one_query_two_keys", "causal_gqa", "dropout"])
 def test_fp32_recomputation_takes_unrounded_probabilities(case):
     """The fp32 O flash_bwd recomputes for delta is P @ V of the fp32 probabilities (the P its backward kernels
@@ -112,7 +98,8 @@ def test_fp32_recomputation_takes_unrounded_probabilities(case):
     out32 = torch.empty(b, hq, sq, d, dtype=torch.float32, device=DEVICE)
     flash_fwd(q, k, v, d ** -0.5, causal, True, out32, dropout_p=dropout_p, rng=rng)
     keep = dropout_keep_mask(b, hq, sq, sk, dropout_p, rng, DEVICE) if dropout_p else None
-    ref = _reference_out(q, k, v, d ** -0.5, causal, keep, dropout_p)
+    ref = attention_ref(q, k, v, is_causal=causal, bottom_right=True, dropout_keep=keep, dropout_p=dropout_p,
+                        dtype=torch.float64)
     assert max_err(out32, ref) < 2e-5, max_err(out32, ref)  # (values of order 1; exp2's ulps on the GPU)
     # the varlen kernel takes the same path: one sequence of the call's first batch entry
     cu_q = torch.tensor([0, sq], dtype=torch.int32, device=DEVICE)
@@ -246,9 +233,6 @@ def test_exact_pv_tile_fits_sm90():
 def test_small_calls_at_every_head_dim_within_bar(d, is_causal, dtype, delta_inputs):
     """Small calls (their O recomputed in fp32 by an EXACT_PV launch) on the Triton backend at every head dim, forward
     and gradients within the 2x rule: the launch's tile fits each one (the tables' tiles did not at d >= 128)."""
-    import fa_backend
-    from tests.reference import check_attention
-
     q = torch.randn(2, 3, 100, d, dtype=dtype, device=DEVICE)
     k, v = (torch.randn(2, 3, 150, d, dtype=dtype, device=DEVICE) for _ in range(2))
 
