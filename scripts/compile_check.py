@@ -48,6 +48,8 @@ def _source(fn, example: dict, dtype: str) -> ASTSource:
         if fn.params[i].is_constexpr or value is None:
             signature[name] = "constexpr"
             constexprs[name] = value
+        elif isinstance(value, tuple) and value[0] == "desc":  # a host TMA descriptor: ("desc", rows, columns)
+            signature[name] = f"tensordesc<{dtype}[1, 1, {value[1]}, {value[2]}]>"
         elif value in ("ptr", "ptr32", "ptr8", "ptri32"):
             signature[name] = {"ptr32": "*fp32", "ptr8": "*u8", "ptri32": "*i32"}.get(value, f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -131,6 +133,8 @@ def check_fwd(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16
                    causal_offset=0, qk_scale=0.1, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=cfg.block_m,
                    BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, CAUSAL=causal, SCALE_NEG=False,
                    LAZY_RESCALE=cfg.lazy_rescale, USE_TMA=cfg.tma and not (extra or {}).get("VARLEN"))
+    if example["USE_TMA"]:
+        example.update(KD=("desc", cfg.block_n, d), VD=("desc", cfg.block_n, d))
     example.update(extra or {})
     return _compile(_attn_fwd, example, cfg, dtype)
 
@@ -155,12 +159,15 @@ def _bwd_example(d, causal, cfg, extra=None):
 
 def check_dkdv(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
     atomic = dict(DQ_ACC="ptr32", ATOMIC_DQ=True) if cfg.atomic_dq else {}
-    tma = dict(USE_TMA=2 if cfg.atomic_dq else True) if cfg.tma and not (extra or {}).get("VARLEN") else {}
+    tma = dict(USE_TMA=2 if cfg.atomic_dq else True, QD=("desc", cfg.block_m, d), DOD=("desc", cfg.block_m, d)) \
+        if cfg.tma and not (extra or {}).get("VARLEN") else {}
     return _compile(_bwd_dkdv, _bwd_example(d, causal, cfg, {**atomic, **tma, **(extra or {})}), cfg, dtype)
 
 
 def check_dq(cfg: _configs.TileConfig, d: int, causal: bool, dtype: str = "bf16", extra: dict | None = None) -> str:
-    return _compile(_bwd_dq, _bwd_example(d, causal, cfg, extra), cfg, dtype)
+    tma = dict(USE_TMA=True, KD=("desc", cfg.block_n, d), VD=("desc", cfg.block_n, d)) \
+        if cfg.tma and not (extra or {}).get("VARLEN") else {}
+    return _compile(_bwd_dq, _bwd_example(d, causal, cfg, {**tma, **(extra or {})}), cfg, dtype)
 
 
 def main() -> None:

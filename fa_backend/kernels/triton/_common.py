@@ -80,17 +80,6 @@ def _load_rows(ptrs, rows, n_rows, cols, n_cols, MASK_ROWS: tl.constexpr, MASK_C
 
 
 @triton.jit
-def _tile_descs(A, B, n_rows, stride_a, stride_b, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """TMA descriptors (Hopper) of two (n_rows, DIM) tensors with unit column stride, read in BLOCK_R-row tiles
-    of BLOCK_A / BLOCK_B columns: rows past n_rows and columns past DIM come zero-filled, and the tiles go
-    straight to shared memory without per-thread addresses, so pipelining them costs no registers. The host
-    checks TMA's alignment rules (_tma.tma_ok)."""
-    return (tl.make_tensor_descriptor(A, shape=[n_rows, DIM_A], strides=[stride_a, 1], block_shape=[BLOCK_R, BLOCK_A]),
-            tl.make_tensor_descriptor(B, shape=[n_rows, DIM_B], strides=[stride_b, 1], block_shape=[BLOCK_R, BLOCK_B]))
-
-
-@triton.jit
 def _ds_dot(ds, x, acc, EXACT_DS: tl.constexpr):
     """acc + ds @ x for the fp32 dS: dS rounded to x's dtype first (FlashAttention's product), or, EXACT_DS (calls
     small enough to be host-bound: flash_bwd.EXACT_DS_MAX_SCORES), dS as the sum of its rounding and the rounding of the

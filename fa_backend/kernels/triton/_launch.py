@@ -97,7 +97,8 @@ _INT_CLASSES: dict = {}  # int -> _int_class(int): strides, sizes and lengths re
 def spec_key(args) -> tuple | None:
     """What Triton's JIT specialises runtime arguments on (triton 3.6 native_specialize_impl), one entry per
     argument: None, float (fp32) and bool (u1) by type; an int by its integer type (i32 / i64 / u64 by
-    range) and class (== 1, a constant; divisible by 16; other); a tensor by dtype and 16-byte alignment.
+    range) and class (== 1, a constant; divisible by 16; other); a tensor by dtype and 16-byte alignment; a host
+    TMA descriptor by its dtype and block shape (and padding).
     Stricter than the JIT (do_not_specialize ints are classed too), never looser; None for an argument of
     another type."""
     key = []
@@ -115,6 +116,8 @@ def spec_key(args) -> tuple | None:
             key.append(t)
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, not a.data_ptr() & 15))
+        elif t.__name__ == "TensorDescriptor":  # a host TMA descriptor (_tma.head_tiles): its dtype and block
+            key.append((t, a.base.dtype, tuple(a.block_shape), a.padding))
         else:
             return None  # another type (a NumPy scalar, ...): the JIT path specialises it
     return tuple(key)

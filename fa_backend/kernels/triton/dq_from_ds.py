@@ -15,7 +15,7 @@ import triton.language as tl
 from . import _launch
 from ._common import _kv_bounds
 from ._launch import cdiv, grid_1d
-from ._ws import _head_rows
+from ._tma import head_tiles
 
 # (BLOCK_M, BLOCK_N, warps, stages): a 128 x 256 fp32 accumulator over two warpgroups (sm90 compile: 154 registers,
 # 208 causal, no spills), dS^T and K tiles by TMA, 16 + 32 KB a stage of 64 keys (192 KB for four). H100, forty-sixth
@@ -29,23 +29,23 @@ _INTERPRETER_TILE = (32, 16, 4, 1)
 
 
 @triton.jit
-def _dq_keys(acc_a, acc_b, ds_desc, ka_desc, kb_desc, m0, rows, start, end, causal_offset, BLOCK_N: tl.constexpr,
-             D_A: tl.constexpr, MASKED: tl.constexpr):
+def _dq_keys(acc_a, acc_b, DS, KA, KB, off_b, off_h, off_hk, m0, rows, start, end, causal_offset,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, MASKED: tl.constexpr):
     """acc += dS K over keys [start, end) of query rows [m0, m0 + BLOCK_M); MASKED: keys past a row's diagonal
     count as zero (the dK / dV launch may not have written them)."""
     for n0 in range(start, end, BLOCK_N):
-        ds = tl.trans(ds_desc.load([n0, m0]))
+        ds = tl.trans(DS.load([off_b, off_h, n0, m0]).reshape(BLOCK_N, BLOCK_M))
         if MASKED:
             cols = n0 + tl.arange(0, BLOCK_N)
             ds = tl.where(cols[None, :] <= rows[:, None] + causal_offset, ds, 0.0)
-        acc_a = tl.dot(ds, ka_desc.load([n0, 0]), acc_a)
-        acc_b = tl.dot(ds, kb_desc.load([n0, D_A]), acc_b)
+        acc_a = tl.dot(ds, KA.load([off_b, off_hk, n0, 0]).reshape(BLOCK_N, D_A), acc_a)
+        acc_b = tl.dot(ds, KB.load([off_b, off_hk, n0, D_A]).reshape(BLOCK_N, D_B), acc_b)
     return acc_a, acc_b
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
 def _dq_from_ds(
-    DS_T, K, DQ, stride_sb, stride_sh, stride_sk, stride_kb, stride_kh, stride_kn, stride_qb, stride_qh, stride_qm,
+    DS, KA, KB, DQ, stride_qb, stride_qh, stride_qm,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -57,30 +57,27 @@ def _dq_from_ds(
     pid_m = pid % NUM_M_BLOCKS
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m
-    off_b = (bh // NUM_HEADS_Q).to(tl.int64)
-    off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+    off_b = bh // NUM_HEADS_Q
+    off_h = bh % NUM_HEADS_Q
     off_hk = off_h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    # (dS^T's rows, one per key, are SEQ_Q long at a 16-byte aligned stride; queries past SEQ_Q come zero-filled)
-    ds_desc = tl.make_tensor_descriptor(DS_T + off_b * stride_sb + off_h * stride_sh, shape=[SEQ_K, SEQ_Q],
-                                        strides=[stride_sk, 1], block_shape=[BLOCK_N, BLOCK_M])
-    ka_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A)
-    kb_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B)
+    # DS (dS^T: rows, one per key, SEQ_Q long at a 16-byte aligned stride; queries past SEQ_Q come zero-filled) and
+    # K's two column tiles by host descriptors (_tma.head_tiles)
     acc_a = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
     n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
     if CAUSAL:
-        acc_a, acc_b = _dq_keys(acc_a, acc_b, ds_desc, ka_desc, kb_desc, m0, rows, 0, n_full, causal_offset,
-                                BLOCK_N, D_A, False)
-        acc_a, acc_b = _dq_keys(acc_a, acc_b, ds_desc, ka_desc, kb_desc, m0, rows, n_full, hi, causal_offset,
-                                BLOCK_N, D_A, True)
+        acc_a, acc_b = _dq_keys(acc_a, acc_b, DS, KA, KB, off_b, off_h, off_hk, m0, rows, 0, n_full, causal_offset,
+                                BLOCK_M, BLOCK_N, D_A, D_B, False)
+        acc_a, acc_b = _dq_keys(acc_a, acc_b, DS, KA, KB, off_b, off_h, off_hk, m0, rows, n_full, hi, causal_offset,
+                                BLOCK_M, BLOCK_N, D_A, D_B, True)
     else:  # (keys past SEQ_K come zero-filled, in dS^T and in K)
-        acc_a, acc_b = _dq_keys(acc_a, acc_b, ds_desc, ka_desc, kb_desc, m0, rows, 0, SEQ_K, causal_offset,
-                                BLOCK_N, D_A, False)
+        acc_a, acc_b = _dq_keys(acc_a, acc_b, DS, KA, KB, off_b, off_h, off_hk, m0, rows, 0, SEQ_K, causal_offset,
+                                BLOCK_M, BLOCK_N, D_A, D_B, False)
     cols_a = tl.arange(0, D_A)
     cols_b = D_A + tl.arange(0, D_B)
-    ptrs = DQ + off_b * stride_qb + off_h * stride_qh + rows[:, None].to(tl.int64) * stride_qm
+    ptrs = DQ + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + rows[:, None].to(tl.int64) * stride_qm
     tl.store(ptrs + cols_a[None, :], acc_a.to(DQ.dtype.element_ty),
              mask=(rows[:, None] < SEQ_Q) & (cols_a[None, :] < HEAD_DIM))
     tl.store(ptrs + cols_b[None, :], acc_b.to(DQ.dtype.element_ty),
@@ -97,8 +94,11 @@ def dq_from_ds(ds_t: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, causal_off
     sk = k.shape[2]
     block_m, block_n, num_warps, num_stages = _INTERPRETER_TILE if _launch._INTERPRET else TILE
     m_blocks = cdiv(sq, block_m)
+    if not m_blocks * b * hq:
+        return
     _launch.launch(_dq_from_ds, grid_1d(m_blocks * b * hq), (
-        ds_t, k, dq, *ds_t.stride()[:3], *k.stride()[:3], *dq.stride()[:3],
+        head_tiles(ds_t, block_n, block_m), head_tiles(k, block_n, widths[0]), head_tiles(k, block_n, widths[1]),
+        dq, *dq.stride()[:3],
         hq, hq // k.shape[1], sq, sk, m_blocks, causal_offset or 0,
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, D_A=widths[0], D_B=widths[1],
             CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages))

@@ -22,12 +22,12 @@ import triton.language as tl
 
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _ds_dot,
                       _grid_order, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range, _q_bounds,
-                      _tile_descs, _score_mods, _tile_ptrs, _window_lo)
+                      _score_mods, _tile_ptrs, _window_lo)
 from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config, bwd_config_varlen
 from ._features import kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
 from ._launch import cdiv, grid_1d, tile_dims
-from ._tma import tma_ok as _tma_ok
+from ._tma import head_tiles, tma_ok as _tma_ok
 from .flash_bwd_split import flash_bwd_split, split_bwd_eligible
 from .flash_bwd_ws import bwd_dkdv_ws, dkdv_ws_eligible
 from .flash_fwd import flash_fwd, flash_fwd_varlen, varlen_strides
@@ -87,7 +87,7 @@ def _bwd_dkdv_loop(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr = True, WINDOW_LEFT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     DROPOUT: tl.constexpr = False, DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    EXACT_DS: tl.constexpr = False,
+    EXACT_DS: tl.constexpr = False, QD=None, DOD=None, desc_b=0, desc_h=0,
 ):
     """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end).
 
@@ -98,7 +98,8 @@ def _bwd_dkdv_loop(
     with atomics (one GEMM here instead of the dQ kernel's three; not bitwise reproducible); with USE_TMA
     the tile goes by one TMA bulk reduce-add (sm90 `cp.reduce.async.bulk.tensor ... add`, FA3's dQ path;
     rows past SEQ_Q are dropped by the copy) instead of one atomic per element. USE_TMA: 1 (or True) for the
-    Q / dO loads, 2 for the loads and the dQ reduce (Triton's interpreter has no TMA reduce: 1 there).
+    Q / dO loads, 2 for the loads and the dQ reduce (Triton's interpreter has no TMA reduce: 1 there); the loads
+    through the host descriptors QD / DOD (_tma.head_tiles) at batch desc_b and head desc_h.
     """
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -106,10 +107,7 @@ def _bwd_dkdv_loop(
     cols = n0 + tl.arange(0, BLOCK_N)
     KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
         and not HAS_ALIBI and not SOFTCAP  # a bool attn_mask is the only score feature
-    if USE_TMA:  # Q and dO tiles by TMA
-        q_desc, do_desc = _tile_descs(Q, DO, SEQ_Q, stride_qm, stride_dom, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D,
-                                      BLOCK_DV)
-    else:
+    if not USE_TMA:
         q_ptrs = _tile_ptrs(Q, start, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
         do_ptrs = _tile_ptrs(DO, start, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
     if ATOMIC_DQ and USE_TMA == 2:
@@ -118,7 +116,7 @@ def _bwd_dkdv_loop(
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         if USE_TMA:
-            q = q_desc.load([start_m, 0])
+            q = QD.load([desc_b, desc_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
         else:
             q = _load_rows(q_ptrs, rows, SEQ_Q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
         lse = _load_lse_log2(LSE, rows, SEQ_Q)
@@ -144,7 +142,7 @@ def _bwd_dkdv_loop(
                 band = cols[:, None] >= rows[None, :] + left_offset
             p_t = tl.where(band, p_t, 0.0)
         if USE_TMA:
-            do = do_desc.load([start_m, 0])
+            do = DOD.load([desc_b, desc_h, start_m, 0]).reshape(BLOCK_M, BLOCK_DV)
         else:
             do = _load_rows(do_ptrs, rows, SEQ_Q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
@@ -200,6 +198,7 @@ def _bwd_dkdv(
     DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
     USE_TMA: tl.constexpr = False, KEY_MAJOR: tl.constexpr = False, EXACT_DS: tl.constexpr = False,
+    QD=None, DOD=None,
 ):
     # KEY_MAJOR: key block outermost (every (batch, KV head)'s first key block, then every second one, ...): under
     # causal masking the first blocks see the most query rows, so the longest programs go first
@@ -260,8 +259,10 @@ def _bwd_dkdv(
         stride_mask_b = off_b * stride_mb
     else:
         stride_mask_b = 0
+    desc_b = bh // NUM_HEADS_K  # int32 coordinates of the Q / dO descriptors (USE_TMA)
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
+        desc_h = bh % NUM_HEADS_K * GROUP + g
         bh_q = off_b * NUM_HEADS_Q + off_h
         Q_h = Q + off_b * stride_qb + off_h * stride_qh
         DO_h = DO + off_b * stride_dob + off_h * stride_doh
@@ -307,14 +308,16 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS,
+                QD, DOD, desc_b, desc_h)
         dk, dv = _bwd_dkdv_loop(
             dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
             mid_lo, mid_hi, n0, seqlen_q, causal_offset, qk_scale,
             seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
-            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
+            0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS,
+                QD, DOD, desc_b, desc_h)
         if WINDOW_LEFT or MASK_BOUNDS:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -322,7 +325,8 @@ def _bwd_dkdv(
                 seqlen_k, Mask_h, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                 seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, WINDOW_LEFT,
-                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS)
+                MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS,
+                QD, DOD, desc_b, desc_h)
 
     dk *= sm_scale
     if DROPOUT:
@@ -346,26 +350,24 @@ def _bwd_dq_loop(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    EXACT_DS: tl.constexpr = False,
+    EXACT_DS: tl.constexpr = False, KD=None, VD=None, desc_b=0, desc_h=0,
 ):
-    """Accumulate dQ of one query block over keys [start, end). USE_TMA: K and V tiles by TMA (keys past SEQ_K
-    and padded head-dim columns zero-filled by the copy), as the dK/dV kernel reads Q and dO."""
+    """Accumulate dQ of one query block over keys [start, end). USE_TMA: K and V tiles by TMA through the host
+    descriptors KD / VD at batch desc_b and KV head desc_h (keys past SEQ_K and padded head-dim columns
+    zero-filled by the copy), as the dK/dV kernel reads Q and dO."""
     KEEP_ONLY: tl.constexpr = (MASK_KIND == MASK_BOOL or MASK_KIND == MASK_BOOL_ROW or MASK_KIND == MASK_BITS_ROW) \
         and not HAS_ALIBI and not SOFTCAP  # a bool attn_mask is the only score feature
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if USE_TMA:  # K and V tiles by TMA
-        k_desc, v_desc = _tile_descs(K, V, SEQ_K, stride_kn, stride_vn, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
-                                     BLOCK_DV)
-    else:
+    if not USE_TMA:
         k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
         v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         if USE_TMA:
-            k = k_desc.load([start_n, 0])
-            v = v_desc.load([start_n, 0])
+            k = KD.load([desc_b, desc_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = VD.load([desc_b, desc_h, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
             k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
             v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
@@ -418,11 +420,13 @@ def _bwd_dq(
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, EXACT_DS: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, EXACT_DS: tl.constexpr = False, KD=None, VD=None,
 ):
     pid = tl.program_id(0)
     pid_m = pid % NUM_M_BLOCKS
     bh = pid // NUM_M_BLOCKS
+    desc_b = bh // NUM_HEADS_Q  # int32 coordinates of the K / V descriptors (USE_TMA)
+    desc_h = bh % NUM_HEADS_Q // GROUP
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
@@ -494,32 +498,37 @@ def _bwd_dq(
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS,
+                          KD, VD, desc_b, desc_h)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           open_lo, open_hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
-                          0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
+                          0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS,
+                          KD, VD, desc_b, desc_h)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           open_hi, hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS,
+                          KD, VD, desc_b, desc_h)
     else:
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           0, n_full, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS,
+                          KD, VD, desc_b, desc_h)
         dq = _bwd_dq_loop(dq, q, do, lse, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                           n_full, hi, rows, seqlen_k, causal_offset, qk_scale,
                           seqlen_q, Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
                           seed, rng_offset, bh, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
                           HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
-                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS)
+                          MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, USE_TMA, EXACT_DS,
+                          KD, VD, desc_b, desc_h)
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, m0, stride_dqm, stride_dqd, BLOCK_M, BLOCK_D)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
@@ -607,7 +616,9 @@ def _launch_dkdv(q, k, v, dout, lse, delta, dk, dv, feat, cfg, n_blocks, scale, 
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, **feat.constexprs,
         **({"DQ_ACC": dq_acc, "ATOMIC_DQ": True} if atomic else {}),
-        **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True} if use_tma else {}),
+        **({"USE_TMA": 2 if atomic and not _launch._INTERPRET else True,
+            "QD": head_tiles(q, cfg.dkdv.block_m, block_d), "DOD": head_tiles(dout, cfg.dkdv.block_m, block_dv)}
+           if use_tma else {}),
         **({"KEY_MAJOR": True} if cfg.dkdv.key_major else {}), **exact_ds,
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dkdv.block_m, cfg.dkdv.block_n, by_keys=True),
     ))
@@ -687,7 +698,8 @@ def flash_bwd(
         HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, **feat.constexprs,
-        **({"USE_TMA": True} if use_tma_dq else {}), **exact_ds,
+        **({"USE_TMA": True, "KD": head_tiles(k, cfg.dq.block_n, block_d),
+            "VD": head_tiles(v, cfg.dq.block_n, block_dv)} if use_tma_dq else {}), **exact_ds,
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.dq.block_m, cfg.dq.block_n),
     ))
     return dq, dk, dv

@@ -22,8 +22,7 @@ from . import _configs, _launch
 from ._features import _LOG2E
 from ._common import _band_keep, _ds_dot, _grid_order, _kv_bounds, _load_lse_log2, _q_bounds
 from ._launch import cdiv, grid_1d
-from ._tma import tma_ok
-from ._ws import _head_rows
+from ._tma import head_tiles, tma_ok
 from .dq_from_ds import dq_from_ds
 from .flash_fwd_split import split_widths
 
@@ -40,25 +39,27 @@ def _tile_store(T, row0, n_rows, stride_row, col0, HEAD_DIM: tl.constexpr, x, BL
 
 
 @triton.jit
-def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE, DELTA,
+def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, QA, QB, DOA, DOB, off_b, off_h, LSE, DELTA,
                      start, end, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, D_A: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                     EXACT_DS: tl.constexpr, DS_T=None, ds_scale=1.0, STORE_DS: tl.constexpr = False):
-    """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end), scores transposed (keys x
-    queries). Query rows past SEQ_Q get LSE = +inf (P = 0); MASKED applies the causal band. STORE_DS: dS^T * ds_scale
-    also written, rounded once to the inputs' dtype, through DS_T (this head's (SEQ_K, SEQ_Q) descriptor)."""
+                     BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, MASKED: tl.constexpr,
+                     CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr, DS=None, ds_scale=1.0,
+                     STORE_DS: tl.constexpr = False):
+    """Accumulate dK, dV of keys [n0, n0 + BLOCK_N) over query rows [start, end) of head (off_b, off_h), scores
+    transposed (keys x queries). Query rows past SEQ_Q get LSE = +inf (P = 0); MASKED applies the causal band.
+    STORE_DS: dS^T * ds_scale also written, rounded once to the inputs' dtype, through DS (the (b, hq, SEQ_K,
+    SEQ_Q) dS^T's descriptor)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q_a = qa_desc.load([start_m, 0])
-        q_b = qb_desc.load([start_m, D_A])
+        q_a = QA.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, D_A)
+        q_b = QB.load([off_b, off_h, start_m, D_A]).reshape(BLOCK_M, D_B)
         lse = _load_lse_log2(LSE, rows, SEQ_Q)
         s_t = tl.dot(k_b, tl.trans(q_b), tl.dot(k_a, tl.trans(q_a)))
         p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
         if MASKED:
             p_t = tl.where(_band_keep(rows[None, :], cols[:, None], SEQ_K, causal_offset, 0, CAUSAL, False), p_t, 0.0)
-        do_a = doa_desc.load([start_m, 0])
-        do_b = dob_desc.load([start_m, D_A])
+        do_a = DOA.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, D_A)
+        do_b = DOB.load([off_b, off_h, start_m, D_A]).reshape(BLOCK_M, D_B)
         p16 = p_t.to(do_a.dtype)
         dv_a = tl.dot(p16, do_a, dv_a)
         dv_b = tl.dot(p16, do_b, dv_b)
@@ -66,7 +67,7 @@ def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_des
         dp_t = tl.dot(v_b, tl.trans(do_b), tl.dot(v_a, tl.trans(do_a)))
         ds_t = p_t * (dp_t - delta[None, :])
         if STORE_DS:  # (a TMA store: rows past SEQ_K and columns past SEQ_Q clipped)
-            DS_T.store([n0, start_m], (ds_t * ds_scale).to(DS_T.dtype))
+            DS.store([off_b, off_h, n0, start_m], (ds_t * ds_scale).to(DS.dtype).reshape(1, 1, BLOCK_N, BLOCK_M))
         dk_a = _ds_dot(ds_t, q_a, dk_a, EXACT_DS)
         dk_b = _ds_dot(ds_t, q_b, dk_b, EXACT_DS)
     return dk_a, dk_b, dv_a, dv_b
@@ -74,25 +75,24 @@ def _dkdv_split_loop(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_des
 
 @triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS", "causal_offset"])
 def _bwd_dkdv_split(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    QA, QB, KA, KB, VA, VB, DOA, DOB, LSE, DELTA, DK, DV,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     NUM_HEADS_Q, NUM_HEADS_K, GROUP, SEQ_Q, SEQ_K, NUM_N_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
-    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False, DS_T=None, DS_STRIDE=0,
-    STORE_DS: tl.constexpr = False,
+    BLOCK_MAJOR: tl.constexpr = False, ONE_LOOP: tl.constexpr = False, DS=None, STORE_DS: tl.constexpr = False,
 ):
+    # Q, K, V, dO (and DS, dS^T, with STORE_DS) by host descriptors (_tma.head_tiles), one per column tile: the first
+    # tile's columns at 0, the second's at D_A (columns past the head dim zero-filled)
     # (causal: key block 0 sees the most query rows, so block order is longest first)
     bh, pid_n = _grid_order(tl.program_id(0), NUM_N_BLOCKS, BLOCK_MAJOR)
-    off_b = (bh // NUM_HEADS_K).to(tl.int64)
-    off_hk = (bh % NUM_HEADS_K).to(tl.int64)
+    off_b = bh // NUM_HEADS_K
+    off_hk = bh % NUM_HEADS_K
     n0 = pid_n * BLOCK_N
-    k_a = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A).load([n0, 0])
-    k_b = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B).load([n0, D_A])
-    v_a = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_A).load([n0, 0])
-    v_b = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N,
-                     D_B).load([n0, D_A])
+    k_a = KA.load([off_b, off_hk, n0, 0]).reshape(BLOCK_N, D_A)
+    k_b = KB.load([off_b, off_hk, n0, D_A]).reshape(BLOCK_N, D_B)
+    v_a = VA.load([off_b, off_hk, n0, 0]).reshape(BLOCK_N, D_A)
+    v_b = VB.load([off_b, off_hk, n0, D_A]).reshape(BLOCK_N, D_B)
     dk_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
     dk_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
     dv_a = tl.zeros([BLOCK_N, D_A], dtype=tl.float32)
@@ -103,30 +103,22 @@ def _bwd_dkdv_split(
         m_mid = SEQ_Q
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
-        bh_q = off_b * NUM_HEADS_Q + off_h
-        qa_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_A)
-        qb_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_B)
-        doa_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_A)
-        dob_desc = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_B)
+        bh_q = (off_b * NUM_HEADS_Q + off_h).to(tl.int64)
         LSE_h = LSE + bh_q * SEQ_Q
         DELTA_h = DELTA + bh_q * SEQ_Q
-        DS_h = DS_T
-        if STORE_DS:  # this head's (SEQ_K, SEQ_Q) dS^T, rows DS_STRIDE apart (SEQ_Q rounded up to 8: TMA's alignment)
-            DS_h = tl.make_tensor_descriptor(DS_T + bh_q * SEQ_K * DS_STRIDE, shape=[SEQ_K, SEQ_Q],
-                                             strides=[DS_STRIDE, 1], block_shape=[BLOCK_N, BLOCK_M])
         if CAUSAL:
             dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
-                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
-                m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, True, CAUSAL, EXACT_DS,
-                DS_h, sm_scale, STORE_DS)
+                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, QA, QB, DOA, DOB, off_b, off_h, LSE_h, DELTA_h,
+                m_lo, m_mid, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, D_B, True, CAUSAL,
+                EXACT_DS, DS, sm_scale, STORE_DS)
         # (keys past SEQ_K: zero-filled rows whose dK / dV rows are never stored, so no mask here)
         if not ONE_LOOP:
             dk_a, dk_b, dv_a, dv_b = _dkdv_split_loop(
-                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, qa_desc, qb_desc, doa_desc, dob_desc, LSE_h, DELTA_h,
-                m_mid, SEQ_Q, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, False, CAUSAL,
-                EXACT_DS, DS_h, sm_scale, STORE_DS)
-    DK_h = DK + off_b * stride_dkb + off_hk * stride_dkh
-    DV_h = DV + off_b * stride_dvb + off_hk * stride_dvh
+                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, QA, QB, DOA, DOB, off_b, off_h, LSE_h, DELTA_h,
+                m_mid, SEQ_Q, n0, SEQ_Q, SEQ_K, causal_offset, qk_scale, BLOCK_M, BLOCK_N, D_A, D_B, False, CAUSAL,
+                EXACT_DS, DS, sm_scale, STORE_DS)
+    DK_h = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+    DV_h = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
     _tile_store(DK_h, n0, SEQ_K, stride_dkn, 0, HEAD_DIM, dk_a * sm_scale, BLOCK_N, D_A)
     _tile_store(DK_h, n0, SEQ_K, stride_dkn, D_A, HEAD_DIM, dk_b * sm_scale, BLOCK_N, D_B)
     _tile_store(DV_h, n0, SEQ_K, stride_dvn, 0, HEAD_DIM_V, dv_a, BLOCK_N, D_A)
@@ -134,19 +126,20 @@ def _bwd_dkdv_split(
 
 
 @triton.jit
-def _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc, start, end,
+def _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, KA, KB, VA, VB, off_b, off_hk, start, end,
                    rows, SEQ_K, causal_offset, qk_scale, BLOCK_N: tl.constexpr, D_A: tl.constexpr,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr):
-    """Accumulate dQ of one query block over keys [start, end); MASKED hides keys past SEQ_K and the causal band."""
+                   D_B: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr):
+    """Accumulate dQ of one query block over keys [start, end) of KV head (off_b, off_hk); MASKED hides keys past
+    SEQ_K and the causal band."""
     for start_n in range(start, end, BLOCK_N):
-        k_a = ka_desc.load([start_n, 0])
-        k_b = kb_desc.load([start_n, D_A])
+        k_a = KA.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, D_A)
+        k_b = KB.load([off_b, off_hk, start_n, D_A]).reshape(BLOCK_N, D_B)
         p = tl.math.exp2(tl.dot(q_b, tl.trans(k_b), tl.dot(q_a, tl.trans(k_a))) * qk_scale - lse[:, None])
         if MASKED:
             cols = start_n + tl.arange(0, BLOCK_N)
             p = tl.where(_band_keep(rows[:, None], cols[None, :], SEQ_K, causal_offset, 0, CAUSAL, False), p, 0.0)
-        v_a = va_desc.load([start_n, 0])
-        v_b = vb_desc.load([start_n, D_A])
+        v_a = VA.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, D_A)
+        v_b = VB.load([off_b, off_hk, start_n, D_A]).reshape(BLOCK_N, D_B)
         dp = tl.dot(do_b, tl.trans(v_b), tl.dot(do_a, tl.trans(v_a)))
         ds = p * (dp - delta[:, None])
         dq_a = _ds_dot(ds, k_a, dq_a, EXACT_DS)
@@ -156,9 +149,7 @@ def _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_des
 
 @triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
 def _bwd_dq_split(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    QA, QB, KA, KB, VA, VB, DOA, DOB, LSE, DELTA, DQ, stride_dqb, stride_dqh, stride_dqm,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, EXACT_DS: tl.constexpr = False,
@@ -167,31 +158,28 @@ def _bwd_dq_split(
     bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, BLOCK_MAJOR)
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first
-    off_b = (bh // NUM_HEADS_Q).to(tl.int64)
-    off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+    off_b = bh // NUM_HEADS_Q
+    off_h = bh % NUM_HEADS_Q
     off_hk = off_h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    q_a = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_A).load([m0, 0])
-    q_b = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_B).load([m0, D_A])
-    do_a = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M,
-                      D_A).load([m0, 0])
-    do_b = _head_rows(DO, off_b, off_h, stride_dob, stride_doh, stride_dom, SEQ_Q, HEAD_DIM_V, BLOCK_M,
-                      D_B).load([m0, D_A])
+    # (Q, K, V and dO by host descriptors, as in _bwd_dkdv_split)
+    q_a = QA.load([off_b, off_h, m0, 0]).reshape(BLOCK_M, D_A)
+    q_b = QB.load([off_b, off_h, m0, D_A]).reshape(BLOCK_M, D_B)
+    do_a = DOA.load([off_b, off_h, m0, 0]).reshape(BLOCK_M, D_A)
+    do_b = DOB.load([off_b, off_h, m0, D_A]).reshape(BLOCK_M, D_B)
     lse = _load_lse_log2(LSE + bh.to(tl.int64) * SEQ_Q, rows, SEQ_Q)
     delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
-    ka_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A)
-    kb_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B)
-    va_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_A)
-    vb_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_B)
     dq_a = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
     n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc,
-                                0, n_full, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, False, CAUSAL, EXACT_DS)
-    dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, ka_desc, kb_desc, va_desc, vb_desc,
-                                n_full, hi, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, True, CAUSAL, EXACT_DS)
-    DQ_h = DQ + off_b * stride_dqb + off_h * stride_dqh
+    dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, KA, KB, VA, VB, off_b, off_hk,
+                                0, n_full, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, D_B, False, CAUSAL,
+                                EXACT_DS)
+    dq_a, dq_b = _dq_split_loop(dq_a, dq_b, q_a, q_b, do_a, do_b, lse, delta, KA, KB, VA, VB, off_b, off_hk,
+                                n_full, hi, rows, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, D_B, True, CAUSAL,
+                                EXACT_DS)
+    DQ_h = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
     _tile_store(DQ_h, m0, SEQ_Q, stride_dqm, 0, HEAD_DIM, dq_a * sm_scale, BLOCK_M, D_A)
     _tile_store(DQ_h, m0, SEQ_Q, stride_dqm, D_A, HEAD_DIM, dq_b * sm_scale, BLOCK_M, D_B)
 
@@ -308,14 +296,19 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     dkdv_kw = dict(kw, **({"ONE_LOOP": True} if top in CAUSAL_ONE_LOOP and causal_offset is not None else {}))
     offset, qk_scale = causal_offset or 0, scale * _LOG2E
 
+    def _column_tiles(t: torch.Tensor, rows: int) -> tuple:
+        return head_tiles(t, rows, width_a), head_tiles(t, rows, width_b)
+
     def dkdv(q, k, v, dout, lse, delta, dk, dv, extra) -> Callable[[], None]:
         b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
         block_m, block_n, num_warps, num_stages = dkdv_tile
         n_blocks = cdiv(sk, block_n)
+        if "DS" in extra:
+            extra = dict(extra, DS=head_tiles(extra["DS"], block_n, block_m))
         return lambda: _launch.launch(_bwd_dkdv_split, grid_1d(n_blocks * b * hkv), (
-            q, k, v, dout, lse, delta, dk, dv,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
-            *dv.stride()[:3], hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
+            *_column_tiles(q, block_m), *_column_tiles(k, block_n), *_column_tiles(v, block_n),
+            *_column_tiles(dout, block_m), lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+            hq, hkv, hq // hkv, sq, sk, n_blocks, offset, qk_scale, scale,
         ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **dkdv_kw, **extra))
 
     pieces = None
@@ -329,8 +322,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
 
         def dq_() -> None:
             _launch.launch(_bwd_dq_split, grid_1d(m_blocks * b * hq), (
-                q, k, v, dout, lse, delta, dq,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+                *_column_tiles(q, block_m), *_column_tiles(k, block_n), *_column_tiles(v, block_n),
+                *_column_tiles(dout, block_m), lse, delta, dq, *dq.stride()[:3],
                 hq, hq // hkv, sq, sk, m_blocks, offset, qk_scale, scale,
             ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **kw))
 
@@ -350,7 +343,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
         ds_t = buffer[:(bs.stop - bs.start) * (qs.stop - qs.start) * sk * stride].view(
             bs.stop - bs.start, qs.stop - qs.start, sk, stride)[..., :sq]
         launch = dkdv(q[bs, qs], k[bs, hs], v[bs, hs], dout[bs, qs], lse_p, delta_p, dk[bs, hs], dv[bs, hs],
-                      dict(DS_T=ds_t, DS_STRIDE=stride, STORE_DS=True))
+                      dict(DS=ds_t, STORE_DS=True))
         calls += [launch, functools.partial(dq_from_ds, ds_t, k[bs, hs], dq[bs, qs], causal_offset,
                                             (width_a, width_b))]
     return calls

@@ -16,14 +16,14 @@ import triton.language as tl
 
 from .._layout import new_attention_output
 from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep,
-                      _grid_order, _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods, _tile_descs,
+                      _grid_order, _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods,
                       _tile_ptrs, _window_lo)
 from ._configs import fwd_config, fwd_exact_pv_config, fwd_without_tma
 from .flash_fwd_split import flash_fwd_split, split_eligible
 from .flash_fwd_ws import flash_fwd_ws, ws_eligible
 from ._features import dropout_draw, kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
-from ._tma import tma_ok
+from ._tma import head_tiles, tma_ok
 from ._launch import cdiv, grid_1d, tile_dims
 
 
@@ -40,20 +40,18 @@ def _fwd_kv_loop(
     MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     DROPOUT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     gap_at=None, gap_len=None, GAP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    EXACT_PV: tl.constexpr = False,
+    EXACT_PV: tl.constexpr = False, KD=None, VD=None, desc_b=0, desc_h=0,
 ):
     """Fold keys [start, end) into (acc, l_i, m_i). GAP: the keys are [start, gap_at) and
     [gap_at + gap_len, end + gap_len) instead, in one loop (two ranges in one loop body keep the
     register allocation of a two-loop kernel; a third loop body spills at 128 x 64 tiles on sm90).
-    USE_TMA: K and V tiles by TMA (rows past SEQ_K and padded head-dim columns come zero-filled, as the
-    masked pointer loads give them)."""
+    USE_TMA: K and V tiles by TMA through the host descriptors KD / VD (_tma.head_tiles) at batch desc_b and
+    head desc_h (rows past SEQ_K and padded head-dim columns come zero-filled, as the masked pointer loads give
+    them)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if USE_TMA:
-        k_desc, v_desc = _tile_descs(K, V, SEQ_K, stride_kn, stride_vn, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
-                                     BLOCK_DV)
-    else:
+    if not USE_TMA:
         k_ptrs = _tile_ptrs(K, start, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
         v_ptrs = _tile_ptrs(V, start, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
     MODS: tl.constexpr = MASK_KIND != 0 or HAS_ALIBI or SOFTCAP
@@ -73,7 +71,7 @@ def _fwd_kv_loop(
             start_n = x
         cols = start_n + offs_n
         if USE_TMA:
-            k = k_desc.load([start_n, 0])
+            k = KD.load([desc_b, desc_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             k = _load_rows(k_ptrs, cols, SEQ_K, offs_d, HEAD_DIM, MASKED, HEAD_DIM != BLOCK_D)
         mask_vals = _load_mask(offs_m[:, None], cols[None, :], start_n, SEQ_Q, SEQ_K, Mask, stride_mm, stride_mn,
@@ -139,7 +137,7 @@ def _fwd_kv_loop(
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]
         if USE_TMA:
-            v = v_desc.load([start_n, 0])
+            v = VD.load([desc_b, desc_h, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
             v = _load_rows(v_ptrs, cols, SEQ_K, offs_dv, HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV)
         if DROPOUT:
@@ -189,7 +187,7 @@ def _attn_fwd(
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, EXACT_PV: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, EXACT_PV: tl.constexpr = False, KD=None, VD=None,
 ):
     # 1-D grid (no 65535 limit on batch * heads); query blocks of one head are adjacent so
     # concurrently running programs share that head's K/V in L2 (block-major order, the longest blocks of all heads
@@ -200,6 +198,8 @@ def _attn_fwd(
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
     off_h = (bh % NUM_HEADS_Q).to(tl.int64)
     off_hk = off_h // GROUP
+    desc_b = bh // NUM_HEADS_Q  # int32 coordinates of the K / V descriptors (USE_TMA)
+    desc_h = bh % NUM_HEADS_Q // GROUP
     m0 = pid_m * BLOCK_M
     if VARLEN:
         q_start = tl.load(CuSeqQ + off_b)
@@ -262,7 +262,8 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            0, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
+            0, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV,
+            KD=KD, VD=VD, desc_b=desc_b, desc_h=desc_h)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             lo, hi - (open_hi - open_lo), offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
@@ -270,7 +271,8 @@ def _attn_fwd(
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
             MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE,
-            open_lo, open_hi - open_lo, True, USE_TMA, EXACT_PV)
+            open_lo, open_hi - open_lo, True, USE_TMA, EXACT_PV, KD=KD, VD=VD, desc_b=desc_b,
+            desc_h=desc_h)
     elif WINDOW_LEFT:
         # Keys before lo are left of every row's window; from full_lo on, left of no row's.
         lo, full_lo = _window_lo(m0, seqlen_k, left_offset, BLOCK_M, BLOCK_N)
@@ -280,21 +282,24 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV,
+            KD=KD, VD=VD, desc_b=desc_b, desc_h=desc_h)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             full_lo, n_full, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV,
+            KD=KD, VD=VD, desc_b=desc_b, desc_h=desc_h)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             tl.maximum(full_lo, n_full), hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV,
+            KD=KD, VD=VD, desc_b=desc_b, desc_h=desc_h)
     else:
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -302,14 +307,16 @@ def _attn_fwd(
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV,
+            KD=KD, VD=VD, desc_b=desc_b, desc_h=desc_h)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
             n_full, hi, offs_m, seqlen_q, seqlen_k, causal_offset, qk_scale,
             Mask_bh, stride_mm, stride_mn, slope2, alibi_offset, softcap_in, left_offset,
             seed, rng_offset, bh, drop_threshold, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, SCALE_NEG,
-            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV)
+            MASK_KIND, HAS_ALIBI, SOFTCAP, WINDOW_LEFT, DROPOUT, LAZY_RESCALE, USE_TMA=USE_TMA, EXACT_PV=EXACT_PV,
+            KD=KD, VD=VD, desc_b=desc_b, desc_h=desc_h)
 
     # Rows that saw no key (l = 0) output 0 with LSE = -inf, as PyTorch's math backend does.
     empty = l_i == 0.0
@@ -389,7 +396,8 @@ def flash_fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs,
         **({"LAZY_RESCALE": True} if cfg.lazy_rescale else {}),
-        **({"USE_TMA": True} if cfg.tma else {}), **exact_pv,
+        **({"USE_TMA": True, "KD": head_tiles(k, cfg.block_n, block_d), "VD": head_tiles(v, cfg.block_n, block_dv)}
+           if cfg.tma else {}), **exact_pv,
         **_mask_bounds.launch_args(attn_mask, b, hq, sq, sk, d, cfg.block_m, cfg.block_n),
     ))
     return out, lse

@@ -3,7 +3,8 @@ instead of 128.
 
 Triton tiles are powers of two, so the general kernel (`flash_fwd._attn_fwd`) runs d=192 on 256-wide tiles and
 spends a quarter of its tensor-core work and of its Q / K / V traffic on zero columns. Here Q, K and V are read by
-TMA as a 128-column and a 64-column tile (columns past the head dim come zero-filled), S = Q K^T is the sum of two
+TMA (host-side descriptors, `_tma.head_tiles`) as a 128-column and a 64-column tile (columns past the head dim come
+zero-filled), S = Q K^T is the sum of two
 dots and O is kept in two accumulators. Plain calls only (causal or not, GQA; no mask, dropout, softcap, ALiBi or
 window), fp16 / bf16, a positive scale, strides TMA accepts; the rest go to `_attn_fwd`. Same contract as
 `_attn_fwd`: out (b, hq, sq, dv) in its own dtype, LSE (natural log) contiguous (b, hq, sq); a row that sees no
@@ -20,8 +21,7 @@ from . import _configs, _launch
 from ._features import _LOG2E
 from ._common import LN2, _band_keep, _grid_order, _kv_bounds
 from ._launch import cdiv, grid_1d
-from ._tma import tma_ok
-from ._ws import _head_rows
+from ._tma import head_tiles, tma_ok
 
 # Head-dim classes a split launch takes, keyed on the class's widest head dim: (first, second column tile). 129-192:
 # 128 + 64 (the general kernel pads them to 256); 65-96: 64 + 32 (padded to 128 by the general and warp-specialized
@@ -44,15 +44,15 @@ def split_widths(d: int, dv: int, splits: dict[int, tuple[int, int]]) -> tuple[i
 
 
 @triton.jit
-def _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_desc, start, end, offs_m, SEQ_K,
-                causal_offset, qk_scale, BLOCK_N: tl.constexpr, D_A: tl.constexpr, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr):
+def _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, KA, KB, VA, VB, off_b, off_hk, start, end, offs_m, SEQ_K,
+                causal_offset, qk_scale, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """Fold keys [start, end) into (acc_a, acc_b, l_i, m_i); MASKED hides keys past SEQ_K and, CAUSAL, right of
     each row's diagonal."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
-        k_a = ka_desc.load([start_n, 0])
-        k_b = kb_desc.load([start_n, D_A])
+        k_a = KA.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, D_A)
+        k_b = KB.load([off_b, off_hk, start_n, D_A]).reshape(BLOCK_N, D_B)
         qk = tl.dot(q_b, tl.trans(k_b), tl.dot(q_a, tl.trans(k_a)))
         if MASKED:
             keep = _band_keep(offs_m[:, None], (start_n + offs_n)[None, :], SEQ_K, causal_offset, 0, CAUSAL, False)
@@ -66,8 +66,8 @@ def _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_
             p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
             alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_a = va_desc.load([start_n, 0])
-        v_b = vb_desc.load([start_n, D_A])
+        v_a = VA.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, D_A)
+        v_b = VB.load([off_b, off_hk, start_n, D_A]).reshape(BLOCK_N, D_B)
         p = p.to(v_a.dtype)
         acc_a = tl.dot(p, v_a, acc_a * alpha[:, None])
         acc_b = tl.dot(p, v_b, acc_b * alpha[:, None])
@@ -77,51 +77,40 @@ def _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_
 
 @triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset"])
 def _attn_fwd_split(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    QA, QB, KA, KB, VA, VB, OA, OB, LSE,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, causal_offset, qk_scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_MAJOR: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_MAJOR: tl.constexpr = False,
 ):
+    # Q, K, V and O by host descriptors (_tma.head_tiles), one per column tile: the first tile's columns at 0, the
+    # second's at D_A; rows past the sequence and columns past the head dim come zero-filled (they add nothing to
+    # q.k or to O) and are dropped on the store.
     bh, pid_m = _grid_order(tl.program_id(0), NUM_M_BLOCKS, BLOCK_MAJOR)
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m  # longest rows first: a better tail
-    off_b = (bh // NUM_HEADS_Q).to(tl.int64)
-    off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+    off_b = bh // NUM_HEADS_Q
+    off_h = bh % NUM_HEADS_Q
     off_hk = off_h // GROUP
     m0 = pid_m * BLOCK_M
-    # Per-head descriptors, one per column tile: rows past the sequence and columns past the head dim come
-    # zero-filled (they add nothing to q.k or to O) and are dropped on the store.
-    qa_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_A)
-    qb_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, D_B)
-    ka_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_A)
-    kb_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, D_B)
-    va_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_A)
-    vb_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM_V, BLOCK_N, D_B)
-    q_a = qa_desc.load([m0, 0])
-    q_b = qb_desc.load([m0, D_A])
+    q_a = QA.load([off_b, off_h, m0, 0]).reshape(BLOCK_M, D_A)
+    q_b = QB.load([off_b, off_h, m0, D_A]).reshape(BLOCK_M, D_B)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
     n_full, hi = _kv_bounds(m0, SEQ_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    acc_a, acc_b, l_i, m_i = _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_desc,
-                                         0, n_full, offs_m, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, False,
-                                         CAUSAL)
-    acc_a, acc_b, l_i, m_i = _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, ka_desc, kb_desc, va_desc, vb_desc,
-                                         n_full, hi, offs_m, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, True,
-                                         CAUSAL)
+    acc_a, acc_b, l_i, m_i = _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, KA, KB, VA, VB, off_b, off_hk, 0, n_full,
+                                         offs_m, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, D_B, False, CAUSAL)
+    acc_a, acc_b, l_i, m_i = _split_loop(acc_a, acc_b, l_i, m_i, q_a, q_b, KA, KB, VA, VB, off_b, off_hk, n_full, hi,
+                                         offs_m, SEQ_K, causal_offset, qk_scale, BLOCK_N, D_A, D_B, True, CAUSAL)
     # Rows that saw no key (l = 0: causal with more queries than keys, bottom-right) output 0 with LSE = -inf.
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     tl.store(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
-    oa_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_A)
-    ob_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM_V, BLOCK_M, D_B)
-    oa_desc.store([m0, 0], (acc_a * inv_l[:, None]).to(O.dtype.element_ty))
-    ob_desc.store([m0, D_A], (acc_b * inv_l[:, None]).to(O.dtype.element_ty))
+    OA.store([off_b, off_h, m0, 0], (acc_a * inv_l[:, None]).to(OA.dtype).reshape(1, 1, BLOCK_M, D_A))
+    OB.store([off_b, off_h, m0, D_A], (acc_b * inv_l[:, None]).to(OB.dtype).reshape(1, 1, BLOCK_M, D_B))
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). H100, d=192, scripts/time_fwd_split.py (TFLOP/s at 2k / 8k, non-causal;
@@ -170,11 +159,13 @@ def flash_fwd_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     tile = _INTERPRETER_TILE if _launch._INTERPRET and _INTERPRETER_TILE else TILES[top]
     block_m, block_n, num_warps, num_stages = tile
     num_m_blocks = cdiv(sq, block_m)
+    if not num_m_blocks * b * hq:
+        return  # (a descriptor needs non-empty dims)
     _launch.launch(_attn_fwd_split, grid_1d(num_m_blocks * b * hq), (
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        head_tiles(q, block_m, width_a), head_tiles(q, block_m, width_b), head_tiles(k, block_n, width_a),
+        head_tiles(k, block_n, width_b), head_tiles(v, block_n, width_a), head_tiles(v, block_n, width_b),
+        head_tiles(out, block_m, width_a), head_tiles(out, block_m, width_b), lse,
         hq, hq // hkv, sq, sk, num_m_blocks, causal_offset or 0, scale * _LOG2E,
-    ), dict(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=block_m, BLOCK_N=block_n, D_A=width_a, D_B=width_b,
+    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, D_A=width_a, D_B=width_b,
             CAUSAL=causal_offset is not None, num_warps=num_warps, num_stages=num_stages,
             **({"BLOCK_MAJOR": True} if causal_offset is not None and top in CAUSAL_BLOCK_MAJOR else {})))

@@ -24,11 +24,25 @@ def _triton_spec(value, specialize=True):
     return native_specialize_impl(backend, value, False, specialize, True)
 
 
+def _descriptors() -> list:
+    """Host TMA descriptors (_tma.head_tiles) that differ in dtype, block shape, padding or only in shape / strides."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.empty(2, 3, 64, 96, dtype=torch.float16)
+    return [TensorDescriptor(t, [2, 3, 64, 96], list(t.stride()), [1, 1, 64, 32]),
+            TensorDescriptor(t, [2, 3, 40, 96], list(t.stride()), [1, 1, 64, 32]),
+            TensorDescriptor(t, [2, 3, 64, 96], list(t.stride()), [1, 1, 32, 32]),
+            TensorDescriptor(t, [2, 3, 64, 96], list(t.stride()), [1, 1, 64, 32], "nan"),
+            TensorDescriptor(t.bfloat16(), [2, 3, 64, 96], list(t.stride()), [1, 1, 64, 32]),
+            TensorDescriptor(t.float(), [2 * 3 * 64, 96], [96, 1], [1, 64])]
+
+
 def test_spec_key_never_looser_than_triton():
     base = torch.empty(64, dtype=torch.float16)
     values = (list(range(-40, 40)) + [2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, 2**40,
                                       2**63, 2**64 - 16, 0.5, 1.0, None, True, False]
-              + [base, base[1:], base[8:], base.float(), base.to(torch.int32)[4:], torch.empty(0)])
+              + [base, base[1:], base[8:], base.float(), base.to(torch.int32)[4:], torch.empty(0)]
+              + _descriptors())
     by_key: dict = {}
     for v in values:
         (k,) = _launch.spec_key([v])

@@ -22,15 +22,22 @@ kernels = ((flash_fwd_split._attn_fwd_split, flash_fwd_split.TILES[192], d192),
            (flash_bwd_split._bwd_dkdv_split, flash_bwd_split.TILES[192][0], d192),
            (flash_bwd_split._bwd_dq_split, flash_bwd_split.TILES[192][1], d192),
            (dq_from_ds._dq_from_ds, dq_from_ds.TILE, dict(HEAD_DIM=256, D_A=128, D_B=128, CAUSAL=True)))
-types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "DS_T")}
+types = {n: "*bf16" for n in ("DQ", "DK", "DV")}
 types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
+# host TMA descriptors (_tma.head_tiles): (rows, columns) of their blocks, by argument name
+desc_blocks = dict(QA=("BLOCK_M", "D_A"), QB=("BLOCK_M", "D_B"), OA=("BLOCK_M", "D_A"), OB=("BLOCK_M", "D_B"),
+                   KA=("BLOCK_N", "D_A"), KB=("BLOCK_N", "D_B"), VA=("BLOCK_N", "D_A"), VB=("BLOCK_N", "D_B"),
+                   DOA=("BLOCK_M", "D_A"), DOB=("BLOCK_M", "D_B"), DS=("BLOCK_N", "BLOCK_M"))
 for fn, (block_m, block_n, num_warps, num_stages), dims in kernels:
     constexprs = dict(dims, BLOCK_M=block_m, BLOCK_N=block_n)
+    for name, (rows, cols) in desc_blocks.items():
+        types[name] = f"tensordesc<bf16[1, 1, {constexprs[rows]}, {constexprs[cols]}]>"
     for name in ("EXACT_DS", "BLOCK_MAJOR", "ONE_LOOP", "STORE_DS"):  # constexpr flags at their defaults (off)
         if name in fn.arg_names:
             constexprs[name] = False
-    if "DS_STRIDE" in fn.arg_names:  # (the dK / dV launch without dS^T stores)
-        constexprs["DS_T"] = None
+    if "STORE_DS" in fn.arg_names:  # (the dK / dV launch without dS^T stores)
+        constexprs["DS"] = None
+    constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))

@@ -76,6 +76,35 @@ def test_tma_needs_aligned_strides():
         check_attention(lambda q, k, v: fa_backend.attention(q, k, v), odd, k, v)
 
 
+def test_head_tiles_of_strided_views():
+    """Host descriptors (_tma.head_tiles) over the (b, h, s, d) view the kernels are given: its own strides (a (b, s,
+    h, d) tensor transposed), and a 16-byte stride for a size-1 dim of stride 0 (TMA wants non-zero strides; the
+    coordinate there is always 0)."""
+    from fa_backend.kernels.triton._tma import head_tiles, row_tiles
+
+    bshd = torch.randn(2, 33, 4, 24, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    desc = head_tiles(bshd, 16, 32)
+    assert desc.shape == [2, 4, 33, 24] and desc.strides == list(bshd.stride()) and desc.block_shape == [1, 1, 16, 32]
+    one = torch.randn(4, 33, 24, dtype=torch.float16, device=DEVICE).as_strided((1, 4, 33, 24), (0, 33 * 24, 24, 1))
+    assert one.stride(0) == 0 and _tma_ok(one, one)
+    assert head_tiles(one, 16, 32).strides == [8, 33 * 24, 24, 1]
+    lse = torch.empty(2, 4, 36, device=DEVICE)
+    rows = row_tiles(lse, 16)
+    assert rows.shape == [8, 36] and rows.strides == [36, 1] and rows.block_shape == [1, 16]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_with_a_stride_zero_batch(causal):
+    """q, k, v with a size-1 batch dim of stride 0: forward and backward through the TMA tiles,
+    within the 2x rule."""
+    q, k, v = (torch.randn(h, 45, 40, dtype=torch.float16, device=DEVICE).as_strided((1, h, 45, 40), (0, 1800, 40, 1))
+               for h in (4, 2, 2))
+    assert q.stride(0) == 0 and all(_tma_ok(t, t) for t in (q, k, v))
+    fwd = TileConfig(16, 16, 4, 1, tma=True) if DEVICE == "cpu" else TileConfig(128, 64, 8, 3, tma=True)
+    with _configs.override(fwd=fwd, bwd=TMA_BWD):
+        check_attention(lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal), q, k, v, is_causal=causal)
+
+
 def test_tma_tile_falls_back_to_one_stage():
     from fa_backend.kernels.triton.flash_bwd import _without_tma
 
