@@ -30,8 +30,10 @@ SPLITS: dict[int, tuple[int, int]] = {192: (128, 64), 96: (64, 32)}
 # Per class, the fewest keys (non-causal, causal) a call needs to take the split; shorter ones keep the other
 # kernels. H100, forty-first session, d=96 (scripts/time_fwd_split.py, 128 x 64 x 8 x 3, TFLOP/s at 1k / 2k / 4k /
 # 16k): non-causal 336 / 401 / 433 / 465 against the warp-specialized kernel's 321 / 373 / 397 / 415; causal
-# 219 / 303 / 367 / 431 against the general kernel's 230 / 272 / 309 / 375 (shorter than 1k: not timed).
-MIN_SEQ_K: dict[int, tuple[int, int]] = {96: (1024, 2048)}
+# 219 / 303 / 367 / 431 against the general kernel's 230 / 272 / 309 / 375 (shorter than 1k: not timed). Since the
+# forty-eighth session's host descriptors the split runs causal 1k at 297-300 (H100; docs/perf-log.md), so causal
+# calls take it from 1k keys too.
+MIN_SEQ_K: dict[int, tuple[int, int]] = {96: (1024, 1024)}
 
 
 def split_widths(d: int, dv: int, splits: dict[int, tuple[int, int]]) -> tuple[int, int, int] | None:

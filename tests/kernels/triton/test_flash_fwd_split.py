@@ -134,15 +134,15 @@ def test_split_forward_small_interpreted(split_launches, monkeypatch, d, dv, hq,
 
 
 def test_split_min_seq_k(monkeypatch):
-    """A class's MIN_SEQ_K (non-causal, causal): fewer keys keep the other kernels; d=96's defaults are 1k / 2k."""
+    """A class's MIN_SEQ_K (non-causal, causal): fewer keys keep the other kernels; d=96's defaults are 1k / 1k."""
     def eligible(sk, causal, d=96):
         q, k, v = qkv(1, 1, 1, 8, sk, d, d, torch.float16, False)
         return flash_fwd_split.split_eligible(q, k, v, torch.empty_like(q), 0.1, True, causal)
     if not (DEVICE == "cpu" or ON_SM90):
         pytest.skip("TMA strides: sm90 or the interpreter")
-    assert flash_fwd_split.MIN_SEQ_K[96] == (1024, 2048)
+    assert flash_fwd_split.MIN_SEQ_K[96] == (1024, 1024)
     assert [eligible(sk, False) for sk in (1023, 1024)] == [False, True]
-    assert [eligible(sk, True) for sk in (2047, 2048)] == [False, True]
+    assert [eligible(sk, True) for sk in (1023, 1024)] == [False, True]
     assert eligible(8, True, d=192)  # 129-192: no minimum
     monkeypatch.setattr(flash_fwd_split, "MIN_SEQ_K", {96: (5, 9)})
     assert [eligible(sk, False) for sk in (4, 5)] == [False, True]
@@ -161,7 +161,7 @@ def test_split_forward_small_real_size(split_launches, causal, d, hq, hkv, sq, s
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
 @pytest.mark.parametrize("causal,sk,kernel", [(False, 600, "_attn_fwd_ws"), (False, 1024, "_attn_fwd_split"),
-                                              (True, 1024, "_attn_fwd"), (True, 2048, "_attn_fwd_split")])
+                                              (True, 600, "_attn_fwd"), (True, 1024, "_attn_fwd_split")])
 def test_split_small_routing(split_launches, causal, sk, kernel):
     """d=96 below its MIN_SEQ_K keeps the warp-specialized (non-causal) or general kernel."""
     q, k, v = qkv(1, 2, 2, sk, sk, 96, 96, torch.bfloat16, True)
