@@ -14,8 +14,9 @@ from . import _launch
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether a kernel may read these (b, h, s, d) tensors by TMA (forward and dQ: K and V; dK/dV: Q and dO):
     sm90+, the head dim contiguous, every other stride and the base address 16-byte aligned (TMA's rules), no
-    broadcast dim; and an allocator for the descriptors, which the kernel builds in global memory (set for the
-    launching thread: Triton keeps it in a context variable, and autograd runs the backward in its own thread)."""
+    broadcast dim; and an allocator for the descriptors that the warp-specialized kernels still build in global
+    memory (set for the launching thread: Triton keeps it in a context variable, and autograd runs the backward in
+    its own thread; the other kernels take host descriptors, `head_tiles`)."""
     t0 = tensors[0]
     if not _launch._INTERPRET and not (t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] >= 9):
         return False
