@@ -20,7 +20,9 @@ def _head_rows(T, off_b, off_h, stride_b, stride_h, stride_row, n_rows, HEAD_DIM
                BLOCK_D: tl.constexpr = 0):
     """TMA descriptor over the n_rows x HEAD_DIM rows of head (off_b, off_h) of a (b, h, s, d) tensor with a unit
     last stride, read and written in BLOCK x BLOCK_D tiles (BLOCK_D: HEAD_DIM by default, or a power of two above
-    it): rows past n_rows and columns past HEAD_DIM come zero-filled and are dropped on stores."""
+    it): rows past n_rows and columns past HEAD_DIM come zero-filled and are dropped on stores. Built in each program
+    (the other kernels take host descriptors, `_tma.head_tiles`, which cost no per-program set-up): Triton 3.6's
+    warp-specialization pass fails on sm90 for kernels with descriptor arguments (forty-eighth session)."""
     return tl.make_tensor_descriptor(T + off_b * stride_b + off_h * stride_h, shape=[n_rows, HEAD_DIM],
                                      strides=[stride_row, 1], block_shape=[BLOCK, BLOCK_D if BLOCK_D else HEAD_DIM])
 
