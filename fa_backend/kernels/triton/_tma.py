@@ -50,10 +50,3 @@ def head_tiles(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
             strides[i] = unit
     return TensorDescriptor(t, list(t.shape), strides, [1, 1, rows, cols])
 
-
-def row_tiles(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Host TMA descriptor of a contiguous (b, h, s) fp32 tensor (LSE, delta) viewed as (b * h, s), read or written in
-    `rows`-long pieces of one head's row (block [1, rows], coordinates [batch * heads + head, row]); s must be a
-    multiple of 4 (16-byte rows)."""
-    s = t.shape[-1]
-    return TensorDescriptor(t, [t.numel() // s, s], [s, 1], [1, rows])

@@ -80,7 +80,7 @@ def test_head_tiles_of_strided_views():
     """Host descriptors (_tma.head_tiles) over the (b, h, s, d) view the kernels are given: its own strides (a (b, s,
     h, d) tensor transposed), and a 16-byte stride for a size-1 dim of stride 0 (TMA wants non-zero strides; the
     coordinate there is always 0)."""
-    from fa_backend.kernels.triton._tma import head_tiles, row_tiles
+    from fa_backend.kernels.triton._tma import head_tiles
 
     bshd = torch.randn(2, 33, 4, 24, dtype=torch.float16, device=DEVICE).transpose(1, 2)
     desc = head_tiles(bshd, 16, 32)
@@ -88,9 +88,6 @@ def test_head_tiles_of_strided_views():
     one = torch.randn(4, 33, 24, dtype=torch.float16, device=DEVICE).as_strided((1, 4, 33, 24), (0, 33 * 24, 24, 1))
     assert one.stride(0) == 0 and _tma_ok(one, one)
     assert head_tiles(one, 16, 32).strides == [8, 33 * 24, 24, 1]
-    lse = torch.empty(2, 4, 36, device=DEVICE)
-    rows = row_tiles(lse, 16)
-    assert rows.shape == [8, 36] and rows.strides == [36, 1] and rows.block_shape == [1, 16]
 
 
 @pytest.mark.parametrize("causal", [False, True])
