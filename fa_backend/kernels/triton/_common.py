@@ -313,3 +313,14 @@ def _open_key_range(lo, open_lo, open_hi, hi, b_ptr, BLOCK_N: tl.constexpr, MASK
     open_lo = tl.minimum(tl.maximum(open_lo, lo), hi_blocks)
     open_hi = tl.maximum(tl.minimum(open_hi, hi_blocks), open_lo)
     return lo, open_lo, open_hi, hi
+
+
+@triton.jit
+def _tile_store(T, row0, n_rows, stride_row, col0, HEAD_DIM: tl.constexpr, x, BLOCK_R: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """Store the fp32 tile x into rows [row0, row0 + BLOCK_R) and columns [col0, col0 + BLOCK_C) of T (unit column
+    stride), in T's dtype, dropping rows past n_rows and columns past HEAD_DIM."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, BLOCK_C)
+    ptrs = T + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+    tl.store(ptrs, x.to(T.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))

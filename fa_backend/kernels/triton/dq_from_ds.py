@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._common import _kv_bounds
+from ._common import _kv_bounds, _tile_store
 from ._launch import cdiv, grid_1d
 from ._tma import head_tiles
 
@@ -75,13 +75,9 @@ def _dq_from_ds(
     else:  # (keys past SEQ_K come zero-filled, in dS^T and in K)
         acc_a, acc_b = _dq_keys(acc_a, acc_b, DS, KA, KB, off_b, off_h, off_hk, m0, rows, 0, SEQ_K, causal_offset,
                                 BLOCK_M, BLOCK_N, D_A, D_B, False)
-    cols_a = tl.arange(0, D_A)
-    cols_b = D_A + tl.arange(0, D_B)
-    ptrs = DQ + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + rows[:, None].to(tl.int64) * stride_qm
-    tl.store(ptrs + cols_a[None, :], acc_a.to(DQ.dtype.element_ty),
-             mask=(rows[:, None] < SEQ_Q) & (cols_a[None, :] < HEAD_DIM))
-    tl.store(ptrs + cols_b[None, :], acc_b.to(DQ.dtype.element_ty),
-             mask=(rows[:, None] < SEQ_Q) & (cols_b[None, :] < HEAD_DIM))
+    DQ_h = DQ + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    _tile_store(DQ_h, m0, SEQ_Q, stride_qm, 0, HEAD_DIM, acc_a, BLOCK_M, D_A)
+    _tile_store(DQ_h, m0, SEQ_Q, stride_qm, D_A, HEAD_DIM, acc_b, BLOCK_M, D_B)
 
 
 def dq_from_ds(ds_t: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, causal_offset: int | None,

@@ -20,22 +20,11 @@ import triton.language as tl
 
 from . import _configs, _launch
 from ._features import _LOG2E
-from ._common import _band_keep, _ds_dot, _grid_order, _kv_bounds, _load_lse_log2, _q_bounds
+from ._common import _band_keep, _ds_dot, _grid_order, _kv_bounds, _load_lse_log2, _q_bounds, _tile_store
 from ._launch import cdiv, grid_1d
 from ._tma import head_tiles, tma_ok
 from .dq_from_ds import dq_from_ds
 from .flash_fwd_split import split_widths
-
-
-@triton.jit
-def _tile_store(T, row0, n_rows, stride_row, col0, HEAD_DIM: tl.constexpr, x, BLOCK_R: tl.constexpr,
-                BLOCK_C: tl.constexpr):
-    """Store the fp32 tile x into rows [row0, row0 + BLOCK_R) and columns [col0, col0 + BLOCK_C) of T (unit column
-    stride), in T's dtype, dropping rows past n_rows and columns past HEAD_DIM."""
-    rows = row0 + tl.arange(0, BLOCK_R)
-    cols = col0 + tl.arange(0, BLOCK_C)
-    ptrs = T + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
-    tl.store(ptrs, x.to(T.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
 
 
 @triton.jit
