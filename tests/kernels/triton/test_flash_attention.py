@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import fa_backend
 from fa_backend.kernels.triton import _configs
 from tests.conftest import DEVICE, DTYPES
-from tests.reference import attention_math, attention_same_dtype, check_attention, max_err
+from tests.reference import assert_within_bar, attention_math, attention_same_dtype, check_attention, max_err
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
@@ -110,8 +110,9 @@ def test_output_layout_and_non_contiguous_grad():
     ref_grads = torch.autograd.grad(attention_math(*ref_leaves), ref_leaves, dout.double())
     pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     pt_grads = torch.autograd.grad(attention_same_dtype(*pt_leaves), pt_leaves, dout)
-    for g, gp, gr in zip(grads, pt_grads, ref_grads):
-        assert max_err(g, gr) <= 2 * max_err(gp, gr) + 1e-5
+    for name, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads):
+        # (with the bar's rounding floor: one seed's dv was 0.71 fp16 ulp from the truth, PyTorch's by chance 0.33)
+        assert_within_bar(name, g, gp, gr)
 
 
 @pytest.mark.parametrize("fwd,bwd", [
