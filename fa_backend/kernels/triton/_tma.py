@@ -49,4 +49,3 @@ def head_tiles(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
         if t.shape[i] == 1 and strides[i] == 0:
             strides[i] = unit
     return TensorDescriptor(t, list(t.shape), strides, [1, 1, rows, cols])
-

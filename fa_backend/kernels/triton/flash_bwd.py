@@ -317,7 +317,7 @@ def _bwd_dkdv(
             seed, rng_offset, bh_q, drop_threshold, dropout_scale, SEQ_Q, SEQ_K,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, WINDOW_LEFT,
             0 if MASK_BOUNDS else MASK_KIND, HAS_ALIBI, SOFTCAP, DROPOUT, DQ_ACC_h, ATOMIC_DQ, USE_TMA, EXACT_DS,
-                QD, DOD, desc_b, desc_h)
+            QD, DOD, desc_b, desc_h)
         if WINDOW_LEFT or MASK_BOUNDS:
             dk, dv = _bwd_dkdv_loop(
                 dk, dv, k, v, Q_h, DO_h, LSE_h, DELTA_h, stride_qm, stride_qd, stride_dom, stride_dod,
