@@ -10,13 +10,13 @@ import dataclasses
 
 import torch
 
+from .._device import device_capability, precompute_capabilities  # noqa: F401 - re-exported (dispatch's callers)
+
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 MASK_KINDS = ("none", "bool", "additive")
 # Calls with at most this many queries are decode calls (a generation step, e.g. with a static KV cache):
 # the split-KV kernel's domain (kernels/triton/decode.py), which spreads the keys over the GPU instead.
 DECODE_MAX_SEQLEN_Q = 16
-
-_CAPABILITIES: dict[tuple[str, int], tuple[int, int]] = {}
 
 
 def _plain_tensor_types() -> tuple[type, ...]:
@@ -31,24 +31,6 @@ def _plain_tensor_types() -> tuple[type, ...]:
 # effect Dynamo guarded on (the process's first compiled call recompiled on its second run) and replayed on restart
 # (SpeculationLogDivergence with dynamic=True); seen on the H200 under pytest-xdist, where no eager call came first.
 _PLAIN_TYPES: tuple[type, ...] = _plain_tensor_types()
-
-
-def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device (looked up once, then read from a dict); None elsewhere."""
-    if device.type != "cuda":
-        return None
-    key = (device.type, device.index if device.index is not None else 0)
-    cap = _CAPABILITIES.get(key)
-    if cap is None:
-        cap = _CAPABILITIES[key] = tuple(torch.cuda.get_device_capability(key[1]))
-    return cap
-
-
-def precompute_capabilities() -> None:
-    """Fill the capability cache for every visible GPU (so traced code only reads a dict)."""
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            device_capability(torch.device("cuda", i))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,15 +229,21 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
         return
     device, stream = _current_device_and_stream()
     key = (id(kernel), device, spec, consts, options)
-    compiled = _FAST.get(key)
-    if compiled is None:
+    entry = _FAST.get(key)
+    if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):
             compiled = compiled.result()
         if compiled is not None and hasattr(compiled, "run"):
+            from . import _desc_launch  # (imports Triton's runtime: not at module import)
+
             if len(_FAST) >= 4096:
                 _FAST.clear()
-            _FAST[key] = compiled
+            _FAST[key] = (compiled, _desc_launch.plan(compiled))
         return
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, None, None, None, *values)
+    compiled, with_descriptors = entry
+    gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+    if with_descriptors is not None:  # host TMA descriptors: encoded once per address and tile
+        with_descriptors(compiled, gx, gy, gz, stream, values)
+    else:
+        compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)

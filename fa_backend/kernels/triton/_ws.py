@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._device import device_capability
 from . import _launch
 
 # Triton builds with `tl.range(..., warp_specialize=...)` (3.4 and later).
@@ -32,7 +33,7 @@ def platform_ok(t: torch.Tensor, interpret: bool) -> bool:
     INTERPRET switch (`interpret`) asks for it."""
     if _launch._INTERPRET:
         return interpret
-    return torch.cuda.get_device_capability(t.device) == (9, 0)
+    return device_capability(t.device) == (9, 0)
 
 
 def launch_or_mark(kernel, grid: tuple, args: tuple, kwargs: dict, failed: set, key) -> bool:

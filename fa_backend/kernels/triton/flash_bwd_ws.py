@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _configs, _launch
-from ._launch import grid_1d
+from ._launch import cdiv, grid_1d, pad_head_dim
 from ._tma import tma_ok
 from ._common import LOG2E
 from ._ws import HAS_WS as _HAS_WS, _head_rows, launch_or_mark, platform_ok
@@ -112,10 +112,10 @@ def bwd_dkdv_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     b, h, sq, d = q.shape
     sk = k.shape[2]
     block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
-    n_blocks = triton.cdiv(sk, block_n)
+    n_blocks = cdiv(sk, block_n)
     return launch_or_mark(_bwd_dkdv_ws, grid_1d(n_blocks * b * h), (
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
         *dv.stride()[:3], h, sq, sk, n_blocks, scale * _LOG2E, scale,
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-            BLOCK_D=triton.next_power_of_2(d)), _FAILED, (d, q.dtype))
+            BLOCK_D=pad_head_dim(d)), _FAILED, (d, q.dtype))

@@ -28,7 +28,7 @@ import triton.language as tl
 from . import _configs, _launch
 from ..keep_bits import causal_offset
 from ._common import LN2
-from ._launch import grid_1d
+from ._launch import cdiv, grid_1d, pad_head_dim
 from ._tma import tma_ok
 from ._ws import HAS_WS, _head_rows, launch_or_mark, platform_ok
 
@@ -180,9 +180,9 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if not lse.is_contiguous() or lse.data_ptr() % 16:  # a caller's LSE buffer that TMA cannot write by rows
         return False
     block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
-    num_m_blocks = triton.cdiv(sq, block_m)
+    num_m_blocks = cdiv(sq, block_m)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
-                  num_stages=num_stages, BLOCK_D=triton.next_power_of_2(d))
+                  num_stages=num_stages, BLOCK_D=pad_head_dim(d))
     if causal:
         kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, block_m),
                       causal_offset=causal_offset(sq, sk, True, bottom_right))

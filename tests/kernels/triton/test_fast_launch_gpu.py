@@ -1,9 +1,9 @@
 """The fast launch path (fa_backend.kernels.triton._launch.launch) on the GPU: bitwise the JIT path's results.
 
-Dense forward and backward (plain, causal, GQA, odd head dims, every feature), varlen forward and backward,
-and launches under a CUDA graph. Each case runs once on the JIT path, then three times on the fast path
-(first: JIT + cache fill, then the cached launches, with strides, lengths and pointers of new tensors).
-Skipped without CUDA.
+Dense forward and backward (plain, causal, GQA, odd head dims, every feature, kernels with host TMA descriptors),
+varlen forward and backward, and launches under a CUDA graph. Each case runs once on the JIT path, then three
+times on the fast path (first: JIT + cache fill, then the cached launches, with strides, lengths and pointers of
+new tensors). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa_backend.kernels.triton import _launch
+from fa_backend.kernels.triton import _desc_launch, _launch
 from fa_backend.ops import new_rng_state, triton_flash_attention, triton_varlen_attention
 
 pytestmark = pytest.mark.gpu
@@ -24,6 +24,9 @@ DENSE = [
          feats={"window_left": 64, "window_right": 0, "softcap": 30.0}),
     dict(b=2, hq=4, hkv=4, sq=200, sk=260, d=64, causal=False, feats={"dropout_p": 0.2, "mask": "key_padding"}),
     dict(b=2, hq=4, hkv=1, sq=128, sk=128, d=64, causal=True, feats={"alibi": True}),
+    # host TMA descriptors (_desc_launch: encodings cached per address and tile): the split forward and backward
+    dict(b=2, hq=4, hkv=2, sq=1100, sk=1100, d=96, causal=True, feats={}, descriptors=True),
+    dict(b=1, hq=4, hkv=4, sq=600, sk=700, d=160, causal=False, feats={}, descriptors=True),
 ]
 
 
@@ -53,6 +56,7 @@ def _dense_run(qkv, kw, causal):
 def test_dense_fast_launch_is_bitwise_the_jit_path(monkeypatch, case, dtype):
     c = DENSE[case]
     monkeypatch.setattr(_launch, "_FAST", {})
+    monkeypatch.setattr(_desc_launch, "_ENCODED", {})
     for seed in range(4):
         qkv, kw = _dense_inputs(c, dtype, seed)
         monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
@@ -62,6 +66,8 @@ def test_dense_fast_launch_is_bitwise_the_jit_path(monkeypatch, case, dtype):
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
             assert torch.equal(a, b), (name, seed)
     assert _launch._FAST, "nothing was cached: the fast path never ran"
+    if c.get("descriptors"):
+        assert _desc_launch._ENCODED, "no descriptor was encoded by the fast path"
 
 
 def test_varlen_fast_launch_is_bitwise_the_jit_path(monkeypatch):
