@@ -21,11 +21,15 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     t0 = tensors[0]
     if not _launch._INTERPRET and (device_capability(t0.device) or (0,))[0] < 9:
         return False
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(3) != 1 or t.data_ptr() % 16 or any((st * size) % 16 or (st == 0 and n > 1)
-                                                        for st, n in zip(t.stride()[:3], t.shape[:3])):
-            return False  # (a broadcast gradient, e.g. of out.sum(), has stride-0 dims: pointer loads)
+    for t in tensors:  # (plain loops: this runs several times per call, on every call)
+        strides = t.stride()
+        if strides[3] != 1 or t.data_ptr() & 15:
+            return False
+        unit, shape = 16 // t.element_size(), t.shape  # 16 bytes in elements
+        for i in (0, 1, 2):
+            st = strides[i]
+            if st % unit or (not st and shape[i] > 1):
+                return False  # (a broadcast gradient, e.g. of out.sum(), has stride-0 dims: pointer loads)
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_descriptor_memory)
     return True

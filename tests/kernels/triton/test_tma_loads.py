@@ -76,6 +76,32 @@ def test_tma_needs_aligned_strides():
         check_attention(lambda q, k, v: fa_backend.attention(q, k, v), odd, k, v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8])
+def test_tma_ok_is_tmas_rule_on_random_views(dtype):
+    """tma_ok against TMA's rule written out (unit last stride, 16-byte base and strides, no broadcast dim of size
+    > 1) over random strided views of one buffer: strides mostly whole 16-byte units (0 included), some not, bases
+    aligned or not, so that both answers come up often."""
+    gen = torch.Generator().manual_seed(0)
+    size = torch.empty(0, dtype=dtype).element_size()
+    unit = 16 // size
+    buf = torch.zeros(1 << 16, dtype=dtype, device=DEVICE)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(0, high, (1,), generator=gen))
+
+    answers = []
+    for _ in range(400):
+        shape = [1 + draw(4) for _ in range(4)]
+        strides = [unit * draw(6) if draw(5) else draw(40) for _ in range(3)] + [1 if draw(8) else 2]
+        t = buf[unit * draw(4) if draw(4) else draw(32):].as_strided(shape, strides)
+        rule = (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+                and all((st * size) % 16 == 0 and not (st == 0 and n > 1)
+                        for st, n in zip(t.stride()[:3], t.shape[:3])))
+        assert _tma_ok(t) == rule, (shape, strides, t.data_ptr() % 16)
+        answers.append(rule)
+    assert 40 < sum(answers) < 360, sum(answers)
+
+
 def test_head_tiles_of_strided_views():
     """Host descriptors (_tma.head_tiles) over the (b, h, s, d) view the kernels are given: its own strides (a (b, s,
     h, d) tensor transposed), and a 16-byte stride for a size-1 dim of stride 0 (TMA wants non-zero strides; the
