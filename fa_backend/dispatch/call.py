@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .._device import device_capability, precompute_capabilities  # noqa: F401 - re-exported (dispatch's callers)
+from .._device import device_capability
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 MASK_KINDS = ("none", "bool", "additive")

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
+from .._device import device_capability
 from ..dispatch import counters as _stats
-from ..dispatch.call import AttentionCall, device_capability
+from ..dispatch.call import AttentionCall
 from ..dispatch.preference import TINY_FWD_FLOPS, TINY_KV_BYTES
 from ..dispatch.select import select
 from ..dispatch.state import ROUTER_TYPES, allowed_backends

@@ -75,9 +75,10 @@ import warnings
 import torch
 
 from .. import _logging
+from .._device import precompute_capabilities
 from ..dispatch import counters
 from ..dispatch.backends.triton import TritonBackend
-from ..dispatch.call import AttentionCall, precompute_capabilities
+from ..dispatch.call import AttentionCall
 from ..dispatch.reasons import Reason, ReasonCode
 
 NAME = "fa_backend"

@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .. import _logging
+from .._device import precompute_capabilities
 from ..dispatch import counters as _stats
 from ..dispatch.backends import BACKENDS, pytorch_choice
 from ..dispatch.backends.pytorch import direct_runner
-from ..dispatch.call import AttentionCall, precompute_capabilities
+from ..dispatch.call import AttentionCall
 from ..dispatch.reasons import ReasonCode
 from ..dispatch.select import Decision, faster_peer, select
 from ..dispatch.state import _LOCAL as _LOCAL_STATE
