@@ -69,7 +69,8 @@ def flash_attn_with_kvcache(
         k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv, head_dim), or paged
             (num_pages, page_size, heads_kv, head_dim) with block_table. heads_q % heads_kv == 0.
         k, v: optional new rows (batch, seqlen_new, heads_kv, head_dim).
-        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2); seqlen_ro must cover every position used.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2); seqlen_ro at least the cache's rows (plus
+            seqlen_q - seqlen_new when causal or local and seqlen_q > seqlen_new).
         cache_seqlens: int or (batch,) int32: cache rows before the append (None: 0).
         cache_batch_idx: (batch,) int32: cache batch used by each batch entry (not with block_table).
         cache_leftpad: (batch,) int32: first valid cache row of each batch entry.
@@ -198,6 +199,16 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
                "(seqlen_ro, rotary_dim / 2)")
         _check(0 < 2 * rotary_cos.shape[1] <= d, f"rotary_dim {2 * rotary_cos.shape[1]} must be in (0, {d}]")
         _check(rotary_cos.device == device and rotary_sin.device == device, "rotary_cos/sin must be on q's device")
+        # Every rotated position lies below this bound when the caches have room for the append (new key i of
+        # batch b at cache_seqlens[b] + i < capacity); per-row query rotation reaches cache_seqlens[b] + seqlen_q - 1.
+        # The kernels read the tables unmasked, so it is checked here (FlashAttention-2 checks seqlen_ro >= capacity).
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        per_row = causal or int(window_size[0]) >= 0 or int(window_size[1]) >= 0
+        needed = capacity + max(0, _sq - k.shape[1]) if per_row else capacity
+        _check(rotary_cos.shape[0] >= needed,
+               f"rotary_cos/sin seqlen {rotary_cos.shape[0]} must be at least {needed}: the KV cache's "
+               f"{capacity} rows" + (f" plus seqlen_q {_sq} - seqlen_new {k.shape[1]} (queries are rotated at "
+                                     "cache_seqlens + i)" if needed > capacity else ""))
 
     if alibi_slopes is not None:
         _check(alibi_slopes.dtype == torch.float32, f"alibi_slopes must be float32, got {alibi_slopes.dtype}")

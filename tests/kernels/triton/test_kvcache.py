@@ -287,7 +287,9 @@ def test_random_combinations(b, sq, hkv, group, d, s_new, storage, leftpad, rota
     if leftpad:
         kw["cache_leftpad"] = _seqlens(*[data.draw(st.integers(0, n)) for n in seqlens])
     if rotary and s_new:  # (FlashAttention-2: rotary needs new k and v to append)
-        kw["rotary_cos"], kw["rotary_sin"] = _rotary(s_cache, rotary_dim)
+        # the shortest table the call accepts: per-row query rotation reaches cache_seqlens + sq - 1
+        per_row = causal or window != (-1, -1)
+        kw["rotary_cos"], kw["rotary_sin"] = _rotary(s_cache + (max(0, sq - s_new) if per_row else 0), rotary_dim)
         kw["rotary_interleaved"] = rotary == "interleaved"
     if alibi:
         kw["alibi_slopes"] = torch.rand((hq,) if alibi == "h" else (b, hq), device=DEVICE) * 0.5
@@ -359,6 +361,21 @@ def test_malformed_inputs_raise():
         fa_backend.flash_attn_with_kvcache(q, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=sl)
     with pytest.raises(ValueError, match="together"):
         fa_backend.flash_attn_with_kvcache(q, kc, vc, k, None, cache_seqlens=sl)
+    # rotary tables shorter than the positions the kernels may read (cache rows; per-row query rotation beyond them)
+    with pytest.raises(ValueError, match="seqlen 19 must be at least 20"):
+        cos, sin = _rotary(19, 32)
+        fa_backend.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=sl)
+    q3 = _randn(2, 3, 4, 32)
+    cos, sin = _rotary(20, 32)
+    fa_backend.flash_attn_with_kvcache(q3, kc.clone(), vc.clone(), k, v, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=sl)  # one position per query when not causal: 20 rows do
+    with pytest.raises(ValueError, match="seqlen 20 must be at least 22: .* plus seqlen_q 3 - seqlen_new 1"):
+        fa_backend.flash_attn_with_kvcache(q3, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=sl,
+                                           causal=True)
+    kp, bt = _to_paged(_randn(2, 32, 2, 32), 8)
+    with pytest.raises(ValueError, match="seqlen 20 must be at least 32"):
+        fa_backend.flash_attn_with_kvcache(q, kp, _randn(*kp.shape), k, v, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=sl, block_table=bt)
     with pytest.raises(fa_backend.BackendUnsupportedError, match="dtype"):
         fa_backend.flash_attn_with_kvcache(q.float(), kc.float(), vc.float(), cache_seqlens=sl)
 

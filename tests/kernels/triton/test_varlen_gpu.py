@@ -16,7 +16,7 @@ from fa_backend.kernels.triton import dropout_keep_mask_varlen
 from fa_backend.ops import new_rng_state, triton_varlen_attention
 from tests.reference import check_varlen
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_memory, pytest.mark.usefixtures("poisoned")]
 
 DTYPES = [torch.bfloat16, torch.float16]
 
