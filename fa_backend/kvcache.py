@@ -47,8 +47,11 @@ def flash_attn_with_kvcache(
     """Attention of q over a KV cache, appending new keys/values to the cache first (FlashAttention-2 API).
 
     If k and v are given they are written into k_cache / v_cache *in place* at rows
-    cache_seqlens[b], cache_seqlens[b] + 1, ... (the caches must have room: not checked, that would
-    need the lengths on the host). Attention then runs over cache rows [leftpad, cache_seqlens + s_new).
+    cache_seqlens[b], cache_seqlens[b] + 1, ... Attention then runs over cache rows [leftpad, cache_seqlens +
+    s_new). The caches must have room: an int cache_seqlens is checked (ValueError); tensor lengths and indices
+    stay on the device, so a batch entry with cache_seqlens < 0, cache_seqlens + s_new > the cache's rows,
+    cache_leftpad < 0, cache_batch_idx out of range, or block_table pages out of range is neither written nor
+    read outside the tensors, and its output (and LSE) is NaN.
 
     Rotary (rotary_cos / rotary_sin given, which requires k): new key i is rotated at position
     cache_seqlens[b] + i. Query i is rotated at position cache_seqlens[b] + i when causal or local
@@ -102,8 +105,13 @@ def flash_attn_with_kvcache(
         _validate(*args)
 
     d = q.shape[3]
+    seqlen_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         cache_seqlens = int(cache_seqlens or 0)
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        _check(0 <= cache_seqlens <= capacity - seqlen_new,
+               f"cache_seqlens {cache_seqlens} must be in [0, {capacity - seqlen_new}]: the KV cache holds {capacity} "
+               f"rows per sequence and {seqlen_new} new rows are appended after cache_seqlens")
         if not eager:  # the custom ops take a tensor
             cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     window_left, window_right = int(window_size[0]), int(window_size[1])
@@ -111,7 +119,6 @@ def flash_attn_with_kvcache(
         window_right = 0
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     rotary_per_row = causal or window_left >= 0 or window_right >= 0
-    seqlen_new = 0 if k is None else k.shape[1]
     if eager:
         if k is not None:
             _ops.kv_append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos,

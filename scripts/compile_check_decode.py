@@ -47,7 +47,7 @@ def check_decode(d: int, group: int, paged: bool, splits: int, features: bool, m
           "stride_qb": hq * d, "stride_qm": hq * d, "stride_qh": d, "stride_kb": 4096 * hkv * d,
           "stride_kn": hkv * d, "stride_kh": d, "stride_vb": 4096 * hkv * d, "stride_vn": hkv * d, "stride_vh": d,
           "stride_bt": 512, "SEQ_Q": 1, "SEQ_NEW": 1, "SEQ_BASE": 0, "qk_scale": 0.1, "softcap": 30.0,
-          "WINDOW_LEFT": 0, "WINDOW_RIGHT": 0, "GROUP": group, "NUM_HEADS_K": hkv, "HEAD_DIM": d,
+          "WINDOW_LEFT": 0, "WINDOW_RIGHT": 0, "CAPACITY": 4096, "NUM_CACHE": 512, "GROUP": group, "NUM_HEADS_K": hkv, "HEAD_DIM": d,
           "BLOCK_M": decode.block_m_for(group, 1), "BLOCK_N": block_n, "BLOCK_D": d, "NUM_SPLITS": splits,
           "PAGE_SIZE": 64 if paged else 0, "PAGE_TILES": page_tiles and not features, "SOFTCAP": features,
           "HAS_LEFT": features, "HAS_RIGHT": features, "ALIBI_PER_BATCH": False,
@@ -68,7 +68,7 @@ def check_append(d: int) -> str:
           "BLOCK_TABLE": None, "COS": "ptr", "SIN": "ptr", "stride_kb": 8 * d, "stride_ks": 8 * d, "stride_kh": d,
           "stride_vb": 8 * d, "stride_vs": 8 * d, "stride_vh": d, "stride_kcb": 4096 * 8 * d, "stride_kcs": 8 * d,
           "stride_kch": d, "stride_vcb": 4096 * 8 * d, "stride_vcs": 8 * d, "stride_vch": d, "stride_bt": 512,
-          "SEQ": 1, "SEQ_BASE": 0, "NUM_HEADS": 8, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 16, "ROTARY_DIM": d,
+          "SEQ": 1, "SEQ_BASE": 0, "CAPACITY": 4096, "NUM_CACHE": 64, "NUM_HEADS": 8, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 16, "ROTARY_DIM": d,
           "INTERLEAVED": True, "PAGE_SIZE": 0}
     opts = {"num_warps": 4, "num_stages": 1}
     return _report(triton.compile(_source(_append_kv, ex, "bf16"), target=TARGET, options=opts), opts)

@@ -24,6 +24,12 @@ An optional attn_mask (SDPA's: bool, True = attend, or additive) is read per til
 strides, behind the MASK_KIND constexpr (without a mask the kernel compiles as before); the mask row of
 packed row r is that of head hk * GROUP + g, query i. Rows that see no key output 0 with LSE -inf, as
 PyTorch's math SDPA gives for fully masked rows.
+
+Lengths and indices live on the device, so the host cannot check them without a sync. A batch entry whose
+cache_seqlens is negative or leaves no room for the new rows (cache_seqlens + seqlen_new > CAPACITY, the rows a
+cache entry or a block-table row holds), whose cache_leftpad is negative, whose cache_batch_idx is outside the
+cache's batch, or whose block-table pages in its key range lie outside the cache's pages, reads nothing outside
+the tensors and outputs NaN (LSE NaN): an error signal rather than a silently wrong result.
 """
 
 from __future__ import annotations
@@ -41,13 +47,13 @@ from .kv_append import _rotate
 MAX_SPLITS = 128
 
 
-@triton.jit(do_not_specialize=["SEQ_NEW", "SEQ_BASE", "WINDOW_LEFT", "WINDOW_RIGHT"])
+@triton.jit(do_not_specialize=["SEQ_NEW", "SEQ_BASE", "WINDOW_LEFT", "WINDOW_RIGHT", "CAPACITY", "NUM_CACHE"])
 def _decode_split(
     Q, K, V, O, LSE, WS,
     CACHE_SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, MASK, COUNTERS,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    SEQ_Q, SEQ_NEW, SEQ_BASE, qk_scale, softcap, WINDOW_LEFT, WINDOW_RIGHT,
+    SEQ_Q, SEQ_NEW, SEQ_BASE, qk_scale, softcap, WINDOW_LEFT, WINDOW_RIGHT, CAPACITY, NUM_CACHE,
     GROUP: tl.constexpr, NUM_HEADS_K: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGE_TILES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -61,6 +67,7 @@ def _decode_split(
     # query block), the fused merge's arrival counters).
     # O is contiguous (b, sq, hq, d); the last dim of q and of the caches is contiguous (stride 1). The
     # mask is read through its (b, hq, sq, key) strides, 0 on broadcast dims; column j is key j.
+    # CAPACITY: rows per cache entry (paged: block-table columns x PAGE_SIZE); NUM_CACHE: the caches' dim 0.
     NUM_HEADS_Q: tl.constexpr = GROUP * NUM_HEADS_K
     # Splits innermost: the programs reading one KV head's cache run side by side.
     pid = tl.program_id(0)
@@ -88,7 +95,21 @@ def _decode_split(
     cache_len = SEQ_BASE
     if CACHE_SEQLENS is not None:
         cache_len += tl.load(CACHE_SEQLENS + off_b)
+    cb = off_b.to(tl.int64)
+    if BATCH_IDX is not None:
+        cb = tl.load(BATCH_IDX + off_b).to(tl.int64)
+    # Invalid lengths / indices (module docstring) where the device holds them (an int length is the host's to
+    # check): no keys are read (seqlen_k 0, queries rotated at 0) and the output is NaN.
+    CHECKED: tl.constexpr = CACHE_SEQLENS is not None or LEFTPAD is not None or BATCH_IDX is not None \
+        or PAGE_SIZE > 0
+    if CHECKED:
+        bad = (cache_len < 0) | (cache_len + SEQ_NEW > CAPACITY) | (leftpad < 0)
+        if BATCH_IDX is not None:
+            bad = bad | (cb < 0) | (cb >= NUM_CACHE)
+        cache_len = tl.where(bad, 0, cache_len)
     seqlen_k = cache_len + SEQ_NEW - leftpad
+    if CHECKED:
+        seqlen_k = tl.where(bad, 0, seqlen_k)
     shift = seqlen_k - SEQ_Q  # query i sits at key position i + shift (bottom-right alignment)
 
     # Key range [lo, hi) of the rows of this block.
@@ -117,9 +138,6 @@ def _decode_split(
         v_base = V + off_hk * stride_vh
         page_base = BLOCK_TABLE + off_b.to(tl.int64) * stride_bt
     else:
-        cb = off_b.to(tl.int64)
-        if BATCH_IDX is not None:
-            cb = tl.load(BATCH_IDX + off_b).to(tl.int64)
         k_base = K + cb * stride_kb + off_hk * stride_kh
         v_base = V + cb * stride_vb + off_hk * stride_vh
     if ALIBI is not None:
@@ -144,6 +162,7 @@ def _decode_split(
         else:
             page_next = tl.load(page_base + (leftpad + start + offs_n) // PAGE_SIZE,
                                 mask=start + offs_n < seqlen_k, other=0)
+    lost = offs_n < 0  # keys whose page index lies outside the cache (paged)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
         col_ok = cols < seqlen_k
@@ -151,6 +170,8 @@ def _decode_split(
         if PAGE_SIZE > 0:
             # Tiles: n0 is a multiple of BLOCK_N, which divides PAGE_SIZE, and n0 < seqlen_k; one page.
             page = page_next.to(tl.int64)
+            # a page index outside the cache: not read, and the output becomes NaN (after the loop)
+            page_ok = (page >= 0) & (page < NUM_CACHE)
             nxt = n0 + BLOCK_N
             if PAGE_TILES:
                 page_next = tl.load(page_base + nxt // PAGE_SIZE, mask=nxt < end, other=0)
@@ -159,6 +180,8 @@ def _decode_split(
                 page_next = tl.load(page_base + (leftpad + nxt + offs_n) // PAGE_SIZE,
                                     mask=(nxt < end) & (nxt + offs_n < seqlen_k), other=0)
                 in_page = ((leftpad + cols) % PAGE_SIZE).to(tl.int64)
+            lost = lost | (col_ok & ~page_ok)
+            col_ok = col_ok & page_ok
             k_off = page * stride_kb + in_page * stride_kn
             v_off = page * stride_vb + in_page * stride_vn
         else:
@@ -200,6 +223,11 @@ def _decode_split(
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     out = acc * inv_l[:, None]
+    if PAGE_SIZE > 0:
+        bad = bad | (tl.max(lost.to(tl.int32), 0) > 0)
+    if CHECKED:
+        out = tl.where(bad, float("nan"), out)
+        lse2 = tl.where(bad, float("nan"), lse2)  # a NaN partial makes the merged row NaN too (_combine_rows)
     # Output row in (b, sq, hq) order: the rows of O and of the split workspace.
     o_row = (off_b * SEQ_Q + qi).to(tl.int64) * NUM_HEADS_Q + qh
     if NUM_SPLITS == 1:
@@ -523,7 +551,7 @@ def decode_attention(
         q, k_cache, v_cache, out, lse, ws,
         seqlens_t, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin, mask_ptr,
         counters, qb, qm, qh, kb, kn, kh, vb, vn, vh, 0 if block_table is None else block_table.stride(0), *mask_strides,
-        sq, seqlen_new, seq_base, scale, softcap, max(window_left, 0), right,
+        sq, seqlen_new, seq_base, scale, softcap, max(window_left, 0), right, max_seqlen_k, k_cache.shape[0],
     ), dict(
         SOFTCAP=softcap > 0.0, HAS_LEFT=window_left >= 0, HAS_RIGHT=has_right,
         ALIBI_PER_BATCH=alibi_slopes is not None and alibi_slopes.dim() == 2,

@@ -7,6 +7,11 @@ page_size, h, d) addressed through block_table. Rotary is computed in fp32 and r
 GPT-J (interleaved pairs) and GPT-NeoX (half-split) styles are supported, with a rotary dim that may be
 smaller than the head dim (the remaining columns are copied). `_rotate` is shared with the decode
 kernel, which rotates the queries the same way while loading them.
+
+The lengths and indices are on the device (the host cannot check them without a sync). A batch entry whose offset
+is negative or leaves no room for its new rows (offset + seqlen_new > the rows a cache entry or a block-table row
+holds), or whose cache_batch_idx is outside the cache's batch, writes nothing; a row whose page index lies outside
+the cache's pages is not written. The decode kernel outputs NaN for such entries (decode.py).
 """
 
 from __future__ import annotations
@@ -45,18 +50,19 @@ def _rotate(x, rows, row_ok, offs_d, pos, COS, SIN, ROTARY_DIM: tl.constexpr, IN
     return tl.where(in_rot[None, :], rotated, xf).to(x.dtype)
 
 
-@triton.jit(do_not_specialize=["SEQ", "SEQ_BASE"])
+@triton.jit(do_not_specialize=["SEQ", "SEQ_BASE", "CAPACITY", "NUM_CACHE"])
 def _append_kv(
     K, V, K_CACHE, V_CACHE, SEQ_OFF, BATCH_IDX, BLOCK_TABLE, COS, SIN,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
-    SEQ, SEQ_BASE,
+    SEQ, SEQ_BASE, CAPACITY, NUM_CACHE,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     # Program = (batch, block of BLOCK_S rows, head); heads innermost so one batch's rows are adjacent.
     # SEQ_OFF (b,) int32 or None (then every offset is SEQ_BASE); BATCH_IDX, BLOCK_TABLE, COS/SIN may be
-    # None. The last dim of every tensor is contiguous.
+    # None. The last dim of every tensor is contiguous. CAPACITY: rows per cache entry (paged: block-table columns
+    # x PAGE_SIZE); NUM_CACHE: the caches' dim 0 (batch entries or pages).
     pid = tl.program_id(0)
     off_h = pid % NUM_HEADS
     rest = pid // NUM_HEADS
@@ -65,12 +71,27 @@ def _append_kv(
     off_b = rest // num_s_blocks
     offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_s < SEQ
-    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     seq_off = SEQ_BASE
     if SEQ_OFF is not None:
         seq_off += tl.load(SEQ_OFF + off_b)
     dst_row = seq_off + offs_s
+    # rows of an entry without room (or with a negative offset) are not written (module docstring)
+    row_ok = (offs_s < SEQ) & (seq_off >= 0) & (seq_off + SEQ <= CAPACITY)
+    if PAGE_SIZE > 0:  # paged cache: (num_pages, page_size, h, d)
+        page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt + dst_row // PAGE_SIZE, mask=row_ok, other=0)
+        page = page.to(tl.int64)
+        row_ok = row_ok & (page >= 0) & (page < NUM_CACHE)
+        in_page = (dst_row % PAGE_SIZE).to(tl.int64)
+        kc_rows = K_CACHE + page * stride_kcb + in_page * stride_kcs
+        vc_rows = V_CACHE + page * stride_vcb + in_page * stride_vcs
+    else:
+        dst_b = off_b.to(tl.int64)
+        if BATCH_IDX is not None:
+            dst_b = tl.load(BATCH_IDX + off_b).to(tl.int64)
+            row_ok = row_ok & (dst_b >= 0) & (dst_b < NUM_CACHE)
+        kc_rows = K_CACHE + dst_b * stride_kcb + dst_row.to(tl.int64) * stride_kcs
+        vc_rows = V_CACHE + dst_b * stride_vcb + dst_row.to(tl.int64) * stride_vcs
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
 
     k_rows = K + off_b.to(tl.int64) * stride_kb + off_h * stride_kh + offs_s.to(tl.int64) * stride_ks
     k = tl.load(k_rows[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
@@ -79,18 +100,6 @@ def _append_kv(
     v_rows = V + off_b.to(tl.int64) * stride_vb + off_h * stride_vh + offs_s.to(tl.int64) * stride_vs
     v = tl.load(v_rows[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
 
-    if PAGE_SIZE > 0:  # paged cache: (num_pages, page_size, h, d)
-        page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt + dst_row // PAGE_SIZE, mask=row_ok, other=0)
-        page = page.to(tl.int64)
-        in_page = (dst_row % PAGE_SIZE).to(tl.int64)
-        kc_rows = K_CACHE + page * stride_kcb + in_page * stride_kcs
-        vc_rows = V_CACHE + page * stride_vcb + in_page * stride_vcs
-    else:
-        dst_b = off_b.to(tl.int64)
-        if BATCH_IDX is not None:
-            dst_b = tl.load(BATCH_IDX + off_b).to(tl.int64)
-        kc_rows = K_CACHE + dst_b * stride_kcb + dst_row.to(tl.int64) * stride_kcs
-        vc_rows = V_CACHE + dst_b * stride_vcb + dst_row.to(tl.int64) * stride_vcs
     tl.store(kc_rows[:, None] + off_h * stride_kch + offs_d[None, :], k.to(K_CACHE.dtype.element_ty), mask=io_mask)
     tl.store(vc_rows[:, None] + off_h * stride_vch + offs_d[None, :], v.to(V_CACHE.dtype.element_ty), mask=io_mask)
 
@@ -120,7 +129,7 @@ def append_kv(
     _launch.launch(_append_kv, grid_1d(b * -(-s // block_s) * h), (
         k, v, k_cache, v_cache, seq_t, batch_idx, block_table, cos, sin,
         kb, ks, kh, vb, vs, vh, kcb, kcs, kch, vcb, vcs, vch, 0 if block_table is None else block_table.stride(0),
-        s, seq_base,
+        s, seq_base, k_cache.shape[1] * (1 if block_table is None else block_table.shape[1]), k_cache.shape[0],
     ), {"NUM_HEADS": h, "HEAD_DIM": d, "BLOCK_D": pad_head_dim(d), "BLOCK_S": block_s,
         "ROTARY_DIM": 0 if cos is None else 2 * cos.shape[1], "INTERLEAVED": interleaved,
         "PAGE_SIZE": 0 if block_table is None else k_cache.shape[1], "num_warps": 4})
