@@ -7,7 +7,8 @@ versa: the two backward kernels are separate launches, so their times add.
     python scripts/tune_triton.py --dims 64 128 256 --seqlens 4096 --json tune.json
     python scripts/tune_triton.py --dims 96 --kernels dkdv dq --causal yes --seqlens 2048 8192
 
-A head dim between the tables' widths (96) is timed at its own size on its padded width's tiles.
+A head dim between the tables' widths (96) is timed at its own size on its padded width's tiles. The forward is
+also timed as routed (no tile pinned: the warp-specialized kernel where it applies), in the same process.
 """
 
 from __future__ import annotations
@@ -40,13 +41,20 @@ def _jobs(dims: list[int], kernels: list[str], match: list[str] | None = None,
             for kind in kernels:
                 table, candidates = plan[kind]
                 chosen = [c for c in candidates if not match or all(m in repr(c) for m in match)]
+                if kind == "fwd":  # the forward as routed (the warp-specialized kernel where it applies)
+                    jobs.append((kind, d, causal, None))
                 jobs.extend((kind, d, causal, cfg) for cfg in dict.fromkeys([table] + chosen))
     return jobs
 
 
 def _override(kind, d, causal, cfg):
+    """The tables overridden with this candidate; cfg None: nothing pinned (the call as routed)."""
+    import contextlib
+
     from fa_backend.kernels.triton import _configs as C
 
+    if cfg is None:
+        return contextlib.nullcontext()
     base = C.bwd_table(causal)[C._width(d, d)]
     if kind == "fwd":
         return C.override(fwd=cfg)
@@ -143,8 +151,10 @@ def main() -> int:
         ms = do_bench(lambda: [fn() for _ in range(repeat)], warmup=20, rep=60, return_mode="median") / repeat
         tflops = (flops if kind == "fwd" else 2.5 * flops) / ms * 1e-9
         results.append({"kernel": kind, "d": d, "causal": causal, "seqlen": seqlen,
-                        "config": list(cfg.__dict__.values()), "ms": ms, "tflops": tflops})
-        print(f"{kind:4} d={d:3} causal={causal:d} s={seqlen:5d} {cfg}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s"
+                        "config": "routed" if cfg is None else list(cfg.__dict__.values()), "ms": ms,
+                        "tflops": tflops})
+        label = cfg or "as routed"
+        print(f"{kind:4} d={d:3} causal={causal:d} s={seqlen:5d} {label}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s"
               f"{'  (fwd+bwd kernels)' if kind != 'fwd' else ''}", flush=True)
 
     print("\nbest per kernel (and the table's current tile):")
@@ -153,10 +163,13 @@ def main() -> int:
             for causal in (False, True):
                 for seqlen in args.seqlens:
                     rows = [r for r in results if (r["kernel"], r["d"], r["causal"], r["seqlen"]) == (kind, d, causal, seqlen)]
+                    routed = [r for r in rows if r["config"] == "routed"]
+                    rows = [r for r in rows if r["config"] != "routed"]
                     if rows:
                         best = min(rows, key=lambda r: r["ms"])
                         print(f"  {kind:4} d={d:3} causal={causal:d} s={seqlen:5d}: {best['config']} "
-                              f"{best['tflops']:.1f} TFLOP/s (table {rows[0]['config']}: {rows[0]['tflops']:.1f})")
+                              f"{best['tflops']:.1f} TFLOP/s (table {rows[0]['config']}: {rows[0]['tflops']:.1f}"
+                              + (f"; as routed {routed[0]['tflops']:.1f})" if routed else ")"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
