@@ -113,10 +113,11 @@ FEATURES: dict[str, dict] = {
     "softcap": dict(softcap_in=0.01, SOFTCAP=True),
     "alibi": dict(Alibi="ptr32", stride_ab=0, stride_ah=1, alibi_offset=0, HAS_ALIBI=True),
     # Packed sequences (flash_attn_varlen_func): batch strides 0, cu_seqlens, LSE row stride.
-    "varlen": dict(CuSeqQ="ptri32", CuSeqK="ptri32", TOTAL_Q=65536, VARLEN=True, stride_qb=0, stride_kb=0,
-                   stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0, stride_dvb=0, stride_dqb=0),
-    "varlen_window_dropout": dict(CuSeqQ="ptri32", CuSeqK="ptri32", TOTAL_Q=65536, VARLEN=True, stride_qb=0,
-                                  stride_kb=0, stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0, stride_dvb=0,
+    "varlen": dict(CuSeqQ="ptri32", CuSeqK="ptri32", TOTAL_Q=65536, TOTAL_K=65536, VARLEN=True, stride_qb=0,
+                   stride_kb=0, stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0, stride_dvb=0, stride_dqb=0),
+    "varlen_window_dropout": dict(CuSeqQ="ptri32", CuSeqK="ptri32", TOTAL_Q=65536, TOTAL_K=65536, VARLEN=True,
+                                  stride_qb=0, stride_kb=0, stride_vb=0, stride_ob=0, stride_dob=0, stride_dkb=0,
+                                  stride_dvb=0,
                                   stride_dqb=0, left_offset=-256, WINDOW_LEFT=True, seed=2**40, rng_offset=0,
                                   drop_threshold=6554, dropout_scale=1.1, DROPOUT=2),
     # host-bound backward calls (flash_bwd.EXACT_DS_MAX_SCORES): dS unrounded into the dQ / dK products (the

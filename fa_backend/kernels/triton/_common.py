@@ -324,3 +324,32 @@ def _tile_store(T, row0, n_rows, stride_row, col0, HEAD_DIM: tl.constexpr, x, BL
     cols = col0 + tl.arange(0, BLOCK_C)
     ptrs = T + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
     tl.store(ptrs, x.to(T.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _varlen_invalid(CuSeqQ, CuSeqK, off_b, q_start, q_end, k_start, k_end, SEQ_Q, SEQ_K, TOTAL_Q, TOTAL_K):
+    """Whether packed sequence off_b's boundaries are unusable (cu_seqlens live on the device, so the host cannot
+    check them): a start below 0 or below the previous sequence's start, an end before its start or past the packed
+    rows, or a length above max_seqlen (SEQ_Q / SEQ_K: the grid and the dropout counters assume it bounds every
+    length). The kernels then read nothing of the sequence and write NaN over its rows (_nan_rows)."""
+    bad = (q_start < 0) | (q_end < q_start) | (q_end > TOTAL_Q) | (q_end - q_start > SEQ_Q)
+    bad = bad | (k_start < 0) | (k_end < k_start) | (k_end > TOTAL_K) | (k_end - k_start > SEQ_K)
+    prev = tl.maximum(off_b - 1, 0)  # a sequence before one of negative length overlaps it: both are flagged
+    return bad | ((off_b > 0) & ((tl.load(CuSeqQ + prev) > q_start) | (tl.load(CuSeqK + prev) > k_start)))
+
+
+@triton.jit
+def _nan_rows(T, start, row0, n_rows, total, stride_row, stride_col, N_COLS: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_C: tl.constexpr):
+    """NaN into packed rows start + row0 + [0, BLOCK_R) of T (rows of an invalid sequence: _varlen_invalid), only
+    those before start + n_rows and inside [0, total), over N_COLS columns (1: a row vector such as the LSE)."""
+    # 16 rows per step (a loop, not unrolled): a whole tile of 64-bit addresses would raise the kernel's register
+    # peak (sm90 compile: the d=128 forward's 128 x 128 tile spilled 84 bytes)
+    CHUNK: tl.constexpr = 16 if BLOCK_R > 16 else BLOCK_R
+    cols = tl.arange(0, BLOCK_C)
+    nan = tl.full([CHUNK, BLOCK_C], float("nan"), dtype=tl.float32).to(T.dtype.element_ty)
+    for r0 in range(row0, row0 + BLOCK_R, CHUNK):
+        rows = start + r0 + tl.arange(0, CHUNK)
+        ok = (r0 + tl.arange(0, CHUNK) < n_rows) & (rows >= 0) & (rows < total)
+        ptrs = T + rows.to(tl.int64)[:, None] * stride_row + cols[None, :] * stride_col
+        tl.store(ptrs, nan, mask=ok[:, None] & (cols[None, :] < N_COLS))

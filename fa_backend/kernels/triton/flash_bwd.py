@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ._common import (LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, _band_keep, _dropout_keep, _ds_dot,
                       _grid_order, _kv_bounds, _load_lse_log2, _load_mask, _load_rows, _open_key_range, _q_bounds,
-                      _score_mods, _tile_ptrs, _window_lo)
+                      _nan_rows, _score_mods, _tile_ptrs, _varlen_invalid, _window_lo)
 from ._configs import BWD_DKDV_WITHOUT_TMA, BwdConfig, bwd_config, bwd_config_varlen
 from ._features import kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
@@ -176,7 +176,7 @@ def _bwd_dkdv_loop(
 
 # VARLEN: packed (total, h, d) tensors located through CuSeqQ / CuSeqK, SEQ_Q / SEQ_K the maximum
 # lengths (dropout counters), TOTAL_Q the LSE / delta row stride, relative offsets (see _attn_fwd).
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS", "causal_offset", "TOTAL_Q"])
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS", "causal_offset", "TOTAL_Q", "TOTAL_K"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -192,7 +192,7 @@ def _bwd_dkdv(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
-    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
+    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None, TOTAL_K=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     DQ_ACC=None, ATOMIC_DQ: tl.constexpr = False,
@@ -209,9 +209,17 @@ def _bwd_dkdv(
     if VARLEN:
         q_start = tl.load(CuSeqQ + off_b)
         k_start = tl.load(CuSeqK + off_b)
-        seqlen_q = tl.load(CuSeqQ + off_b + 1) - q_start
-        seqlen_k = tl.load(CuSeqK + off_b + 1) - k_start
+        q_end = tl.load(CuSeqQ + off_b + 1)
+        k_end = tl.load(CuSeqK + off_b + 1)
+        seqlen_q = q_end - q_start
+        seqlen_k = k_end - k_start
         if n0 >= seqlen_k:
+            return
+        if _varlen_invalid(CuSeqQ, CuSeqK, off_b, q_start, q_end, k_start, k_end, SEQ_Q, SEQ_K, TOTAL_Q, TOTAL_K):
+            _nan_rows(DK + off_hk * stride_dkh, k_start, n0, seqlen_k, TOTAL_K, stride_dkn, stride_dkd, HEAD_DIM,
+                      BLOCK_N, BLOCK_D)
+            _nan_rows(DV + off_hk * stride_dvh, k_start, n0, seqlen_k, TOTAL_K, stride_dvn, stride_dvd, HEAD_DIM_V,
+                      BLOCK_N, BLOCK_DV)
             return
         shift = seqlen_k - seqlen_q
         causal_offset += shift
@@ -401,7 +409,7 @@ def _bwd_dq_loop(
     return dq
 
 
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset", "TOTAL_Q"])
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset", "TOTAL_Q", "TOTAL_K"])
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -416,7 +424,7 @@ def _bwd_dq(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr,
-    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
+    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None, TOTAL_K=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     Bounds=None, stride_bb=None, stride_bh=None, stride_br=None, MASK_BOUNDS: tl.constexpr = False,
@@ -436,9 +444,15 @@ def _bwd_dq(
     if VARLEN:
         q_start = tl.load(CuSeqQ + off_b)
         k_start = tl.load(CuSeqK + off_b)
-        seqlen_q = tl.load(CuSeqQ + off_b + 1) - q_start
-        seqlen_k = tl.load(CuSeqK + off_b + 1) - k_start
+        q_end = tl.load(CuSeqQ + off_b + 1)
+        k_end = tl.load(CuSeqK + off_b + 1)
+        seqlen_q = q_end - q_start
+        seqlen_k = k_end - k_start
         if m0 >= seqlen_q:
+            return
+        if _varlen_invalid(CuSeqQ, CuSeqK, off_b, q_start, q_end, k_start, k_end, SEQ_Q, SEQ_K, TOTAL_Q, TOTAL_K):
+            _nan_rows(DQ + off_h * stride_dqh, q_start, m0, seqlen_q, TOTAL_Q, stride_dqm, stride_dqd, HEAD_DIM,
+                      BLOCK_M, BLOCK_D)
             return
         shift = seqlen_k - seqlen_q
         causal_offset += shift
@@ -747,7 +761,7 @@ def flash_bwd_varlen(
     o4, do4 = out.transpose(0, 1).unsqueeze(0), dout.transpose(0, 1).unsqueeze(0)
     delta = bwd_delta(o4, do4, None if dlse is None else dlse.view(1, hq, total_q), block_dv).view(hq, total_q)
     strides = (*varlen_strides(q), *varlen_strides(k), *varlen_strides(v), *varlen_strides(dout))
-    varlen = dict(CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True)
+    varlen = dict(CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, TOTAL_K=total_k, VARLEN=True)
 
     n_blocks = cdiv(max(max_seqlen_k, 1), cfg.dkdv.block_n)
     _launch.launch(_bwd_dkdv, grid_1d(n_blocks * b * hkv), (

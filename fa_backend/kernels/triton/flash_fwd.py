@@ -17,7 +17,7 @@ import triton.language as tl
 from .._layout import new_attention_output
 from ._common import (LN2, LOG2E, MASK_BITS_ROW, MASK_BOOL, MASK_BOOL_ROW, RESCALE_LOG2, _band_keep, _dropout_keep,
                       _grid_order, _kv_bounds, _load_mask, _load_rows, _open_key_range, _score_mods,
-                      _tile_ptrs, _window_lo)
+                      _nan_rows, _tile_ptrs, _varlen_invalid, _window_lo)
 from ._configs import fwd_config, fwd_exact_pv_config, fwd_without_tma
 from .flash_fwd_split import flash_fwd_split, split_eligible
 from .flash_fwd_ws import flash_fwd_ws, ws_eligible
@@ -168,7 +168,7 @@ def _fwd_kv_loop(
 # SEQ_K) batch), TOTAL_Q is the LSE row stride (LSE is (h, total_q)), and every offset argument
 # (causal_offset, alibi_offset, left_offset) is relative: the kernel adds the sequence's own
 # seqlen_k - seqlen_q. Query blocks past a sequence's end exit at once.
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset", "TOTAL_Q"])
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "causal_offset", "TOTAL_Q", "TOTAL_K"])
 def _attn_fwd(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -182,7 +182,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, SCALE_NEG: tl.constexpr,
-    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None,
+    CuSeqQ=None, CuSeqK=None, TOTAL_Q=None, TOTAL_K=None,
     MASK_KIND: tl.constexpr = 0, HAS_ALIBI: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     WINDOW_LEFT: tl.constexpr = False, DROPOUT: tl.constexpr = False, VARLEN: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
@@ -204,9 +204,16 @@ def _attn_fwd(
     if VARLEN:
         q_start = tl.load(CuSeqQ + off_b)
         k_start = tl.load(CuSeqK + off_b)
-        seqlen_q = tl.load(CuSeqQ + off_b + 1) - q_start
-        seqlen_k = tl.load(CuSeqK + off_b + 1) - k_start
+        q_end = tl.load(CuSeqQ + off_b + 1)
+        k_end = tl.load(CuSeqK + off_b + 1)
+        seqlen_q = q_end - q_start
+        seqlen_k = k_end - k_start
         if m0 >= seqlen_q:
+            return
+        if _varlen_invalid(CuSeqQ, CuSeqK, off_b, q_start, q_end, k_start, k_end, SEQ_Q, SEQ_K, TOTAL_Q, TOTAL_K):
+            _nan_rows(O + off_h * stride_oh, q_start, m0, seqlen_q, TOTAL_Q, stride_om, stride_od, HEAD_DIM_V,
+                      BLOCK_M, BLOCK_DV)
+            _nan_rows(LSE + off_h * TOTAL_Q, q_start, m0, seqlen_q, TOTAL_Q, 1, 0, 1, BLOCK_M, 1)
             return
         shift = seqlen_k - seqlen_q
         causal_offset += shift
@@ -428,7 +435,9 @@ def flash_fwd_varlen(
     out is (total_q, hq, dv) in q's dtype, lse the fp32 natural-log sum-exp (hq, total_q) (FA2's
     varlen layout). A query with no visible key outputs 0 with LSE -inf. Dropout draws the mask of a
     padded (b, hq, max_seqlen_q, max_seqlen_k) batch (see dropout_keep_mask). Inputs must already be
-    validated.
+    validated, but for cu_seqlens' values (on the device): a sequence whose boundaries are unusable (a start below 0
+    or below the previous start, an end before its start or past the packed rows, a length above max_seqlen) reads
+    nothing and gets NaN rows (_common._varlen_invalid); rows no sequence covers stay unwritten.
     """
     total_q, hq, d = q.shape
     total_k, hkv, dv = k.shape[0], k.shape[1], v.shape[2]
@@ -461,7 +470,7 @@ def flash_fwd_varlen(
     ), dict(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=feat.causal, SCALE_NEG=scale < 0,
-        CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, VARLEN=True,
+        CuSeqQ=cu_seqlens_q, CuSeqK=cu_seqlens_k, TOTAL_Q=total_q, TOTAL_K=total_k, VARLEN=True,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **feat.constexprs, **exact_pv,
     ))
     return out, lse
