@@ -50,8 +50,8 @@ def flash_attn_with_kvcache(
     cache_seqlens[b], cache_seqlens[b] + 1, ... Attention then runs over cache rows [leftpad, cache_seqlens +
     s_new). The caches must have room: an int cache_seqlens is checked (ValueError); tensor lengths and indices
     stay on the device, so a batch entry with cache_seqlens < 0, cache_seqlens + s_new > the cache's rows,
-    cache_leftpad < 0, cache_batch_idx out of range, or block_table pages out of range is neither written nor
-    read outside the tensors, and its output (and LSE) is NaN.
+    cache_leftpad < 0 or past cache_seqlens + s_new, cache_batch_idx out of range, or block_table pages out of
+    range is neither written nor read outside the tensors, and its output (and LSE) is NaN.
 
     Rotary (rotary_cos / rotary_sin given, which requires k): new key i is rotated at position
     cache_seqlens[b] + i. Query i is rotated at position cache_seqlens[b] + i when causal or local

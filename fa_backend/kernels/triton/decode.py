@@ -27,9 +27,9 @@ PyTorch's math SDPA gives for fully masked rows.
 
 Lengths and indices live on the device, so the host cannot check them without a sync. A batch entry whose
 cache_seqlens is negative or leaves no room for the new rows (cache_seqlens + seqlen_new > CAPACITY, the rows a
-cache entry or a block-table row holds), whose cache_leftpad is negative, whose cache_batch_idx is outside the
-cache's batch, or whose block-table pages in its key range lie outside the cache's pages, reads nothing outside
-the tensors and outputs NaN (LSE NaN): an error signal rather than a silently wrong result.
+cache entry or a block-table row holds), whose cache_leftpad is negative or past its rows, whose cache_batch_idx
+is outside the cache's batch, or whose block-table pages in its key range lie outside the cache's pages, reads
+nothing outside the tensors and outputs NaN (LSE NaN): an error signal rather than a silently wrong result.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _decode_split(
     CHECKED: tl.constexpr = CACHE_SEQLENS is not None or LEFTPAD is not None or BATCH_IDX is not None \
         or PAGE_SIZE > 0
     if CHECKED:
-        bad = (cache_len < 0) | (cache_len + SEQ_NEW > CAPACITY) | (leftpad < 0)
+        bad = (cache_len < 0) | (cache_len + SEQ_NEW > CAPACITY) | (leftpad < 0) | (leftpad > cache_len + SEQ_NEW)
         if BATCH_IDX is not None:
             bad = bad | (cb < 0) | (cb >= NUM_CACHE)
         cache_len = tl.where(bad, 0, cache_len)

@@ -25,7 +25,8 @@ BAD = 1  # the batch entry given invalid input
 # what each case breaks, and whether the append kernel must skip that entry (those the decode kernel alone sees,
 # cache_leftpad and the block table's first page, leave the append valid); page_high_rows: a left pad of 0 makes
 # the decode kernel look pages up per row instead of per tile
-CASES = {"overflow": True, "negative": True, "leftpad": False, "batch_idx_low": True, "batch_idx_high": True,
+CASES = {"overflow": True, "negative": True, "leftpad": False, "leftpad_past_end": False, "batch_idx_low": True,
+         "batch_idx_high": True,
          "page_low": False, "page_high": False, "page_high_rows": False}
 
 
@@ -59,8 +60,9 @@ def _setup(case):
             seqlens[BAD] = S_CACHE - S_NEW + 1
         elif case == "negative":
             seqlens[BAD] = -3
-        else:
-            kw["cache_leftpad"] = torch.tensor([0, -1, 0], dtype=torch.int32, device=DEVICE)
+        else:  # a left pad below 0, or past the entry's rows (10 + 2 new ones)
+            kw["cache_leftpad"] = torch.tensor([0, -1 if case == "leftpad" else 13, 0], dtype=torch.int32,
+                                               device=DEVICE)
     kw["cache_seqlens"] = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
     return kbuf, vbuf, kc, vc, kw
 
