@@ -108,7 +108,7 @@ def flash_attn_with_kvcache(
     seqlen_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         cache_seqlens = int(cache_seqlens or 0)
-        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        capacity = _capacity(k_cache, block_table)
         _check(0 <= cache_seqlens <= capacity - seqlen_new,
                f"cache_seqlens {cache_seqlens} must be in [0, {capacity - seqlen_new}]: the KV cache holds {capacity} "
                f"rows per sequence and {seqlen_new} new rows are appended after cache_seqlens")
@@ -138,6 +138,11 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
+def _capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """Cache rows per sequence: the cache's rows, or a block-table row's pages times the page size."""
+    return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+
+
 def _meta(t: torch.Tensor | None):
     return None if t is None else (type(t), t.shape, t.dtype, t.device, t.stride())
 
@@ -151,7 +156,7 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     """ValueError for malformed input, BackendUnsupportedError for what the kernels do not support."""
     _check(q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4,
            f"q, k_cache, v_cache must be 4-D, got {q.dim()}, {k_cache.dim()}, {v_cache.dim()}")
-    b, _sq, hq, d = q.shape
+    b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     device = q.device
     if q.dtype not in _DTYPES:
@@ -209,12 +214,12 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
         # Every rotated position lies below this bound when the caches have room for the append (new key i of
         # batch b at cache_seqlens[b] + i < capacity); per-row query rotation reaches cache_seqlens[b] + seqlen_q - 1.
         # The kernels read the tables unmasked, so it is checked here (FlashAttention-2 checks seqlen_ro >= capacity).
-        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        capacity = _capacity(k_cache, block_table)
         per_row = causal or int(window_size[0]) >= 0 or int(window_size[1]) >= 0
-        needed = capacity + max(0, _sq - k.shape[1]) if per_row else capacity
+        needed = capacity + max(0, sq - k.shape[1]) if per_row else capacity
         _check(rotary_cos.shape[0] >= needed,
                f"rotary_cos/sin seqlen {rotary_cos.shape[0]} must be at least {needed}: the KV cache's "
-               f"{capacity} rows" + (f" plus seqlen_q {_sq} - seqlen_new {k.shape[1]} (queries are rotated at "
+               f"{capacity} rows" + (f" plus seqlen_q {sq} - seqlen_new {k.shape[1]} (queries are rotated at "
                                      "cache_seqlens + i)" if needed > capacity else ""))
 
     if alibi_slopes is not None:

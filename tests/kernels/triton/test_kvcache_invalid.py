@@ -16,9 +16,9 @@ import fa_backend
 from fa_backend.kernels.triton import _launch
 from tests.conftest import DEVICE
 from tests.kernels.triton.kvcache_reference import kvcache_ref
+from tests.kernels.triton.test_kvcache import _randn
 from tests.reference import assert_within_bar
 
-DT = torch.float16
 B, SQ, HQ, HKV, D, S_CACHE, S_NEW, PAGE = 3, 2, 4, 2, 32, 32, 2, 8
 BAD = 1  # the batch entry given invalid input
 
@@ -28,10 +28,6 @@ BAD = 1  # the batch entry given invalid input
 CASES = {"overflow": True, "negative": True, "leftpad": False, "leftpad_past_end": False, "batch_idx_low": True,
          "batch_idx_high": True,
          "page_low": False, "page_high": False, "page_high_rows": False}
-
-
-def _randn(*shape):
-    return torch.randn(*shape, dtype=DT, device=DEVICE)
 
 
 def _setup(case):
