@@ -343,8 +343,8 @@ def _nan_rows(T, start, row0, n_rows, total, stride_row, stride_col, N_COLS: tl.
               BLOCK_C: tl.constexpr):
     """NaN into packed rows start + row0 + [0, BLOCK_R) of T (rows of an invalid sequence: _varlen_invalid), only
     those before start + n_rows and inside [0, total), over N_COLS columns (1: a row vector such as the LSE)."""
-    # 16 rows per step (a loop, not unrolled): a whole tile of 64-bit addresses would raise the kernel's register
-    # peak (sm90 compile: the d=128 forward's 128 x 128 tile spilled 84 bytes)
+    # 16 rows per step (a loop, not unrolled): a small tile of 64-bit addresses on this cold path (sm90 compile:
+    # the d=128 varlen forward spills 84 bytes with or without the chunking, all of it outside the key loops)
     CHUNK: tl.constexpr = 16 if BLOCK_R > 16 else BLOCK_R
     cols = tl.arange(0, BLOCK_C)
     nan = tl.full([CHUNK, BLOCK_C], float("nan"), dtype=tl.float32).to(T.dtype.element_ty)
