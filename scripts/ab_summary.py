@@ -2,7 +2,7 @@
 rounds and the change of their means.
 
 Usage: python scripts/ab_summary.py DIR   (reads DIR/ab_<k>_<new|old><round>.json, as bench_cute.py or time_cute_bwd.py
-write them: a list of records or {"records": [...]})
+write them: a list of records or {"records": [...]}; or {"rows": [...]}, as fa_backend.bench_decode and bench_varlen do)
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ import sys
 
 NAME = re.compile(r"ab_(\d+)_(new|old)(\d+)\.json$")
 KEY = ("d", "causal", "seqlen")
-LABELS = ("runner", "direction", "case")
+LABELS = ("runner", "direction", "case", "backend", "layout")
+NUMERIC_LABELS = ("hkv", "batch")  # decode rows: one cell per (hkv, batch, seqlen, layout)
 
 
 def records(path: pathlib.Path) -> list[dict]:
     data = json.loads(path.read_text())
-    return data["records"] if isinstance(data, dict) else data
+    if isinstance(data, dict):
+        return data["records"] if "records" in data else data["rows"]
+    return data
 
 
 def summary(directory: pathlib.Path) -> list[str]:
@@ -37,7 +40,8 @@ def summary(directory: pathlib.Path) -> list[str]:
             cell = tuple(record.get(k) for k in KEY)
             # scripts whose records name what was timed (time_keep_bits.py: direction and case; runners) keep
             # those apart in the column
-            label = " ".join(str(record[k]) for k in LABELS if isinstance(record.get(k), str))
+            label = " ".join([str(record[k]) for k in LABELS if isinstance(record.get(k), str)]
+                             + [f"{k}={record[k]}" for k in NUMERIC_LABELS if k in record and "d" not in record])
             for column, value in record.items():
                 if column in KEY or isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal] [ds_gemm]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [figures] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal] [ds_gemm]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -125,6 +125,23 @@ fi
 if [[ " $steps " == *" module_kernels "* ]]; then
   python3 scripts/module_kernels.py > "$OUT/module_kernels.log" 2>&1 || status=1
   grep -v -i warn "$OUT/module_kernels.log" | tail -n 120
+fi
+if [[ " $steps " == *" figures "* ]]; then
+  # issue 6's and issue 4's H200 cells in one call, each step in its own process and time limit: the standard sweep
+  # (JSON + PNG), head dims 96 / 192 / 256, GQA hq=32 / hkv=8 against the same shapes without GQA, the tiny call's host
+  # time, then masks and dropout (bench --features)
+  timeout 220 python3 -m fa_backend bench --out "$OUT/sweep" > "$OUT/sweep.log" 2> "$OUT/sweep.err" || status=1
+  sed -n '/TFLOP\/s, d=/,$p' "$OUT/sweep.log" | grep -v "^ *$" | head -n 120
+  timeout 120 python3 -m fa_backend bench --backends triton flash cudnn --dims 96 192 256 --seqlens 2048 4096 8192 \
+    --json "$OUT/dims.json" > "$OUT/dims.log" 2>&1 || status=1
+  sed -n '/TFLOP\/s, d=/,$p' "$OUT/dims.log" | grep -v "^ *$" | head -n 60
+  for kv in "" "--kv-heads 8"; do
+    timeout 60 python3 -m fa_backend bench --shape 8,32,2048,128 --shape 2,32,8192,128 $kv --backends triton cudnn \
+      --json "$OUT/gqa${kv:+_8}.json" 2>&1 | grep -v -i warn | tail -n 12 || status=1
+  done
+  timeout 60 python3 -m fa_backend bench --overhead-only 2>&1 | tail -n 8
+  timeout 200 python3 -m fa_backend bench --features --json "$OUT/features.json" > "$OUT/features.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/features.log" | tail -n 40
 fi
 if [[ " $steps " == *" product "* ]]; then
   # the benchmark as a user runs it: --out DIR (JSON + PNG), a progress line, shapes from the command line
