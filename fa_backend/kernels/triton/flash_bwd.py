@@ -31,6 +31,7 @@ from ._tma import head_tiles, tma_ok as _tma_ok
 from .flash_bwd_split import flash_bwd_split, split_bwd_eligible
 from .flash_bwd_ws import bwd_dkdv_ws, dkdv_ws_eligible
 from .flash_fwd import flash_fwd, flash_fwd_varlen, varlen_strides
+from .varlen_rows import fill_rows_outside
 
 # Small calls (at most this many scores per head: 256 x 256) take delta from an fp32 recomputation of O instead of
 # the fp16 / bf16 output. delta_i = rowsum(dO_i * O_i) enters every dS_ij of row i; with the output rounded to 11
@@ -743,6 +744,9 @@ def flash_bwd_varlen(
     _launch.poison(dq, dk, dv)
     if total_q == 0 or total_k == 0 or b == 0 or hq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    # rows outside every sequence change no output: gradient 0 (before the launches below, which write NaN over an
+    # invalid sequence's rows)
+    fill_rows_outside((dq, cu_seqlens_q, 0.0), (dk, cu_seqlens_k, 0.0), (dv, cu_seqlens_k, 0.0))
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
     cfg = bwd_config_varlen(q, d, dv_dim, feat.causal, features=bool(feat.constexprs))

@@ -24,6 +24,7 @@ from .flash_fwd_ws import flash_fwd_ws, ws_eligible
 from ._features import dropout_draw, kernel_features, plain_call, tile_class
 from . import _launch, _mask_bounds
 from ._tma import head_tiles, tma_ok
+from .varlen_rows import fill_rows_outside
 from ._launch import cdiv, grid_1d, tile_dims
 
 
@@ -437,7 +438,8 @@ def flash_fwd_varlen(
     padded (b, hq, max_seqlen_q, max_seqlen_k) batch (see dropout_keep_mask). Inputs must already be
     validated, but for cu_seqlens' values (on the device): a sequence whose boundaries are unusable (a start below 0
     or below the previous start, an end before its start or past the packed rows, a length above max_seqlen) reads
-    nothing and gets NaN rows (_common._varlen_invalid); rows no sequence covers stay unwritten.
+    nothing and gets NaN rows (_common._varlen_invalid); rows no sequence covers (before cu_seqlens_q[0], from
+    cu_seqlens_q[-1] on) output 0 with LSE -inf (varlen_rows).
     """
     total_q, hq, d = q.shape
     total_k, hkv, dv = k.shape[0], k.shape[1], v.shape[2]
@@ -453,6 +455,9 @@ def flash_fwd_varlen(
         return out, lse
     if max_seqlen_q <= 0:
         raise ValueError(f"max_seqlen_q={max_seqlen_q} with {total_q} query rows (it must bound every length)")
+    # rows outside every sequence (padding past cu_seqlens_q[-1]): no visible key. Before the attention launch, so
+    # that the NaN rows of an invalid sequence are never overwritten
+    fill_rows_outside((out, cu_seqlens_q, 0.0), (lse.t(), cu_seqlens_q, float("-inf")))
     q4, k4 = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
     feat = kernel_features(q4, k4, scale, causal, True, None, dropout_p, rng, window, softcap, alibi_slopes, shift=0)
     exact_pv = _exact_pv(q, out)
