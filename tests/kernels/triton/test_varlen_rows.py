@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa_backend import flash_attn_varlen_func
+from fa_backend import flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func
 from fa_backend.kernels.triton.varlen_rows import fill_rows_outside
 from fa_backend.ops import triton_varlen_attention
 from tests.conftest import DEVICE
@@ -71,13 +71,18 @@ def test_padding_rows_output_zero_and_gradient_zero(is_causal):
     assert not out.isnan().any() and not lse.isnan().any()
 
 
-def test_flash_attn_varlen_func_static_padding():
-    # the usual shape of the problem: one buffer padded to a fixed row count, the sequences at its start
+@pytest.mark.parametrize("packed", [False, True])
+def test_flash_attn_varlen_func_static_padding(packed):
+    # the usual shape of the problem: one buffer padded to a fixed row count, the sequences at its start; packed:
+    # the qkv-packed function, whose backward writes dQ, dK and dV into views of one (total, 3, h, d) gradient
     hq, d, lens = 2, 32, [6, 11]
     total = 24  # 7 padding rows
     x = torch.randn(total, 3, hq, d, dtype=torch.float16, device=DEVICE, requires_grad=True)
     cu = _cu(lens, 0)
-    out = flash_attn_varlen_func(x[:, 0], x[:, 1], x[:, 2], cu, cu, max(lens), max(lens), causal=True)
+    if packed:
+        out = flash_attn_varlen_qkvpacked_func(x, cu, max(lens), causal=True)
+    else:
+        out = flash_attn_varlen_func(x[:, 0], x[:, 1], x[:, 2], cu, cu, max(lens), max(lens), causal=True)
     out.float().square().sum().backward()
     assert (out[sum(lens):] == 0).all()
     assert (x.grad[sum(lens):] == 0).all() and not x.grad.isnan().any()
