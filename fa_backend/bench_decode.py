@@ -123,10 +123,10 @@ def run_point(b: int, L: int, hkv: int, layouts: list[str], with_sdpa: bool) -> 
         fn()
         ms = _bench(fn)
         del fn
-        from fa_backend.kernels.triton import decode
+        from fa_backend.kernels.triton import _launch, decode
 
         block_n = decode.decode_config(D)[0]
-        splits = decode.num_splits_heuristic(b, hkv, 1, L, block_n, decode._sm_count(q.device))
+        splits = decode.num_splits_heuristic(b, hkv, 1, L, block_n, _launch.sm_count(q.device))
         row = {"mode": "graph" if MODE["graph"] else "eager", "hkv": hkv, "batch": b, "seqlen": L, "layout": layout,
                "splits": splits, "kv_gb": kv_bytes / 1e9, "ours_us": ms * 1e3, "ours_tbs": kv_bytes / ms / 1e9,
                "read_tbs": kv_bytes / read_ms / 1e9}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa_backend
-from fa_backend.kernels.triton import decode
+from fa_backend.kernels.triton import _launch, decode
 
 HQ, D, REPS = 32, 128, 200
 FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
@@ -88,7 +88,7 @@ def main() -> None:
             err = (fn().float() - ref.float()).abs().max().item()
             assert err < 2e-2, (b, hkv, L, s, err)
             graphs[f"s{s}"] = _graph(fn)
-        heur = decode.num_splits_heuristic(b, hkv, 1, L, decode.decode_config(D)[0], decode._sm_count(q.device))
+        heur = decode.num_splits_heuristic(b, hkv, 1, L, decode.decode_config(D)[0], _launch.sm_count(q.device))
         for flush in ("zero", "read"):
             us = {name: _time(g, flush) for name, g in graphs.items()}
             ours = min(v for k, v in us.items() if k != "cudnn")

@@ -22,6 +22,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 132 (an H100 / H200) off the GPU, where only the
+    shape of what depends on it matters."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
 def tile_dims(d: int, dv: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_DV) for head dims d and dv.
 

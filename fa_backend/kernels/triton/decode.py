@@ -313,20 +313,6 @@ def _merge_splits(
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 132  # H200; only the heuristic's shape matters off-GPU
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _cuda_sm_count(index: int) -> int:
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
 
 def decode_config(d: int, num_splits: int = 0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for padded head dim d and the launch's number of splits (0: not
@@ -443,7 +429,7 @@ def _plan(key, b, sq, hq, hkv, d, max_seqlen_k, page_size, has_leftpad, num_spli
         heuristic_n = decode_config(block_d)[0]  # the tile size the heuristic was tuned with
         if page_size:
             heuristic_n = page_block_n(heuristic_n, page_size)[0]
-        num_splits = num_splits_heuristic(b, hkv, num_m_blocks, max_seqlen_k, heuristic_n, _sm_count(device))
+        num_splits = num_splits_heuristic(b, hkv, num_m_blocks, max_seqlen_k, heuristic_n, _launch.sm_count(device))
     num_splits = min(num_splits, MAX_SPLITS)
     block_n, num_warps, num_stages = decode_config(block_d, num_splits)
     page_tiles = False
