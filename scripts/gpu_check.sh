@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [figures] [product] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal] [ds_gemm]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [figures] [product] [ws_persist] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal] [ds_gemm]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -140,8 +140,11 @@ if [[ " $steps " == *" figures "* ]]; then
       --json "$OUT/gqa${kv:+_8}.json" 2>&1 | grep -v -i warn | tail -n 12 || status=1
   done
   timeout 60 python3 -m fa_backend bench --overhead-only 2>&1 | tail -n 8
-  timeout 200 python3 -m fa_backend bench --features --json "$OUT/features.json" > "$OUT/features.log" 2>&1 || status=1
-  grep -v -i warn "$OUT/features.log" | tail -n 40
+  # FIGURES_FEATURES=0 leaves the features bench to a later call (`features`): the whole step can pass 600 s
+  if [[ ${FIGURES_FEATURES:-1} != 0 ]]; then
+    timeout 200 python3 -m fa_backend bench --features --json "$OUT/features.json" > "$OUT/features.log" 2>&1 || status=1
+    grep -v -i warn "$OUT/features.log" | tail -n 40
+  fi
 fi
 if [[ " $steps " == *" product "* ]]; then
   # the benchmark as a user runs it: --out DIR (JSON + PNG), a progress line, shapes from the command line
@@ -268,6 +271,17 @@ if [[ " $steps " == *" d128 "* ]]; then
     --tiles 128,64,8,3 128,128,8,2 --seqlens 2048 8192 --json "$OUT/fwd_split_d128.json" 2>&1 | grep "^d=" || status=1
   # the 512 / 1k forward tiles through the tune step (no gain, forty-third session): TUNE_KERNELS=fwd TUNE_DIMS=128
   # TUNE_SEQLENS="512 1024" TUNE_MATCH=block_m=64 bash scripts/gpu_check.sh d128 tune
+fi
+if [[ " $steps " == *" ws_persist "* ]]; then
+  # the warp-specialized forward's persistent kernel (flash_fwd_ws.PERSISTENT, written on the CPU in the fifty-third
+  # session): its GPU tests, then its timing against the per-tile WS kernel, the general kernel, cuDNN and SDPA-flash
+  timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest tests/kernels/triton/test_flash_fwd_ws.py -m gpu -q \
+    -p no:cacheprovider -k "persistent or real_size and not causal" -n ${SHARDS:-8} > "$OUT/ws_persist_tests.log" 2>&1 \
+    || status=1
+  tail -n 3 "$OUT/ws_persist_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_persist_tests.log" | head -20
+  timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_fwd_ws.py --dims ${WS_DIMS:-128 96} --persistent \
+    --seqlens ${WS_SEQLENS:-512 1024 2048 4096 8192 16384} --json "$OUT/ws_persist.json" 2>&1 | grep -v -i warn \
+    || status=1
 fi
 if [[ " $steps " == *" ws_causal "* ]]; then
   # the warp-specialized forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED, written on the CPU in the

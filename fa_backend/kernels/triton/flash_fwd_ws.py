@@ -58,28 +58,27 @@ def _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, END, SEQ_K, qk_scale, last_key, B
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS"])
-def _attn_fwd_ws(
-    Q, K, V, O, LSE,
+@triton.jit
+def _ws_tile(
+    tile, Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
-    WARP_SPEC: tl.constexpr = True, BLOCK_D: tl.constexpr = 0,
-    CAUSAL: tl.constexpr = False, ROWS=None, causal_offset=0,
+    WARP_SPEC: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, ROWS, causal_offset,
 ):
+    """Output tile `tile` (query block fastest, then head, then batch): O's BLOCK_M rows and their LSE."""
     # qk_scale includes log2(e) and is > 0 (the host sends other scales to _attn_fwd); SEQ_K > 0, so every row
     # sees a key (causal: causal_offset >= 0, the host's condition). Query blocks of one head adjacent: their K / V
     # shared in L2; causal, the head's last (longest) query block first.
-    pid = tl.program_id(0)
-    pid_m = pid % NUM_M_BLOCKS
+    pid_m = tile % NUM_M_BLOCKS
     if CAUSAL:
         pid_m = NUM_M_BLOCKS - 1 - pid_m
-    bh = pid // NUM_M_BLOCKS
+    bh = tile // NUM_M_BLOCKS
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
     off_h = (bh % NUM_HEADS_Q).to(tl.int64)
     off_hk = off_h // GROUP
-    # Per-program descriptors over this head's rows: rows past the sequence come zero-filled on loads and are
+    # Per-tile descriptors over this head's rows: rows past the sequence come zero-filled on loads and are
     # dropped on stores.
     q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
     k_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -108,6 +107,43 @@ def _attn_fwd_ws(
     o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
 
 
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS"])
+def _attn_fwd_ws(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
+    WARP_SPEC: tl.constexpr = True, BLOCK_D: tl.constexpr = 0,
+    CAUSAL: tl.constexpr = False, ROWS=None, causal_offset=0,
+):
+    # one program per output tile
+    _ws_tile(tl.program_id(0), Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+             stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K,
+             NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, WARP_SPEC, BLOCK_D, CAUSAL, ROWS,
+             causal_offset)
+
+
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "NUM_TILES"])
+def _attn_fwd_ws_persistent(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, NUM_TILES, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
+    BLOCK_D: tl.constexpr = 0,
+):
+    # Non-causal. Program p takes tiles p, p + P, p + 2P, ... (P programs, about one per SM), so the tiles running
+    # at one time stay adjacent (K / V shared in L2). The tile loop is the specialized one: the producer partition
+    # walks the tiles too, so it can load the next tile's Q, K and V while the consumers finish this tile's last
+    # block and store it (sm90 PTX: the producer's loop holds the Q and K / V loads of every tile). Tagging the key
+    # loop instead compiles to the same PTX with Triton 3.6 (the pass takes one specialized loop per kernel).
+    for tile in tl.range(tl.program_id(0), NUM_TILES, tl.num_programs(0), warp_specialize=True):
+        _ws_tile(tile, Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K,
+                 NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, False, BLOCK_D, False, None, 0)
+
+
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. 4 warps is what the pass specializes (the
 # default partition becomes the producer, two 4-warp consumer partitions are added: 12 warps in all); 8
 # leave the loop unspecialized. 128-key tiles: with 64 the specialized loop returned NaNs on an H100, and at
@@ -120,6 +156,16 @@ MIN_SEQ_K = 512
 
 # Off: every forward takes `_attn_fwd`. Tests and scripts switch it to compare both.
 ENABLED = True
+# Non-causal calls on `_attn_fwd_ws_persistent` (about one program per SM walking the tiles) instead of a program per
+# tile. Written on the CPU in the fifty-third session for the short-sequence cells (d=128 at 512 / 1k keys: 0.63-0.79x
+# cuDNN, a program there runs 4-8 key blocks, so its Q load, pipeline fill and O store are a large part of it and
+# nothing overlaps them with one program per SM); sm90 compile: 12 warps, setmaxnreg, 230 KB of shared memory
+# (tests/kernels/triton/test_ws_compile.py); interpreter tests pass. Off until timed on a GPU
+# (scripts/time_fwd_ws.py --persistent).
+PERSISTENT = False
+# Programs of the persistent kernel under the interpreter: fewer than the tiles of the tests' shapes, so that a
+# program walks several tiles there.
+INTERPRET_PROGRAMS = 3
 # Causal calls too (where every query row sees a key: top-left, or bottom-right with sk >= sq). Off: wrong on the
 # GPU. Written on the CPU in the forty-fourth session, after the thirty-sixth's two causal attempts (docs/perf-log.md)
 # failed on the pass's row split; sm90 compile: the loop still specialized (12 warps, setmaxnreg, 197 KB of shared
@@ -133,7 +179,7 @@ CAUSAL_ENABLED = False
 INTERPRET = False
 _LOG2E = 1.4426950408889634
 _HAS_WS = HAS_WS
-_FAILED: set = set()  # (head dim, dtype, causal) whose compile failed here: not tried again
+_FAILED: set = set()  # (head dim, dtype, causal or "persistent") whose compile failed here: not tried again
 
 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, causal: bool,
@@ -183,12 +229,18 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     num_m_blocks = cdiv(sq, block_m)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
                   num_stages=num_stages, BLOCK_D=pad_head_dim(d))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
+    if PERSISTENT and not causal and (d, q.dtype, "persistent") not in _FAILED:
+        tiles = num_m_blocks * b * hq
+        programs = min(tiles, INTERPRET_PROGRAMS if _launch._INTERPRET else _launch.sm_count(q.device))
+        if launch_or_mark(_attn_fwd_ws_persistent, grid_1d(programs), (
+                q, k, v, out, lse, *strides, hq, hq // hkv, sq, sk, num_m_blocks, tiles, scale * _LOG2E,
+        ), kwargs, _FAILED, (d, q.dtype, "persistent")):
+            return True  # (else a program per tile, below)
     if causal:
         kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, block_m),
                       causal_offset=causal_offset(sq, sk, True, bottom_right))
     return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), (
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
+        q, k, v, out, lse, *strides, hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
     ), kwargs, _FAILED, (d, q.dtype, causal))

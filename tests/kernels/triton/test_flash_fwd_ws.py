@@ -55,7 +55,9 @@ def _lse(q, k, causal=False, bottom_right=False):
 
 def _check(q, k, v, names, causal=False, bottom_right=True):
     out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5, causal, bottom_right)
-    assert names and names[-1] == "_attn_fwd_ws", names
+    # the persistent kernel takes the non-causal calls when switched on, the causal ones stay one program per tile
+    kernel = "_attn_fwd_ws_persistent" if flash_fwd_ws.PERSISTENT and not causal else "_attn_fwd_ws"
+    assert names and names[-1] == kernel, names
     big = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > 2**27
     ref_dtype = torch.float32 if big else torch.float64
     kw = dict(is_causal=causal, bottom_right=bottom_right)
@@ -82,6 +84,28 @@ CPU_CASES = [
 @pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", CPU_CASES)
 def test_ws_forward_interpreted(ws_launches, d, hq, hkv, sq, sk, bshd):
     _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_launches)
+
+
+@pytest.fixture(params=[3, 5] if DEVICE == "cpu" else [0], ids=lambda n: f"{n}programs" if n else "sms")
+def ws_persistent_launches(ws_launches, monkeypatch, request):
+    """ws_launches with the persistent kernel on; under the interpreter 3 or 5 programs (the CPU cases have 12-24
+    tiles: each program walks several, and with 5 some walk one more than others), on the GPU one per SM."""
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", True)
+    if request.param:
+        monkeypatch.setattr(flash_fwd_ws, "INTERPRET_PROGRAMS", request.param)
+    return ws_launches
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", CPU_CASES[:3] + CPU_CASES[4:5])
+def test_ws_persistent_forward_interpreted(ws_persistent_launches, d, hq, hkv, sq, sk, bshd):
+    _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_persistent_launches)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+def test_ws_persistent_more_programs_than_tiles(ws_persistent_launches, monkeypatch):
+    monkeypatch.setattr(flash_fwd_ws, "INTERPRET_PROGRAMS", 64)  # one tile each (2 x 2 x 1 tiles: the grid is 4)
+    _check(*_qkv(2, 2, 1, 12, 40, 64, torch.float16, False), ws_persistent_launches)
 
 
 @pytest.fixture
@@ -112,8 +136,10 @@ def test_ws_causal_forward_interpreted(ws_causal_launches, d, hq, hkv, sq, sk, b
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3), sq4=st.integers(1, 16),
        sk=st.integers(1, 70), d=st.sampled_from([48, 64, 96]), mode=st.sampled_from(["none", "tl", "br"]),
-       bshd=st.booleans())
-def test_ws_random_shapes_interpreted(ws_causal_launches, b, hkv, group, sq4, sk, d, mode, bshd):
+       bshd=st.booleans(), persistent=st.booleans())
+def test_ws_random_shapes_interpreted(ws_causal_launches, monkeypatch, b, hkv, group, sq4, sk, d, mode, bshd,
+                                      persistent):
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", persistent)  # (causal calls keep the per-tile kernel)
     sq = 4 * sq4  # the LSE rows' TMA alignment (ws_eligible)
     if mode == "br":
         sk = max(sk, sq)  # bottom-right rows all see a key only when sk >= sq (else the general kernel runs)
@@ -145,6 +171,17 @@ GPU_CASES = [(d, hq, hkv, sq, sk, bshd) for d in (128, 96)
 @pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", GPU_CASES)
 def test_ws_forward_real_size(ws_launches, dtype, d, hq, hkv, sq, sk, bshd):
     _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", GPU_CASES + [(128, 16, 16, 512, 512, True),
+                                                            (128, 4, 1, 1020, 1000, False)])
+def test_ws_persistent_forward_real_size(ws_persistent_launches, dtype, d, hq, hkv, sq, sk, bshd):
+    # more tiles than SMs (GPU_CASES: 512 tiles in the first, so a program walks several) and fewer (the two
+    # added: 128 and 64 tiles, a program each)
+    _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_persistent_launches)
 
 
 GPU_CAUSAL_CASES = [(d, hq, hkv, sq, sk, br, bshd) for d in (128, 96)
@@ -233,6 +270,26 @@ def test_ws_compile_failure_falls_back(ws_launches, monkeypatch):
     assert_within_bar("out", out, attention_same_dtype(q, k, v), ref)
     assert (q.shape[-1], torch.float16, False) in flash_fwd_ws._FAILED
     assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
+
+
+def test_ws_persistent_compile_failure_falls_back(ws_persistent_launches, monkeypatch):
+    # A Triton whose pass cannot build the persistent kernel: the call runs the per-tile WS kernel, later calls too
+    q, k, v = _plain_qkv()
+    real = _launch.launch
+
+    def failing(kernel, grid, args, kw):
+        if kernel.fn.__name__ == "_attn_fwd_ws_persistent":
+            ws_persistent_launches.append(kernel.fn.__name__)
+            raise RuntimeError("PassManager::run failed")
+        return real(kernel, grid, args, kw)  # (the fixture's launch: records the name)
+
+    monkeypatch.setattr(_launch, "launch", failing)
+    monkeypatch.setattr(flash_fwd_ws, "_FAILED", set())
+    for _ in range(2):
+        out, _ = flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
+        assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
+    assert ws_persistent_launches == ["_attn_fwd_ws_persistent", "_attn_fwd_ws", "_attn_fwd_ws"]
+    assert flash_fwd_ws._FAILED == {(q.shape[-1], torch.float16, "persistent")}
 
 
 def test_ws_unaligned_lse_buffer_falls_back(ws_launches):

@@ -24,13 +24,17 @@ from triton.compiler import ASTSource
 from fa_backend.kernels.triton import flash_bwd_ws, flash_fwd_ws
 
 kind, d, mask_cols, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-mod = flash_fwd_ws if kind == "fwd" else flash_bwd_ws
+mod = flash_bwd_ws if kind == "bwd" else flash_fwd_ws
 block_m, block_n, num_warps, num_stages = mod.WS_TILES[d]
-fn = flash_fwd_ws._attn_fwd_ws if kind == "fwd" else flash_bwd_ws._bwd_dkdv_ws
-constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPEC=True)
+fn = dict(fwd=flash_fwd_ws._attn_fwd_ws, persistent=flash_fwd_ws._attn_fwd_ws_persistent,
+          bwd=flash_bwd_ws._bwd_dkdv_ws)[kind]
+constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n)
 constexprs["BLOCK_D"] = triton.next_power_of_2(d)
-if kind == "fwd":
+if kind != "persistent":
+    constexprs["WARP_SPEC"] = True
+if kind != "bwd":
     constexprs["MASK_COLS"] = mask_cols
+if kind == "fwd":
     constexprs["CAUSAL"] = causal
     if not causal:
         constexprs["ROWS"] = None
@@ -46,10 +50,12 @@ print(json.dumps(dict(num_warps=k.metadata.num_warps, asked=num_warps, shared=k.
 """
 
 
-# the forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED) too: its loop must still be specialized
+# the forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED) and its persistent kernel (PERSISTENT) too: their
+# loops must still be specialized
 @pytest.mark.parametrize("kind,d,mask_cols,causal", [("fwd", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES)
                                                      for m in (0, 1)]
                          + [("fwd", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
+                         + [("persistent", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES) for m in (0, 1)]
                          + [("bwd", d, 0, 0) for d in sorted(flash_bwd_ws.WS_TILES)])
 def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols, causal):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
