@@ -279,7 +279,7 @@ if [[ " $steps " == *" ws_persist "* ]]; then
     -p no:cacheprovider -k "persistent or real_size and not causal" -n ${SHARDS:-8} > "$OUT/ws_persist_tests.log" 2>&1 \
     || status=1
   tail -n 3 "$OUT/ws_persist_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_persist_tests.log" | head -20
-  timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_fwd_ws.py --dims ${WS_DIMS:-128 96} --persistent \
+  timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_fwd_ws.py --dims ${WS_DIMS:-128 96 64} --persistent \
     --seqlens ${WS_SEQLENS:-512 1024 2048 4096 8192 16384} --json "$OUT/ws_persist.json" 2>&1 | grep -v -i warn \
     || status=1
 fi

@@ -35,13 +35,18 @@ from ._ws import HAS_WS, _head_rows, launch_or_mark, platform_ok
 
 @triton.jit
 def _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, END, SEQ_K, qk_scale, last_key, BLOCK_N: tl.constexpr,
-             MASK_COLS: tl.constexpr, CAUSAL: tl.constexpr, WARP_SPEC: tl.constexpr):
+             MASK_COLS: tl.constexpr, CAUSAL: tl.constexpr, WARP_SPEC: tl.constexpr, off_b=0, off_hk=0,
+             HEADS_4D: tl.constexpr = False):
     """Fold keys [0, END) into (acc, l_i, m_i), hiding keys past SEQ_K (MASK_COLS: SEQ_K not a multiple of BLOCK_N;
     applied to every tile, since an `if` on the tile index leaves the loop unspecialized) or, CAUSAL, past each
-    row's `last_key` (its last visible key, at most SEQ_K - 1: one compare for both)."""
+    row's `last_key` (its last visible key, at most SEQ_K - 1: one compare for both). k_desc / v_desc: one head's
+    rows, or (HEADS_4D) the whole (b, h, s, d) tensor, read at head (off_b, off_hk)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(0, END, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = k_desc.load([start_n, 0])
+        if HEADS_4D:
+            k = k_desc.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, k_desc.block_shape[3])
+        else:
+            k = k_desc.load([start_n, 0])
         qk = tl.dot(q, tl.trans(k))
         if CAUSAL:
             qk = tl.where((start_n + offs_n)[None, :] <= last_key[:, None], qk, float("-inf"))
@@ -52,7 +57,10 @@ def _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, END, SEQ_K, qk_scale, last_key, B
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = v_desc.load([start_n, 0])
+        if HEADS_4D:
+            v = v_desc.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, v_desc.block_shape[3])
+        else:
+            v = v_desc.load([start_n, 0])
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
     return acc, l_i, m_i
@@ -124,24 +132,60 @@ def _attn_fwd_ws(
              causal_offset)
 
 
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "NUM_TILES"])
+@triton.jit
+def _heads_4d(T, n_b, n_h, n_rows, stride_b, stride_h, stride_row, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """TMA descriptor over a whole (b, h, s, d) tensor with a unit last stride, read and written one head's
+    BLOCK x BLOCK_D rows at a time: as `_head_rows`, rows past n_rows and columns past HEAD_DIM zero-filled on
+    loads and dropped on stores."""
+    return tl.make_tensor_descriptor(T, shape=[n_b, n_h, n_rows, HEAD_DIM], strides=[stride_b, stride_h, stride_row, 1],
+                                     block_shape=[1, 1, BLOCK, BLOCK_D])
+
+
+@triton.jit(do_not_specialize=["BATCH", "SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "NUM_TILES"])
 def _attn_fwd_ws_persistent(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, NUM_TILES, qk_scale,
+    BATCH, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, NUM_TILES, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
-    BLOCK_D: tl.constexpr = 0,
+    BLOCK_D: tl.constexpr,
 ):
-    # Non-causal. Program p takes tiles p, p + P, p + 2P, ... (P programs, about one per SM), so the tiles running
-    # at one time stay adjacent (K / V shared in L2). The tile loop is the specialized one: the producer partition
-    # walks the tiles too, so it can load the next tile's Q, K and V while the consumers finish this tile's last
-    # block and store it (sm90 PTX: the producer's loop holds the Q and K / V loads of every tile). Tagging the key
-    # loop instead compiles to the same PTX with Triton 3.6 (the pass takes one specialized loop per kernel).
+    # Non-causal, the same tiles and contract as `_attn_fwd_ws`. Program p takes tiles p, p + P, p + 2P, ...
+    # (P programs, about one per SM), so the tiles running at one time stay adjacent (K / V shared in L2). The tile
+    # loop is the specialized one: the producer partition walks the tiles too, so it can load the next tile's Q, K
+    # and V while the consumers finish this tile's last block and store it.
+    # K and V are read through descriptors built once, over the whole tensors (4-D, one head's rows per box): a
+    # per-tile descriptor would be rewritten in the producer's loop while the tile's last loads may still be in
+    # flight (sm90 PTX: each partition rewrites its own descriptor slots, with nothing ordering the rewrite after
+    # those loads). Q keeps a per-tile descriptor (Triton 3.8's pass splits a 4-D Q load between the consumers but
+    # not its box): its load has landed before the tile's third key block is loaded, since that load waits for the
+    # consumers to release the first block's stage (2 stages), so the host sends only calls with more key blocks than
+    # that. O and the LSE keep per-tile descriptors too (the pass cannot split a 4-D store between the consumers:
+    # "unsupported op type"); each consumer waits for a store's shared-memory reads (cp.async.bulk.wait_group.read 0)
+    # before it rewrites them.
+    k_desc = _heads_4d(K, BATCH, NUM_HEADS_Q // GROUP, SEQ_K, stride_kb, stride_kh, stride_kn, HEAD_DIM, BLOCK_N,
+                       BLOCK_D)
+    v_desc = _heads_4d(V, BATCH, NUM_HEADS_Q // GROUP, SEQ_K, stride_vb, stride_vh, stride_vn, HEAD_DIM, BLOCK_N,
+                       BLOCK_D)
     for tile in tl.range(tl.program_id(0), NUM_TILES, tl.num_programs(0), warp_specialize=True):
-        _ws_tile(tile, Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K,
-                 NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, False, BLOCK_D, False, None, 0)
+        pid_m = tile % NUM_M_BLOCKS
+        bh = tile // NUM_M_BLOCKS
+        off_b = (bh // NUM_HEADS_Q).to(tl.int64)
+        off_h = (bh % NUM_HEADS_Q).to(tl.int64)
+        m0 = pid_m * BLOCK_M
+        q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        q = q_desc.load([m0, 0])
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, SEQ_K, SEQ_K, qk_scale, m_i, BLOCK_N, MASK_COLS,
+                                 False, False, off_b.to(tl.int32), (off_h // GROUP).to(tl.int32), True)
+        lse_desc = tl.make_tensor_descriptor(LSE + bh.to(tl.int64) * SEQ_Q, shape=[SEQ_Q], strides=[1],
+                                             block_shape=[BLOCK_M])
+        lse_desc.store([m0], (m_i + tl.math.log2(l_i)) * LN2)
+        o_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
 
 
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. 4 warps is what the pass specializes (the
@@ -159,9 +203,9 @@ ENABLED = True
 # Non-causal calls on `_attn_fwd_ws_persistent` (about one program per SM walking the tiles) instead of a program per
 # tile. Written on the CPU in the fifty-third session for the short-sequence cells (d=128 at 512 / 1k keys: 0.63-0.79x
 # cuDNN, a program there runs 4-8 key blocks, so its Q load, pipeline fill and O store are a large part of it and
-# nothing overlaps them with one program per SM); sm90 compile: 12 warps, setmaxnreg, 230 KB of shared memory
-# (tests/kernels/triton/test_ws_compile.py); interpreter tests pass. Off until timed on a GPU
-# (scripts/time_fwd_ws.py --persistent).
+# nothing overlaps them with one program per SM); sm90 compile with Triton 3.6 and 3.8: 12 warps, setmaxnreg, 230 KB of
+# shared memory (tests/kernels/triton/test_ws_compile.py); interpreter tests pass. Off until timed on a GPU
+# (`bash scripts/gpu_check.sh ws_persist`: its GPU tests, then scripts/time_fwd_ws.py --persistent).
 PERSISTENT = False
 # Programs of the persistent kernel under the interpreter: fewer than the tiles of the tests' shapes, so that a
 # program walks several tiles there.
@@ -216,6 +260,14 @@ def causal_rows(device: torch.device, block_m: int) -> torch.Tensor:
     return _ROWS[key]
 
 
+def _heads_strides(strides: tuple, b: int, hq: int, hkv: int, element_size: int) -> tuple:
+    """The launch's strides with a 0 stride of a size-1 batch / head dim (which tma_ok passes; any value reads the
+    same there) set to 16 bytes, a stride every TMA descriptor accepts."""
+    unit = 16 // element_size
+    sizes = (b, hq, None, b, hkv, None, b, hkv, None, b, hq, None)
+    return tuple(unit if n == 1 and st == 0 else st for st, n in zip(strides, sizes))
+
+
 def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool = False, bottom_right: bool = False) -> bool:
     """Fill out (b, hq, sq, d) and lse (b, hq, sq, contiguous) as `flash_fwd` would, for a call `ws_eligible`
@@ -231,11 +283,13 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                   num_stages=num_stages, BLOCK_D=pad_head_dim(d))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
-    if PERSISTENT and not causal and (d, q.dtype, "persistent") not in _FAILED:
+    # (more key blocks than K / V stages: the persistent kernel's per-tile Q descriptor relies on it, see there)
+    if PERSISTENT and not causal and cdiv(sk, block_n) > num_stages and (d, q.dtype, "persistent") not in _FAILED:
         tiles = num_m_blocks * b * hq
         programs = min(tiles, INTERPRET_PROGRAMS if _launch._INTERPRET else _launch.sm_count(q.device))
         if launch_or_mark(_attn_fwd_ws_persistent, grid_1d(programs), (
-                q, k, v, out, lse, *strides, hq, hq // hkv, sq, sk, num_m_blocks, tiles, scale * _LOG2E,
+                q, k, v, out, lse, *_heads_strides(strides, b, hq, hkv, q.element_size()), b, hq, hq // hkv, sq, sk,
+                num_m_blocks, tiles, scale * _LOG2E,
         ), kwargs, _FAILED, (d, q.dtype, "persistent")):
             return True  # (else a program per tile, below)
     if causal:

@@ -102,6 +102,26 @@ def test_ws_persistent_forward_interpreted(ws_persistent_launches, d, hq, hkv, s
     _check(*_qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd), ws_persistent_launches)
 
 
+def test_ws_persistent_needs_more_key_blocks_than_stages(ws_persistent_launches):
+    # the persistent kernel's per-tile Q descriptor is rewritten before the producer waits for the previous Q load:
+    # calls with at most as many key blocks as K / V stages take the per-tile kernel
+    block_n, stages = (16, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[128][1::2]
+    d = 64 if DEVICE == "cpu" else 128
+    for blocks, kernel in ((stages, "_attn_fwd_ws"), (stages + 1, "_attn_fwd_ws_persistent")):
+        q, k, v = _qkv(1, 2, 2, 32, blocks * block_n, d, torch.float16, False)
+        out, _ = flash_fwd(q, k, v, d ** -0.5, False, True)
+        assert ws_persistent_launches[-1] == kernel, (blocks, ws_persistent_launches)
+        assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
+
+
+def test_ws_persistent_zero_batch_stride(ws_persistent_launches):
+    # b = 1 with a 0 batch stride (tma_ok passes it: one batch): the 4-D descriptors get a stride TMA accepts
+    d, s = (64, 40) if DEVICE == "cpu" else (128, 1024)
+    q, k, v = (torch.randn(2, s, d, dtype=torch.float16, device=DEVICE).as_strided((1, 2, s, d), (0, s * d, d, 1))
+               for _ in range(3))
+    _check(q, k, v, ws_persistent_launches)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
 def test_ws_persistent_more_programs_than_tiles(ws_persistent_launches, monkeypatch):
     monkeypatch.setattr(flash_fwd_ws, "INTERPRET_PROGRAMS", 64)  # one tile each (2 x 2 x 1 tiles: the grid is 4)
