@@ -74,8 +74,11 @@ def _ws_tile(
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
     WARP_SPEC: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, ROWS, causal_offset,
+    k_heads=None, v_heads=None, HEADS_4D: tl.constexpr = False,
 ):
-    """Output tile `tile` (query block fastest, then head, then batch): O's BLOCK_M rows and their LSE."""
+    """Output tile `tile` (query block fastest, then head, then batch): O's BLOCK_M rows and their LSE. K and V
+    through per-tile descriptors, or (HEADS_4D) through k_heads / v_heads, `_heads_4d` descriptors of the whole
+    tensors."""
     # qk_scale includes log2(e) and is > 0 (the host sends other scales to _attn_fwd); SEQ_K > 0, so every row
     # sees a key (causal: causal_offset >= 0, the host's condition). Query blocks of one head adjacent: their K / V
     # shared in L2; causal, the head's last (longest) query block first.
@@ -89,8 +92,11 @@ def _ws_tile(
     # Per-tile descriptors over this head's rows: rows past the sequence come zero-filled on loads and are
     # dropped on stores.
     q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
-    k_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    if HEADS_4D:
+        k_desc, v_desc = k_heads, v_heads
+    else:
+        k_desc = _head_rows(K, off_b, off_hk, stride_kb, stride_kh, stride_kn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = _head_rows(V, off_b, off_hk, stride_vb, stride_vh, stride_vn, SEQ_K, HEAD_DIM, BLOCK_N, BLOCK_D)
     o_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
     lse_desc = tl.make_tensor_descriptor(LSE + bh.to(tl.int64) * SEQ_Q, shape=[SEQ_Q], strides=[1],
                                          block_shape=[BLOCK_M])
@@ -109,8 +115,12 @@ def _ws_tile(
     else:
         last_key = m_i  # (unused)
         end = SEQ_K
-    acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, end, SEQ_K, qk_scale, last_key, BLOCK_N, MASK_COLS,
-                             CAUSAL, WARP_SPEC)
+    if HEADS_4D:
+        acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, end, SEQ_K, qk_scale, last_key, BLOCK_N,
+                                 MASK_COLS, CAUSAL, WARP_SPEC, off_b.to(tl.int32), off_hk.to(tl.int32), True)
+    else:
+        acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, end, SEQ_K, qk_scale, last_key, BLOCK_N,
+                                 MASK_COLS, CAUSAL, WARP_SPEC)
     lse_desc.store([m0], (m_i + tl.math.log2(l_i)) * LN2)
     o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
 
@@ -169,23 +179,10 @@ def _attn_fwd_ws_persistent(
     v_desc = _heads_4d(V, BATCH, NUM_HEADS_Q // GROUP, SEQ_K, stride_vb, stride_vh, stride_vn, HEAD_DIM, BLOCK_N,
                        BLOCK_D)
     for tile in tl.range(tl.program_id(0), NUM_TILES, tl.num_programs(0), warp_specialize=True):
-        pid_m = tile % NUM_M_BLOCKS
-        bh = tile // NUM_M_BLOCKS
-        off_b = (bh // NUM_HEADS_Q).to(tl.int64)
-        off_h = (bh % NUM_HEADS_Q).to(tl.int64)
-        m0 = pid_m * BLOCK_M
-        q_desc = _head_rows(Q, off_b, off_h, stride_qb, stride_qh, stride_qm, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        q = q_desc.load([m0, 0])
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        acc, l_i, m_i = _ws_loop(acc, l_i, m_i, q, k_desc, v_desc, SEQ_K, SEQ_K, qk_scale, m_i, BLOCK_N, MASK_COLS,
-                                 False, False, off_b.to(tl.int32), (off_h // GROUP).to(tl.int32), True)
-        lse_desc = tl.make_tensor_descriptor(LSE + bh.to(tl.int64) * SEQ_Q, shape=[SEQ_Q], strides=[1],
-                                             block_shape=[BLOCK_M])
-        lse_desc.store([m0], (m_i + tl.math.log2(l_i)) * LN2)
-        o_desc = _head_rows(O, off_b, off_h, stride_ob, stride_oh, stride_om, SEQ_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
+        _ws_tile(tile, Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K,
+                 NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, False, BLOCK_D, False, None, 0,
+                 k_desc, v_desc, True)
 
 
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. 4 warps is what the pass specializes (the

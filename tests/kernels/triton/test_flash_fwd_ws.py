@@ -55,8 +55,11 @@ def _lse(q, k, causal=False, bottom_right=False):
 
 def _check(q, k, v, names, causal=False, bottom_right=True):
     out, lse = flash_fwd(q, k, v, q.shape[-1] ** -0.5, causal, bottom_right)
-    # the persistent kernel takes the non-causal calls when switched on, the causal ones stay one program per tile
-    kernel = "_attn_fwd_ws_persistent" if flash_fwd_ws.PERSISTENT and not causal else "_attn_fwd_ws"
+    # the persistent kernel takes the non-causal calls with more key blocks than K / V stages when switched on; the
+    # others stay one program per tile
+    block_n, stages = (16, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[q.shape[-1]][1::2]
+    persistent = flash_fwd_ws.PERSISTENT and not causal and -(-k.shape[2] // block_n) > stages
+    kernel = "_attn_fwd_ws_persistent" if persistent else "_attn_fwd_ws"
     assert names and names[-1] == kernel, names
     big = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > 2**27
     ref_dtype = torch.float32 if big else torch.float64
