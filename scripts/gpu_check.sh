@@ -273,8 +273,9 @@ if [[ " $steps " == *" d128 "* ]]; then
   # TUNE_SEQLENS="512 1024" TUNE_MATCH=block_m=64 bash scripts/gpu_check.sh d128 tune
 fi
 if [[ " $steps " == *" ws_persist "* ]]; then
-  # the warp-specialized forward's persistent kernel (flash_fwd_ws.PERSISTENT, written on the CPU in the fifty-third
-  # session): its GPU tests, then its timing against the per-tile WS kernel, the general kernel, cuDNN and SDPA-flash
+  # the warp-specialized forward's persistent kernel (flash_fwd_ws.PERSISTENT, written in the fifty-third session, on
+  # since the fifty-fourth): its GPU tests, then its timing against the per-tile WS kernel, the general kernel, cuDNN
+  # and SDPA-flash
   timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest tests/kernels/triton/test_flash_fwd_ws.py -m gpu -q \
     -p no:cacheprovider -k "persistent or real_size and not causal" -n ${SHARDS:-8} > "$OUT/ws_persist_tests.log" 2>&1 \
     || status=1

@@ -58,7 +58,8 @@ def main() -> None:
                     flash_fwd_ws.PERSISTENT = persistent
                     if tile is not None:
                         flash_fwd_ws.WS_TILES[d] = tile
-                        flash_fwd_ws.MIN_SEQ_K = 0  # timed at every length
+                        flash_fwd_ws.MIN_SEQ_K = {}  # timed at every length
+                        flash_fwd_ws.PERSISTENT_ONLY = frozenset()  # and on both kernels
                     return flash_fwd(q, k, v, d ** -0.5, causal, False)[0]
 
                 fns = {f"ws_{'x'.join(map(str, t))}": (lambda t=t: ours(t)) for t in tiles}

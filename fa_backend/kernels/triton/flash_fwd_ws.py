@@ -9,9 +9,10 @@ vector built by `tl.arange` over the query rows reaches both consumer warpgroups
 causal mask or a pointer store of the LSE puts the second half's rows wrong (the 128 x 64 tile returned NaNs
 too; a dot outside the loop fails the pass, and a mask from TMA-loaded index tables is split wrong as
 well: thirty-sixth session). So this kernel takes only non-causal plain calls (no mask, dropout, softcap, ALiBi or
-window) at d=128 and d=96 (on 128-wide tiles), GQA, any strides TMA accepts, and stores O and the LSE by TMA
-(descriptor stores are split between the consumers correctly). Same contract as `_attn_fwd`: out in q's dtype,
-LSE (natural log) contiguous (b, hq, sq).
+window) at d=128 and d=96 (on 128-wide tiles), and from 4k keys d=64, GQA, any strides TMA accepts, and stores O
+and the LSE by TMA (descriptor stores are split between the consumers correctly). Same contract as `_attn_fwd`: out
+in q's dtype, LSE (natural log) contiguous (b, hq, sq). With PERSISTENT (on) calls with more key blocks than
+stages run on `_attn_fwd_ws_persistent`, about one program per SM walking the tiles; d=64 only there.
 
 CAUSAL_ENABLED (off: wrong on the GPU, see below) also gives it causal calls in which every query row sees a key:
 the rows' indices come from a 1-D TMA load of an index table (as Q's rows and the LSE's, which the pass splits
@@ -188,22 +189,29 @@ def _attn_fwd_ws_persistent(
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. 4 warps is what the pass specializes (the
 # default partition becomes the producer, two 4-warp consumer partitions are added: 12 warps in all); 8
 # leave the loop unspecialized. 128-key tiles: with 64 the specialized loop returned NaNs on an H100, and at
-# d=64 three stages did too. Not d=64: slower than `_attn_fwd` below 8k keys and within noise of it above
-# (scripts/time_fwd_ws.py, H100, two runs). d=96 runs 128-wide tiles (BLOCK_D; the general kernel pads it too).
-WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 4, 2), 96: (128, 128, 4, 2)}
-# Shortest key length at which this kernel was timed against `_attn_fwd` (H100, bf16, non-causal: 1.04x at
-# 512 keys, 1.10-1.16x from 1k to 16k).
-MIN_SEQ_K = 512
+# d=64 three stages did too. d=96 runs 128-wide tiles (BLOCK_D; the general kernel pads it too).
+WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 4, 2), 96: (128, 128, 4, 2), 64: (128, 128, 4, 2)}
+# Head dims that take this kernel only on its persistent form (non-causal, PERSISTENT on): at d=64 a program per
+# tile is slower than `_attn_fwd` below 8k keys and within noise of it above (scripts/time_fwd_ws.py, H100, two runs
+# in the thirty-third session, again in the fifty-fourth), the persistent kernel faster from 4k (below).
+PERSISTENT_ONLY = frozenset({64})
+# Shortest key length per head dim from which this kernel beat `_attn_fwd` (H100, bf16, non-causal): d=128 / 96
+# 1.04x at 512 keys, 1.10-1.16x from 1k to 16k (per-tile kernel); d=64 on the persistent kernel, two runs of
+# scripts/time_fwd_ws.py in the fifty-fourth session: 0.86 / 0.89-0.90 / 0.97-0.98x at 512 / 1k / 2k keys,
+# 1.03-1.05 / 1.01-1.05 / 1.05-1.06x at 4k / 8k / 16k.
+MIN_SEQ_K: dict[int, int] = {128: 512, 96: 512, 64: 4096}
 
 # Off: every forward takes `_attn_fwd`. Tests and scripts switch it to compare both.
 ENABLED = True
 # Non-causal calls on `_attn_fwd_ws_persistent` (about one program per SM walking the tiles) instead of a program per
-# tile. Written on the CPU in the fifty-third session for the short-sequence cells (d=128 at 512 / 1k keys: 0.63-0.79x
-# cuDNN, a program there runs 4-8 key blocks, so its Q load, pipeline fill and O store are a large part of it and
-# nothing overlaps them with one program per SM); sm90 compile with Triton 3.6 and 3.8: 12 warps, setmaxnreg, 230 KB of
-# shared memory (tests/kernels/triton/test_ws_compile.py); interpreter tests pass. Off until timed on a GPU
-# (`bash scripts/gpu_check.sh ws_persist`: its GPU tests, then scripts/time_fwd_ws.py --persistent).
-PERSISTENT = False
+# tile. Written on the CPU in the fifty-third session for the short-sequence cells (a program of a 512-key call runs
+# 4 key blocks, so its Q load, pipeline fill and O store are a large part of it, and nothing overlaps them with one
+# program per SM); sm90 compile with Triton 3.6 and 3.8: 12 warps, setmaxnreg, 230 KB of shared memory
+# (tests/kernels/triton/test_ws_compile.py). On an H100 (fifty-fourth session, `bash scripts/gpu_check.sh ws_persist`:
+# its GPU tests passed, then scripts/time_fwd_ws.py --persistent, twice), TFLOP/s per-tile / persistent at d=128:
+# 311 / 401-404 (512 keys), 417-419 / 479-489 (1k), 485-492 / 512-520 (2k), 521-532 / 534-540 (4k), within 1 % at
+# 8k, 0.5 and 2.5 % slower at 16k (563 / 560, 559 / 545); cuDNN 494-611.
+PERSISTENT = True
 # Programs of the persistent kernel under the interpreter: fewer than the tiles of the tests' shapes, so that a
 # program walks several tiles there.
 INTERPRET_PROGRAMS = 3
@@ -226,10 +234,10 @@ _FAILED: set = set()  # (head dim, dtype, causal or "persistent") whose compile 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, causal: bool,
                 plain: bool, bottom_right: bool = False) -> bool:
     """Whether `flash_fwd_ws` may run this call: plain (no mask, dropout, softcap, ALiBi, window) and not
-    causal (with CAUSAL_ENABLED: causal where every query row sees a key), scale > 0, equal head dims in WS_TILES,
-    at least MIN_SEQ_K keys, fp16 / bf16 (out too), a query length that is a multiple of 4 (the LSE rows' TMA
-    alignment), on sm90 (or the interpreter) with strides TMA accepts; and no forward tile pinned by
-    `_configs.override`."""
+    causal (with CAUSAL_ENABLED: causal where every query row sees a key), scale > 0, equal head dims in WS_TILES
+    (those in PERSISTENT_ONLY on the persistent kernel only), at least the head dim's MIN_SEQ_K keys, fp16 / bf16
+    (out too), a query length that is a multiple of 4 (the LSE rows' TMA alignment), on sm90 (or the interpreter)
+    with strides TMA accepts; and no forward tile pinned by `_configs.override`."""
     if not (ENABLED and _HAS_WS and plain and scale > 0 and (CAUSAL_ENABLED or not causal)) or \
             _configs._override.get("fwd"):
         return False  # (a forward tile pinned by _configs.override: tuning and tests of `_attn_fwd`)
@@ -240,9 +248,11 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
         return False
     if out.dtype != q.dtype:  # (flash_bwd's fp32 recomputation of O for small calls: the general kernel)
         return False
-    if ((sk < MIN_SEQ_K and not _launch._INTERPRET) or (d, q.dtype, causal) in _FAILED
+    if ((sk < MIN_SEQ_K.get(d, 0) and not _launch._INTERPRET) or (d, q.dtype, causal) in _FAILED
             or not platform_ok(q, INTERPRET)):
         return False  # (the cheap checks first: this runs on every plain forward, small ones included)
+    if d in PERSISTENT_ONLY and not _persistent(d, q.dtype, sk, causal):
+        return False
     return tma_ok(q, k, v, out)
 
 
@@ -255,6 +265,18 @@ def causal_rows(device: torch.device, block_m: int) -> torch.Tensor:
     if key not in _ROWS:
         _ROWS[key] = torch.arange(block_m, dtype=torch.int32, device=device)
     return _ROWS[key]
+
+
+def _tile(d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a head dim's calls (a small tile under the interpreter)."""
+    return (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
+
+
+def _persistent(d: int, dtype: torch.dtype, sk: int, causal: bool) -> bool:
+    """Whether a call takes `_attn_fwd_ws_persistent`: non-causal, with PERSISTENT on, more key blocks than K / V
+    stages (the kernel's per-tile Q descriptor relies on it, see there), and no failed compile of it here."""
+    _, block_n, _, num_stages = _tile(d)
+    return PERSISTENT and not causal and cdiv(sk, block_n) > num_stages and (d, dtype, "persistent") not in _FAILED
 
 
 def _heads_strides(strides: tuple, b: int, hq: int, hkv: int, element_size: int) -> tuple:
@@ -274,21 +296,23 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     hkv, sk = k.shape[1], k.shape[2]
     if not lse.is_contiguous() or lse.data_ptr() % 16:  # a caller's LSE buffer that TMA cannot write by rows
         return False
-    block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
+    block_m, block_n, num_warps, num_stages = _tile(d)
     num_m_blocks = cdiv(sq, block_m)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_COLS=sk % block_n != 0, num_warps=num_warps,
                   num_stages=num_stages, BLOCK_D=pad_head_dim(d))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
-    # (more key blocks than K / V stages: the persistent kernel's per-tile Q descriptor relies on it, see there)
-    if PERSISTENT and not causal and cdiv(sk, block_n) > num_stages and (d, q.dtype, "persistent") not in _FAILED:
+    if _persistent(d, q.dtype, sk, causal):
         tiles = num_m_blocks * b * hq
         programs = min(tiles, INTERPRET_PROGRAMS if _launch._INTERPRET else _launch.sm_count(q.device))
         if launch_or_mark(_attn_fwd_ws_persistent, grid_1d(programs), (
                 q, k, v, out, lse, *_heads_strides(strides, b, hq, hkv, q.element_size()), b, hq, hq // hkv, sq, sk,
                 num_m_blocks, tiles, scale * _LOG2E,
         ), kwargs, _FAILED, (d, q.dtype, "persistent")):
-            return True  # (else a program per tile, below)
+            return True
+        if d in PERSISTENT_ONLY:  # (its compile failed: the general kernel)
+            return False
+    # (else a program per tile)
     if causal:
         kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, block_m),
                       causal_offset=causal_offset(sq, sk, True, bottom_right))

@@ -110,7 +110,8 @@ def test_split_not_taken(split_launches, kw):
     if "dropout_p" in kw:
         kw["rng"] = (1, 0)
     flash_fwd(q, k, v, scale, False, True, out, **kw)
-    assert "_attn_fwd_split" not in split_launches and split_launches[-1] in ("_attn_fwd", "_attn_fwd_ws")
+    assert "_attn_fwd_split" not in split_launches and split_launches[-1] in (
+        "_attn_fwd", "_attn_fwd_ws", "_attn_fwd_ws_persistent")
 
 
 def test_split_switches(split_launches, monkeypatch):
@@ -160,7 +161,8 @@ def test_split_forward_small_real_size(split_launches, causal, d, hq, hkv, sq, s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (TMA)")
-@pytest.mark.parametrize("causal,sk,kernel", [(False, 600, "_attn_fwd_ws"), (False, 1024, "_attn_fwd_split"),
+@pytest.mark.parametrize("causal,sk,kernel", [(False, 600, "_attn_fwd_ws_persistent"),
+                                              (False, 1024, "_attn_fwd_split"),
                                               (True, 600, "_attn_fwd"), (True, 1024, "_attn_fwd_split")])
 def test_split_small_routing(split_launches, causal, sk, kernel):
     """d=96 below its MIN_SEQ_K keeps the warp-specialized (non-causal) or general kernel."""

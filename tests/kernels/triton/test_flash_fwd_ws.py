@@ -25,10 +25,12 @@ def ws_launches(monkeypatch):
     """The WS kernel enabled (also under the interpreter); yields the list of kernels launched."""
     monkeypatch.setattr(flash_fwd_ws, "INTERPRET", True)
     monkeypatch.setattr(flash_fwd_ws, "ENABLED", True)
-    monkeypatch.setattr(flash_fwd_ws, "MIN_SEQ_K", 0)  # the small shapes of the fallback tests too
+    monkeypatch.setattr(flash_fwd_ws, "MIN_SEQ_K", {})  # the small shapes of the fallback tests too
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", False)  # a program per tile (ws_persistent_launches: the other)
     monkeypatch.setattr(flash_fwd_split, "ENABLED", False)  # d=96's 64 + 32 split, which goes first from 1k keys
     if DEVICE == "cpu":  # the kernel is generic in the head dim: d=64 keeps the interpreter tests cheap
         monkeypatch.setattr(flash_fwd_ws, "WS_TILES", {d: (16, 16, 4, 1) for d in (48, 64, 96, 128)})
+        monkeypatch.setattr(flash_fwd_ws, "PERSISTENT_ONLY", frozenset())
     names = []
     real = _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
@@ -199,12 +201,34 @@ def test_ws_forward_real_size(ws_launches, dtype, d, hq, hkv, sq, sk, bshd):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", GPU_CASES + [(128, 16, 16, 512, 512, True),
-                                                            (128, 4, 1, 1020, 1000, False)])
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bshd", GPU_CASES + [(64, *case[1:]) for case in GPU_CASES[:4]]
+                         + [(128, 16, 16, 512, 512, True), (128, 4, 1, 1020, 1000, False)])
 def test_ws_persistent_forward_real_size(ws_persistent_launches, dtype, d, hq, hkv, sq, sk, bshd):
     # more tiles than SMs (GPU_CASES: 512 tiles in the first, so a program walks several) and fewer (the two
-    # added: 128 and 64 tiles, a program each)
+    # added: 128 and 64 tiles, a program each); d=64, which takes only this kernel
     _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_persistent_launches)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the kernels launched, every switch at its default."""
+    names = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
+                        or real(kernel, grid, args, kw))
+    return names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+def test_ws_defaults_route_by_head_dim_and_keys(launched):
+    # as shipped: d=128 from 512 keys on the persistent kernel, d=64 from 4k keys there and below it the general one
+    for d, sk, kernel in ((128, 384, "_attn_fwd"), (128, 512, "_attn_fwd_ws_persistent"), (64, 2048, "_attn_fwd"),
+                          (64, 4096, "_attn_fwd_ws_persistent")):
+        q, k, v = _qkv(2, 4, 4, 256, sk, d, torch.bfloat16, False)
+        out, _ = flash_fwd(q, k, v, d ** -0.5, False, True)
+        assert launched[-1] == kernel, (d, sk, launched)
+        assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
 
 
 GPU_CAUSAL_CASES = [(d, hq, hkv, sq, sk, br, bshd) for d in (128, 96)
@@ -272,7 +296,7 @@ def test_ws_switches(ws_launches, monkeypatch):
     monkeypatch.setattr(flash_fwd_ws, "INTERPRET", True)
     with _configs.override(fwd=_configs.TileConfig(16, 16, 4, 1)):  # a pinned tile is one for _attn_fwd
         assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
-    monkeypatch.setattr(flash_fwd_ws, "MIN_SEQ_K", 41)  # 40 keys
+    monkeypatch.setattr(flash_fwd_ws, "MIN_SEQ_K", {q.shape[-1]: 41})  # 40 keys
     assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True) or DEVICE == "cpu"
 
 
@@ -313,6 +337,38 @@ def test_ws_persistent_compile_failure_falls_back(ws_persistent_launches, monkey
         assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
     assert ws_persistent_launches == ["_attn_fwd_ws_persistent", "_attn_fwd_ws", "_attn_fwd_ws"]
     assert flash_fwd_ws._FAILED == {(q.shape[-1], torch.float16, "persistent")}
+
+
+def test_ws_persistent_only_head_dims(ws_persistent_launches, monkeypatch):
+    # a head dim in PERSISTENT_ONLY takes the general kernel wherever the persistent one does not run: switched off,
+    # too few key blocks, or its compile failed (the per-tile WS kernel is never tried for it)
+    d = 64 if DEVICE == "cpu" else 128
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT_ONLY", frozenset({d}))
+    block_n, stages = (16, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[d][1::2]
+    few = _qkv(1, 2, 2, 32, stages * block_n, d, torch.float16, False)
+    q, k, v = _qkv(1, 2, 2, 32, (stages + 1) * block_n, d, torch.float16, False)
+    out = torch.empty_like(q)
+    on = DEVICE == "cpu" or ON_SM90
+    assert flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True) == on
+    assert not flash_fwd_ws.ws_eligible(*few, out, 0.1, False, True)
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", False)
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", True)
+    real = _launch.launch
+
+    def failing(kernel, grid, args, kw):
+        if kernel.fn.__name__ == "_attn_fwd_ws_persistent":
+            ws_persistent_launches.append(kernel.fn.__name__)
+            raise RuntimeError("PassManager::run failed")
+        return real(kernel, grid, args, kw)
+
+    monkeypatch.setattr(_launch, "launch", failing)
+    monkeypatch.setattr(flash_fwd_ws, "_FAILED", set())
+    for _ in range(2):
+        out, _ = flash_fwd(q, k, v, d ** -0.5, False, True)
+        assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
+    assert ws_persistent_launches == ["_attn_fwd_ws_persistent", "_attn_fwd", "_attn_fwd"]
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
 
 
 def test_ws_unaligned_lse_buffer_falls_back(ws_launches):
