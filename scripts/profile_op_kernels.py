@@ -1,10 +1,12 @@
-"""Which CUDA kernels one training call runs and their GPU time: our CuTe op (forward, then the autograd backward)
+"""Which CUDA kernels one training call runs and their GPU time: our ops (forward, then the autograd backward)
 against SDPA's cuDNN backend on the same call, under torch.profiler (a diagnostic: how much of a backward call
 is the kernel and how much the passes around it, delta, dQ's zeroing and conversion).
 
     python3 scripts/profile_op_kernels.py [--seqlens 2048] [--causal yes] [--p 0.1 0.0] [--calls 5]
+                                          [--dims 128] [--runners cute cudnn]
 
-bf16, d=128, batch = 16384 / seqlen, 16 heads, a fresh RNG state per call. Per runner and phase: each kernel's
+--runners: `cute` (the CuTe op), `triton` (the Triton op), `cudnn`. bf16, batch = 16384 / seqlen, heads = 2048 / d,
+a fresh RNG state per call. Per runner and phase: each kernel's
 name, launches per call and GPU microseconds per call (the mean over --calls profiled calls after a warm-up), and
 the phase's sum; then the forward's host time per call with and without gradients (50 calls issued, timed before
 and after the closing synchronize: "issue" is the host's time, "wall" includes the GPU's).
@@ -67,33 +69,43 @@ def main() -> None:
     parser.add_argument("--causal", nargs="+", default=["yes"], choices=["no", "yes"])
     parser.add_argument("--p", type=float, nargs="+", default=[0.1, 0.0])
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--runners", nargs="+", default=["cute", "cudnn"], choices=["cute", "triton", "cudnn"])
     args = parser.parse_args()
-    from fa_backend.ops import cute_flash_attention
+    for d in args.dims:
+        for s in args.seqlens:
+            for causal in (c == "yes" for c in args.causal):
+                for p in args.p:
+                    _profile_shape(args, d, s, causal, p)
 
-    for s in args.seqlens:
-        for causal in (c == "yes" for c in args.causal):
-            for p in args.p:
-                b, h, d = 16384 // s, 16, 128
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                           for _ in range(3))
 
-                def cute():
-                    return cute_flash_attention(q, k, v, None, causal, False, dropout_p=p)[0]
+def _profile_shape(args: argparse.Namespace, d: int, s: int, causal: bool, p: float) -> None:
+    """Print each runner's kernels and GPU time per forward and backward call on one shape."""
+    from fa_backend.ops import cute_flash_attention, triton_flash_attention
+    b, h = 16384 // s, 2048 // d
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
-                def cudnn():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
+    def cute():
+        return cute_flash_attention(q, k, v, None, causal, False, dropout_p=p)[0]
 
-                for name, fn in (("cute", cute), ("cudnn", cudnn)):
-                    for phase, kernels in _phases(fn, args.calls).items():
-                        total = sum(us for _, us in kernels.values()) / args.calls
-                        print(f"s={s} causal={int(causal)} p={p} {name} {phase}: {total:.0f} us", flush=True)
-                        for kname, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-                            print(f"    {us / args.calls:8.1f} us  x{n / args.calls:.0f}  {kname}")
-                    for grad in (False, True):
-                        issue, wall = _host(fn, grad)
-                        print(f"  {name} fwd host, grad={grad}: issue {issue:.0f} us, wall {wall:.0f} us per call",
-                              flush=True)
+    def triton():
+        return triton_flash_attention(q, k, v, None, causal, False, dropout_p=p)[0]
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
+
+    runners = dict(cute=cute, triton=triton, cudnn=cudnn)
+    for name, fn in ((n, runners[n]) for n in args.runners):
+        for phase, kernels in _phases(fn, args.calls).items():
+            total = sum(us for _, us in kernels.values()) / args.calls
+            print(f"d={d} s={s} causal={int(causal)} p={p} {name} {phase}: {total:.0f} us", flush=True)
+            for kname, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+                print(f"    {us / args.calls:8.1f} us  x{n / args.calls:.0f}  {kname}")
+        for grad in (False, True):
+            issue, wall = _host(fn, grad)
+            print(f"  {name} fwd host, grad={grad}: issue {issue:.0f} us, wall {wall:.0f} us per call",
+                  flush=True)
 
 
 if __name__ == "__main__":
