@@ -196,9 +196,9 @@ WS_TILES: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 4, 2), 96: (12
 # in the thirty-third session, again in the fifty-fourth), the persistent kernel faster from 4k (below).
 PERSISTENT_ONLY = frozenset({64})
 # Shortest key length per head dim from which this kernel beat `_attn_fwd` (H100, bf16, non-causal): d=128 / 96
-# 1.04x at 512 keys, 1.10-1.16x from 1k to 16k (per-tile kernel); d=64 on the persistent kernel, two runs of
-# scripts/time_fwd_ws.py in the fifty-fourth session: 0.86 / 0.89-0.90 / 0.97-0.98x at 512 / 1k / 2k keys,
-# 1.03-1.05 / 1.01-1.05 / 1.05-1.06x at 4k / 8k / 16k.
+# 1.04x at 512 keys, 1.10-1.16x from 1k to 16k (per-tile kernel); d=64 on the persistent kernel, three runs of
+# scripts/time_fwd_ws.py in the fifty-fourth session: 0.86 / 0.89-0.91 / 0.97-0.98x at 512 / 1k / 2k keys,
+# 1.00-1.05 / 1.01-1.05x at 4k / 8k, 1.05-1.06x at 16k (two runs).
 MIN_SEQ_K: dict[int, int] = {128: 512, 96: 512, 64: 4096}
 
 # Off: every forward takes `_attn_fwd`. Tests and scripts switch it to compare both.
