@@ -21,7 +21,17 @@ ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.fixture
-def ws_launches(monkeypatch):
+def launched(monkeypatch):
+    """The names of the kernels launched, every switch at its default."""
+    names = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
+                        or real(kernel, grid, args, kw))
+    return names
+
+
+@pytest.fixture
+def ws_launches(launched, monkeypatch):
     """The WS kernel enabled (also under the interpreter); yields the list of kernels launched."""
     monkeypatch.setattr(flash_fwd_ws, "INTERPRET", True)
     monkeypatch.setattr(flash_fwd_ws, "ENABLED", True)
@@ -31,11 +41,7 @@ def ws_launches(monkeypatch):
     if DEVICE == "cpu":  # the kernel is generic in the head dim: d=64 keeps the interpreter tests cheap
         monkeypatch.setattr(flash_fwd_ws, "WS_TILES", {d: (16, 16, 4, 1) for d in (48, 64, 96, 128)})
         monkeypatch.setattr(flash_fwd_ws, "PERSISTENT_ONLY", frozenset())
-    names = []
-    real = _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
-                        or real(kernel, grid, args, kw))
-    return names
+    return launched
 
 
 def _qkv(b, hq, hkv, sq, sk, d, dtype, bshd):
@@ -209,16 +215,6 @@ def test_ws_persistent_forward_real_size(ws_persistent_launches, dtype, d, hq, h
     _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_persistent_launches)
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The names of the kernels launched, every switch at its default."""
-    names = []
-    real = _launch.launch
-    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, args, kw: names.append(kernel.fn.__name__)
-                        or real(kernel, grid, args, kw))
-    return names
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
 def test_ws_defaults_route_by_head_dim_and_keys(launched):
@@ -319,19 +315,24 @@ def test_ws_compile_failure_falls_back(ws_launches, monkeypatch):
     assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
 
 
-def test_ws_persistent_compile_failure_falls_back(ws_persistent_launches, monkeypatch):
-    # A Triton whose pass cannot build the persistent kernel: the call runs the per-tile WS kernel, later calls too
-    q, k, v = _plain_qkv()
-    real = _launch.launch
+def _persistent_fails_to_compile(monkeypatch, names):
+    """Launches of the persistent kernel raise the pass's error (recorded in names); the others run."""
+    real = _launch.launch  # (the fixture's launch: records the name)
 
     def failing(kernel, grid, args, kw):
         if kernel.fn.__name__ == "_attn_fwd_ws_persistent":
-            ws_persistent_launches.append(kernel.fn.__name__)
+            names.append(kernel.fn.__name__)
             raise RuntimeError("PassManager::run failed")
-        return real(kernel, grid, args, kw)  # (the fixture's launch: records the name)
+        return real(kernel, grid, args, kw)
 
     monkeypatch.setattr(_launch, "launch", failing)
     monkeypatch.setattr(flash_fwd_ws, "_FAILED", set())
+
+
+def test_ws_persistent_compile_failure_falls_back(ws_persistent_launches, monkeypatch):
+    # A Triton whose pass cannot build the persistent kernel: the call runs the per-tile WS kernel, later calls too
+    q, k, v = _plain_qkv()
+    _persistent_fails_to_compile(monkeypatch, ws_persistent_launches)
     for _ in range(2):
         out, _ = flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
         assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
@@ -354,16 +355,7 @@ def test_ws_persistent_only_head_dims(ws_persistent_launches, monkeypatch):
     monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", False)
     assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, False, True)
     monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", True)
-    real = _launch.launch
-
-    def failing(kernel, grid, args, kw):
-        if kernel.fn.__name__ == "_attn_fwd_ws_persistent":
-            ws_persistent_launches.append(kernel.fn.__name__)
-            raise RuntimeError("PassManager::run failed")
-        return real(kernel, grid, args, kw)
-
-    monkeypatch.setattr(_launch, "launch", failing)
-    monkeypatch.setattr(flash_fwd_ws, "_FAILED", set())
+    _persistent_fails_to_compile(monkeypatch, ws_persistent_launches)
     for _ in range(2):
         out, _ = flash_fwd(q, k, v, d ** -0.5, False, True)
         assert_within_bar("out", out, attention_same_dtype(q, k, v), attention_math(q.double(), k.double(), v.double()))
