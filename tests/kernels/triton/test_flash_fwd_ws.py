@@ -331,7 +331,9 @@ def _persistent_fails_to_compile(monkeypatch, names):
 
 def test_ws_persistent_compile_failure_falls_back(ws_persistent_launches, monkeypatch):
     # A Triton whose pass cannot build the persistent kernel: the call runs the per-tile WS kernel, later calls too
-    q, k, v = _plain_qkv()
+    d = 64 if DEVICE == "cpu" else 128
+    block_n, stages = (16, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[d][1::2]
+    q, k, v = _qkv(1, 2, 2, 40, (stages + 1) * block_n, d, torch.float16, False)  # enough key blocks for it
     _persistent_fails_to_compile(monkeypatch, ws_persistent_launches)
     for _ in range(2):
         out, _ = flash_fwd(q, k, v, q.shape[-1] ** -0.5, False, True)
