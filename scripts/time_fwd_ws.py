@@ -8,7 +8,8 @@ medians; each output checked against cuDNN's first.
     python3 scripts/time_fwd_ws.py [--dims 64 128] [--seqlens 512 1024 2048 4096 8192 16384] [--json F]
                                    [--tiles 128,128,4,2 128,128,4,3] [--causal no yes] [--persistent]
 
---persistent also times each tile on the persistent kernel (`flash_fwd_ws.PERSISTENT`, non-causal calls): `wsp_...`.
+--persistent also times each tile on the persistent kernel (`flash_fwd_ws.PERSISTENT`; causal calls with
+`flash_fwd_ws.CAUSAL_PERSISTENT`): `wsp_...`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    switches = flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED, flash_fwd_ws.PERSISTENT
+    switches = flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED, flash_fwd_ws.PERSISTENT, flash_fwd_ws.CAUSAL_PERSISTENT
     flash_fwd_split.ENABLED = False  # (d=96's 64 + 32 split goes first: this script times the two others)
     rows = []
     for d in args.dims:
@@ -55,7 +56,7 @@ def main() -> None:
 
                 def ours(tile=None, persistent=False):
                     flash_fwd_ws.ENABLED = flash_fwd_ws.CAUSAL_ENABLED = tile is not None
-                    flash_fwd_ws.PERSISTENT = persistent
+                    flash_fwd_ws.PERSISTENT = flash_fwd_ws.CAUSAL_PERSISTENT = persistent
                     if tile is not None:
                         flash_fwd_ws.WS_TILES[d] = tile
                         flash_fwd_ws.MIN_SEQ_K = {}  # timed at every length
@@ -63,7 +64,7 @@ def main() -> None:
                     return flash_fwd(q, k, v, d ** -0.5, causal, False)[0]
 
                 fns = {f"ws_{'x'.join(map(str, t))}": (lambda t=t: ours(t)) for t in tiles}
-                if args.persistent and not causal:
+                if args.persistent:
                     fns.update({f"wsp_{'x'.join(map(str, t))}": (lambda t=t: ours(t, True)) for t in tiles})
                 fns["general"] = ours
                 for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
@@ -87,7 +88,8 @@ def main() -> None:
                     f"{n} {r['tflops']:.0f} ({r['tflops'] / cud:.3f}, diff {r['max_diff_vs_cudnn']:.1e})"
                     if "tflops" in r else f"{n} {r['error']}" for n, r in res.items()), flush=True)
                 del q, k, v
-    flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED, flash_fwd_ws.PERSISTENT = switches
+    (flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED, flash_fwd_ws.PERSISTENT,
+     flash_fwd_ws.CAUSAL_PERSISTENT) = switches
     write_records(args.json, rows)
 
 

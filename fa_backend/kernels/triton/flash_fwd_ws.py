@@ -14,10 +14,10 @@ and the LSE by TMA (descriptor stores are split between the consumers correctly)
 in q's dtype, LSE (natural log) contiguous (b, hq, sq). With PERSISTENT (on) calls with more key blocks than
 stages run on `_attn_fwd_ws_persistent`, about one program per SM walking the tiles; d=64 only there.
 
-CAUSAL_ENABLED (off: wrong on the GPU, see below) also gives it causal calls in which every query row sees a key:
-the rows' indices come from a 1-D TMA load of an index table (as Q's rows and the LSE's, which the pass splits
-right, instead of `tl.arange`), the loop stops at the tile's last visible key, and the mask is applied to every key
-block (an `if` on the block would leave the loop unspecialized).
+CAUSAL_ENABLED (off: not yet run on a GPU since its fix, see below) also gives it causal calls in which every query
+row sees a key: the rows' indices come from a 1-D TMA load of an index table at the tile's row coordinate (as Q's
+rows and the LSE's, which the pass splits right, instead of `tl.arange`), the loop stops at the tile's last visible
+key, and the mask is applied to every key block (an `if` on the block would leave the loop unspecialized).
 """
 
 from __future__ import annotations
@@ -75,18 +75,22 @@ def _ws_tile(
     NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
     WARP_SPEC: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, ROWS, causal_offset,
-    k_heads=None, v_heads=None, HEADS_4D: tl.constexpr = False,
+    k_heads=None, v_heads=None, HEADS_4D: tl.constexpr = False, HEADS_FASTEST: tl.constexpr = False, NUM_BH=1,
 ):
-    """Output tile `tile` (query block fastest, then head, then batch): O's BLOCK_M rows and their LSE. K and V
-    through per-tile descriptors, or (HEADS_4D) through k_heads / v_heads, `_heads_4d` descriptors of the whole
-    tensors."""
+    """Output tile `tile` (query block fastest, then head, then batch; HEADS_FASTEST: (batch, head) pair fastest of
+    NUM_BH, query blocks last first): O's BLOCK_M rows and their LSE. K and V through per-tile descriptors, or
+    (HEADS_4D) through k_heads / v_heads, `_heads_4d` descriptors of the whole tensors."""
     # qk_scale includes log2(e) and is > 0 (the host sends other scales to _attn_fwd); SEQ_K > 0, so every row
     # sees a key (causal: causal_offset >= 0, the host's condition). Query blocks of one head adjacent: their K / V
     # shared in L2; causal, the head's last (longest) query block first.
-    pid_m = tile % NUM_M_BLOCKS
-    if CAUSAL:
-        pid_m = NUM_M_BLOCKS - 1 - pid_m
-    bh = tile // NUM_M_BLOCKS
+    if HEADS_FASTEST:  # (causal, persistent: the longest tiles of every head first)
+        pid_m = NUM_M_BLOCKS - 1 - tile // NUM_BH
+        bh = tile % NUM_BH
+    else:
+        pid_m = tile % NUM_M_BLOCKS
+        if CAUSAL:
+            pid_m = NUM_M_BLOCKS - 1 - pid_m
+        bh = tile // NUM_M_BLOCKS
     off_b = (bh // NUM_HEADS_Q).to(tl.int64)
     off_h = (bh % NUM_HEADS_Q).to(tl.int64)
     off_hk = off_h // GROUP
@@ -109,9 +113,13 @@ def _ws_tile(
     # their O columns are dropped by the store.
     acc = tl.zeros([BLOCK_M, BLOCK_D if BLOCK_D else HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
-        # ROWS: int32 0 .. BLOCK_M - 1 (causal_rows), read by TMA so that each consumer gets its own rows
-        rows = tl.make_tensor_descriptor(ROWS, shape=[BLOCK_M], strides=[1], block_shape=[BLOCK_M]).load([0])
-        last_key = tl.minimum(rows + (m0 + causal_offset), SEQ_K - 1)
+        # ROWS: int32 0, 1, ... (at least SEQ_Q of them, causal_rows), read by TMA so that each consumer gets its
+        # own rows, at the tile's row coordinate m0 as Q's load and O's store: the pass offsets that coordinate for
+        # the second consumer. (Read at a constant 0, the pass offset the constant, and with it the column
+        # coordinate 0 of the O store: the second consumer stored its rows at columns 64-191, the forty-fifth
+        # session's unwritten elements.)
+        rows = tl.make_tensor_descriptor(ROWS, shape=[SEQ_Q], strides=[1], block_shape=[BLOCK_M]).load([m0])
+        last_key = tl.minimum(rows + causal_offset, SEQ_K - 1)
         end = tl.minimum(SEQ_K, m0 + BLOCK_M + causal_offset)
     else:
         last_key = m_i  # (unused)
@@ -126,7 +134,7 @@ def _ws_tile(
     o_desc.store([m0, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS"])
+@triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_M_BLOCKS", "TILE0", "NUM_BH"])
 def _attn_fwd_ws(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -135,12 +143,13 @@ def _attn_fwd_ws(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
     WARP_SPEC: tl.constexpr = True, BLOCK_D: tl.constexpr = 0,
     CAUSAL: tl.constexpr = False, ROWS=None, causal_offset=0,
+    HEADS_FASTEST: tl.constexpr = False, TILE0=0, NUM_BH=1,
 ):
-    # one program per output tile
-    _ws_tile(tl.program_id(0), Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-             stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K,
-             NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, WARP_SPEC, BLOCK_D, CAUSAL, ROWS,
-             causal_offset)
+    # one program per output tile (tiles TILE0, TILE0 + 1, ...: the short causal tiles the persistent kernel leaves)
+    _ws_tile(TILE0 + tl.program_id(0), Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+             stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, NUM_HEADS_Q, GROUP, SEQ_Q,
+             SEQ_K, NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, WARP_SPEC, BLOCK_D, CAUSAL, ROWS,
+             causal_offset, HEADS_FASTEST=HEADS_FASTEST, NUM_BH=NUM_BH)
 
 
 @triton.jit
@@ -160,9 +169,10 @@ def _attn_fwd_ws_persistent(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     BATCH, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K, NUM_M_BLOCKS, NUM_TILES, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr = False, ROWS=None, causal_offset=0,
 ):
-    # Non-causal, the same tiles and contract as `_attn_fwd_ws`. Program p takes tiles p, p + P, p + 2P, ...
+    # The same tiles and contract as `_attn_fwd_ws`; causal (CAUSAL_PERSISTENT), the tiles in `_ws_tile`'s
+    # HEADS_FASTEST order, longest first, only as many as have more key blocks than stages (NUM_TILES, see below). Program p takes tiles p, p + P, p + 2P, ...
     # (P programs, about one per SM), so the tiles running at one time stay adjacent (K / V shared in L2). The tile
     # loop is the specialized one: the producer partition walks the tiles too, so it can load the next tile's Q, K
     # and V while the consumers finish this tile's last block and store it.
@@ -182,8 +192,8 @@ def _attn_fwd_ws_persistent(
     for tile in tl.range(tl.program_id(0), NUM_TILES, tl.num_programs(0), warp_specialize=True):
         _ws_tile(tile, Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, NUM_HEADS_Q, GROUP, SEQ_Q, SEQ_K,
-                 NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, False, BLOCK_D, False, None, 0,
-                 k_desc, v_desc, True)
+                 NUM_M_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_COLS, False, BLOCK_D, CAUSAL, ROWS,
+                 causal_offset, k_desc, v_desc, True, CAUSAL, BATCH * NUM_HEADS_Q)
 
 
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. 4 warps is what the pass specializes (the
@@ -215,20 +225,29 @@ PERSISTENT = True
 # Programs of the persistent kernel under the interpreter: fewer than the tiles of the tests' shapes, so that a
 # program walks several tiles there.
 INTERPRET_PROGRAMS = 3
-# Causal calls too (where every query row sees a key: top-left, or bottom-right with sk >= sq). Off: wrong on the
-# GPU. Written on the CPU in the forty-fourth session, after the thirty-sixth's two causal attempts (docs/perf-log.md)
-# failed on the pass's row split; sm90 compile: the loop still specialized (12 warps, setmaxnreg, 197 KB of shared
-# memory; tests/kernels/triton/test_ws_compile.py); its interpreter tests pass. On an H100 (forty-fifth session,
-# `bash scripts/gpu_check.sh ws_causal`) every causal real-size GPU test failed with elements never written, and its
-# timing at most 1.08x the general kernel's while skipping work: not worth the GPU time to debug.
+# Causal calls too (where every query row sees a key: top-left, or bottom-right with sk >= sq). Off: not yet run on a
+# GPU since the fix below. Written on the CPU in the forty-fourth session, after the thirty-sixth's two causal
+# attempts (docs/perf-log.md) failed on the pass's row split; sm90 compile: the loop still specialized (12 warps,
+# setmaxnreg, 197 KB of shared memory; tests/kernels/triton/test_ws_compile.py); its interpreter tests pass. On an
+# H100 (forty-fifth session, `bash scripts/gpu_check.sh ws_causal`) every causal real-size GPU test failed with
+# elements never written (timing then: at most 1.08x the general kernel). Cause, found in the fifty-fifth session in
+# the pass's IR (MLIR_ENABLE_DUMP): the row table was read at the constant coordinate 0, the pass offset that
+# constant by 64 for the second consumer, and the same constant was the column coordinate of its O store, which
+# then wrote its rows at columns 64-191. The table is now read at the tile's row coordinate; the compile test
+# checks every 2-D store's column coordinate.
 CAUSAL_ENABLED = False
+# With CAUSAL_ENABLED, causal calls on the persistent kernel (fifty-fifth session, CPU only: interpreter tests; off
+# until it has run on a GPU): the tiles in one longest-first order over all heads, those that see at most as many
+# key blocks as stages (the first query blocks of each head) left to a per-tile launch after it.
+CAUSAL_PERSISTENT = False
 # Whether the interpreter (TRITON_INTERPRET=1, CPU tests) may take this kernel (off: the CPU suite keeps
 # exercising `_attn_fwd` on plain calls); the interpreter ignores the specialization and runs the same math,
 # so tests that turn it on check this kernel's bounds. MIN_SEQ_K does not apply there.
 INTERPRET = False
 _LOG2E = 1.4426950408889634
 _HAS_WS = HAS_WS
-_FAILED: set = set()  # (head dim, dtype, causal or "persistent") whose compile failed here: not tried again
+_FAILED: set = set()  # (head dim, dtype, causal, "persistent" or "persistent_causal") whose compile failed here: not
+# tried again
 
 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, causal: bool,
@@ -256,15 +275,16 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     return tma_ok(q, k, v, out)
 
 
-_ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_ROWS: dict[torch.device, torch.Tensor] = {}
 
 
-def causal_rows(device: torch.device, block_m: int) -> torch.Tensor:
-    """int32 0 .. block_m - 1 on device (one per device and tile height): the causal kernel's row indices."""
-    key = (device, block_m)
-    if key not in _ROWS:
-        _ROWS[key] = torch.arange(block_m, dtype=torch.int32, device=device)
-    return _ROWS[key]
+def causal_rows(device: torch.device, n: int) -> torch.Tensor:
+    """int32 0 .. n - 1 on device, the causal kernel's row indices (a view of one table per device, grown in
+    powers of two)."""
+    table = _ROWS.get(device)
+    if table is None or table.numel() < n:
+        table = _ROWS[device] = torch.arange(max(1024, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
+    return table[:n]
 
 
 def _tile(d: int) -> tuple[int, int, int, int]:
@@ -313,9 +333,31 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         if d in PERSISTENT_ONLY:  # (its compile failed: the general kernel)
             return False
     # (else a program per tile)
+    args = (q, k, v, out, lse, *strides, hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E)
     if causal:
-        kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, block_m),
-                      causal_offset=causal_offset(sq, sk, True, bottom_right))
-    return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), (
-        q, k, v, out, lse, *strides, hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E,
-    ), kwargs, _FAILED, (d, q.dtype, causal))
+        offset = causal_offset(sq, sk, True, bottom_right)
+        kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, sq), causal_offset=offset)
+        if CAUSAL_PERSISTENT and (d, q.dtype, "persistent_causal") not in _FAILED:
+            # the tiles that see more key blocks than stages (the per-tile Q descriptor's condition, see the
+            # kernel) on the persistent kernel, longest first across all heads; then the `short` first query blocks
+            # of every head, a program per tile in the same order
+            short = _short_blocks(sk, offset, block_m, block_n, num_stages, num_m_blocks)
+            nbh = b * hq
+            long_tiles = (num_m_blocks - short) * nbh
+            programs = min(long_tiles, INTERPRET_PROGRAMS if _launch._INTERPRET else _launch.sm_count(q.device))
+            if not long_tiles or launch_or_mark(_attn_fwd_ws_persistent, grid_1d(programs), (
+                    q, k, v, out, lse, *_heads_strides(strides, b, hq, hkv, q.element_size()), b, hq, hq // hkv, sq,
+                    sk, num_m_blocks, long_tiles, scale * _LOG2E,
+            ), kwargs, _FAILED, (d, q.dtype, "persistent_causal")):
+                return not short or launch_or_mark(_attn_fwd_ws, grid_1d(short * nbh), args, dict(
+                    kwargs, HEADS_FASTEST=True, TILE0=long_tiles, NUM_BH=nbh), _FAILED, (d, q.dtype, causal))
+            # (its compile failed: every tile a program)
+    return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), args, kwargs, _FAILED, (d, q.dtype, causal))
+
+
+def _short_blocks(sk: int, offset: int, block_m: int, block_n: int, stages: int, num_m_blocks: int) -> int:
+    """How many query blocks, from the first, see at most `stages` key blocks under a causal mask (query block i
+    sees keys [0, min(sk, (i + 1) * block_m + offset)))."""
+    if cdiv(sk, block_n) <= stages:
+        return num_m_blocks
+    return min(num_m_blocks, max(0, (stages * block_n - offset) // block_m))

@@ -68,6 +68,8 @@ def _check(q, k, v, names, causal=False, bottom_right=True):
     block_n, stages = (16, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[q.shape[-1]][1::2]
     persistent = flash_fwd_ws.PERSISTENT and not causal and -(-k.shape[2] // block_n) > stages
     kernel = "_attn_fwd_ws_persistent" if persistent else "_attn_fwd_ws"
+    if causal and flash_fwd_ws.PERSISTENT and flash_fwd_ws.CAUSAL_PERSISTENT:
+        kernel = _causal_launches(q.shape[2], k.shape[2], q.shape[-1], bottom_right)[-1]
     assert names and names[-1] == kernel, names
     big = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > 2**27
     ref_dtype = torch.float32 if big else torch.float64
@@ -170,12 +172,68 @@ def test_ws_causal_forward_interpreted(ws_causal_launches, d, hq, hkv, sq, sk, b
        bshd=st.booleans(), persistent=st.booleans())
 def test_ws_random_shapes_interpreted(ws_causal_launches, monkeypatch, b, hkv, group, sq4, sk, d, mode, bshd,
                                       persistent):
-    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", persistent)  # (causal calls keep the per-tile kernel)
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", persistent)
+    monkeypatch.setattr(flash_fwd_ws, "CAUSAL_PERSISTENT", persistent)
     sq = 4 * sq4  # the LSE rows' TMA alignment (ws_eligible)
     if mode == "br":
         sk = max(sk, sq)  # bottom-right rows all see a key only when sk >= sq (else the general kernel runs)
     _check(*_qkv(b, hkv * group, hkv, sq, sk, d, torch.float16, bshd), ws_causal_launches, mode != "none",
            mode == "br")
+
+
+@pytest.fixture(params=[3, 5] if DEVICE == "cpu" else [0], ids=lambda n: f"{n}programs" if n else "sms")
+def ws_causal_persistent_launches(ws_causal_launches, monkeypatch, request):
+    """ws_causal_launches with causal calls on the persistent kernel (CAUSAL_PERSISTENT)."""
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", True)
+    monkeypatch.setattr(flash_fwd_ws, "CAUSAL_PERSISTENT", True)
+    if request.param:
+        monkeypatch.setattr(flash_fwd_ws, "INTERPRET_PROGRAMS", request.param)
+    return ws_causal_launches
+
+
+def _causal_launches(sq, sk, d, bottom_right):
+    """The kernels a causal call takes with CAUSAL_PERSISTENT: the persistent kernel for the tiles that see more
+    key blocks than stages, the per-tile kernel for the rest (each only if it has tiles)."""
+    block_m, block_n, _, stages = (16, 16, 4, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[d]
+    offset = sk - sq if bottom_right else 0
+    ends = [min(sk, (i + 1) * block_m + offset) for i in range(-(-sq // block_m))]
+    long_tiles = sum(-(-end // block_n) > stages for end in ends)
+    return ["_attn_fwd_ws_persistent"] * bool(long_tiles) + ["_attn_fwd_ws"] * (long_tiles < len(ends))
+
+
+CPU_CAUSAL_PERSISTENT_CASES = CPU_CAUSAL_CASES + [
+    (64, 2, 2, 64, 20, False, False),  # every tile sees at most two key blocks: the per-tile kernel alone
+    (64, 3, 1, 36, 100, True, True),  # bottom-right, 64 keys to the left: every tile on the persistent kernel
+]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right,bshd", CPU_CAUSAL_PERSISTENT_CASES)
+def test_ws_causal_persistent_interpreted(ws_causal_persistent_launches, d, hq, hkv, sq, sk, bottom_right, bshd):
+    q, k, v = _qkv(2, hq, hkv, sq, sk, d, torch.float16, bshd)
+    out, lse = flash_fwd(q, k, v, d ** -0.5, True, bottom_right)
+    assert ws_causal_persistent_launches == _causal_launches(sq, sk, d, bottom_right)
+    kw = dict(is_causal=True, bottom_right=bottom_right)
+    ref = attention_math(q.double(), k.double(), v.double(), **kw)
+    assert_within_bar("out", out, attention_same_dtype(q, k, v, **kw), ref)
+    assert (lse.double() - _lse(q, k, True, bottom_right)).abs().max().item() < 2e-2
+
+
+def test_ws_causal_persistent_compile_failure_falls_back(ws_causal_persistent_launches, monkeypatch):
+    # the causal persistent kernel does not build: that call and later ones run a program per tile; the non-causal
+    # persistent kernel is still tried (here it fails too, and its call runs a program per tile as well)
+    d = 64 if DEVICE == "cpu" else 128
+    block_n, stages = (16, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[d][1::2]
+    q, k, v = _qkv(1, 2, 2, 4 * block_n, (stages + 2) * block_n, d, torch.float16, False)
+    _persistent_fails_to_compile(monkeypatch, ws_causal_persistent_launches)
+    for causal in (True, True, False):
+        out, _ = flash_fwd(q, k, v, d ** -0.5, causal, False)
+        kw = dict(is_causal=causal)
+        assert_within_bar("out", out, attention_same_dtype(q, k, v, **kw),
+                          attention_math(q.double(), k.double(), v.double(), **kw))
+    assert ws_causal_persistent_launches == ["_attn_fwd_ws_persistent", "_attn_fwd_ws", "_attn_fwd_ws",
+                                             "_attn_fwd_ws_persistent", "_attn_fwd_ws"]
+    assert flash_fwd_ws._FAILED == {(d, torch.float16, "persistent_causal"), (d, torch.float16, "persistent")}
 
 
 def test_ws_causal_only_where_every_row_sees_a_key(ws_causal_launches, monkeypatch):
@@ -245,6 +303,17 @@ GPU_CAUSAL_CASES = [(d, hq, hkv, sq, sk, br, bshd) for d in (128, 96)
 def test_ws_causal_forward_real_size(ws_causal_launches, dtype, d, hq, hkv, sq, sk, bottom_right, bshd):
     # the opt-in causal variant (CAUSAL_ENABLED): what its first GPU run has to pass before it goes on by default
     _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_causal_launches, True, bottom_right)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,bottom_right,bshd", GPU_CAUSAL_CASES + [(128, 4, 4, 200, 300, False, False)])
+def test_ws_causal_persistent_forward_real_size(ws_causal_persistent_launches, dtype, d, hq, hkv, sq, sk,
+                                                bottom_right, bshd):
+    # CAUSAL_PERSISTENT: the long tiles on the persistent kernel, the short ones a program each (the added case:
+    # every tile short, the per-tile launch alone)
+    _check(*_qkv(2, hq, hkv, sq, sk, d, dtype, bshd), ws_causal_persistent_launches, True, bottom_right)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from fa_backend.kernels.triton import _ws, flash_bwd_ws, flash_fwd_ws
 pytestmark = pytest.mark.skipif(not _ws.HAS_WS, reason="this Triton has no warp_specialize")
 
 _COMPILE = r"""
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -26,15 +27,18 @@ from fa_backend.kernels.triton import flash_bwd_ws, flash_fwd_ws
 kind, d, mask_cols, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 mod = flash_bwd_ws if kind == "bwd" else flash_fwd_ws
 block_m, block_n, num_warps, num_stages = mod.WS_TILES[d]
-fn = dict(fwd=flash_fwd_ws._attn_fwd_ws, persistent=flash_fwd_ws._attn_fwd_ws_persistent,
+fn = dict(fwd=flash_fwd_ws._attn_fwd_ws, short=flash_fwd_ws._attn_fwd_ws, persistent=flash_fwd_ws._attn_fwd_ws_persistent,
           bwd=flash_bwd_ws._bwd_dkdv_ws)[kind]
 constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n)
 constexprs["BLOCK_D"] = triton.next_power_of_2(d)
-if kind != "persistent":
+if kind in ("fwd", "short"):
+    constexprs["WARP_SPEC"] = True
+    constexprs["HEADS_FASTEST"] = kind == "short"
+if kind == "bwd":
     constexprs["WARP_SPEC"] = True
 if kind != "bwd":
     constexprs["MASK_COLS"] = mask_cols
-if kind == "fwd":
+if kind != "bwd":
     constexprs["CAUSAL"] = causal
     if not causal:
         constexprs["ROWS"] = None
@@ -44,18 +48,23 @@ signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in
 k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=num_warps, num_stages=num_stages))
 ptx = k.asm["ptx"]
+# the column coordinate of every 2-D TMA store (O, dK, dV), as named in the TTGIR
+store_cols = re.findall(r"async_tma_copy_local_to_global %\S+\[%[\w.]+, (%[\w.]+)\]", k.asm["ttgir"])
 print(json.dumps(dict(num_warps=k.metadata.num_warps, asked=num_warps, shared=k.metadata.shared,
                       setmaxnreg="setmaxnreg" in ptx, wgmma="wgmma.mma_async" in ptx,
-                      tma="cp.async.bulk.tensor" in ptx)))
+                      tma="cp.async.bulk.tensor" in ptx, store_cols=store_cols)))
 """
 
 
-# the forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED) and its persistent kernel (PERSISTENT) too: their
-# loops must still be specialized
+# the forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED) and its persistent kernel (PERSISTENT), causal
+# or not (CAUSAL_PERSISTENT; "short": the per-tile launch of the tiles it leaves), too: their loops must still be
+# specialized
 @pytest.mark.parametrize("kind,d,mask_cols,causal", [("fwd", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES)
                                                      for m in (0, 1)]
                          + [("fwd", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
                          + [("persistent", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES) for m in (0, 1)]
+                         + [("persistent", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
+                         + [("short", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
                          + [("bwd", d, 0, 0) for d in sorted(flash_bwd_ws.WS_TILES)])
 def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols, causal):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -66,3 +75,7 @@ def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols, causal):
     assert info["num_warps"] == 3 * info["asked"], info  # producer (default partition) + two consumer warpgroups
     assert info["setmaxnreg"] and info["wgmma"] and info["tma"], info
     assert info["shared"] <= 232448, info  # sm90's per-block limit
+    # each consumer stores its rows of the whole tile from column 0: the pass offsets only the row coordinate (the
+    # causal variant's second consumer once stored at column 64, the pass having offset a shared constant 0)
+    assert len(info["store_cols"]) >= 2, info
+    assert all(re.fullmatch(r"%c0_i32(_\d+)?", col) for col in info["store_cols"]), info
