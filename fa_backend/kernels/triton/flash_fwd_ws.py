@@ -238,7 +238,8 @@ INTERPRET_PROGRAMS = 3
 CAUSAL_ENABLED = False
 # With CAUSAL_ENABLED, causal calls on the persistent kernel (fifty-fifth session, CPU only: interpreter tests; off
 # until it has run on a GPU): the tiles in one longest-first order over all heads, those that see at most as many
-# key blocks as stages (the first query blocks of each head) left to a per-tile launch after it.
+# key blocks as stages (the first query blocks of each head) left to a per-tile launch after it. A head dim in
+# PERSISTENT_ONLY takes causal calls only this way (its short tiles a program each too).
 CAUSAL_PERSISTENT = False
 # Whether the interpreter (TRITON_INTERPRET=1, CPU tests) may take this kernel (off: the CPU suite keeps
 # exercising `_attn_fwd` on plain calls); the interpreter ignores the specialization and runs the same math,
@@ -254,7 +255,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                 plain: bool, bottom_right: bool = False) -> bool:
     """Whether `flash_fwd_ws` may run this call: plain (no mask, dropout, softcap, ALiBi, window) and not
     causal (with CAUSAL_ENABLED: causal where every query row sees a key), scale > 0, equal head dims in WS_TILES
-    (those in PERSISTENT_ONLY on the persistent kernel only), at least the head dim's MIN_SEQ_K keys, fp16 / bf16
+    (those in PERSISTENT_ONLY on the persistent kernel only, causal with CAUSAL_PERSISTENT), at least the head dim's MIN_SEQ_K keys, fp16 / bf16
     (out too), a query length that is a multiple of 4 (the LSE rows' TMA alignment), on sm90 (or the interpreter)
     with strides TMA accepts; and no forward tile pinned by `_configs.override`."""
     if not (ENABLED and _HAS_WS and plain and scale > 0 and (CAUSAL_ENABLED or not causal)) or \
@@ -270,7 +271,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     if ((sk < MIN_SEQ_K.get(d, 0) and not _launch._INTERPRET) or (d, q.dtype, causal) in _FAILED
             or not platform_ok(q, INTERPRET)):
         return False  # (the cheap checks first: this runs on every plain forward, small ones included)
-    if d in PERSISTENT_ONLY and not _persistent(d, q.dtype, sk, causal):
+    if d in PERSISTENT_ONLY and not (_persistent(d, q.dtype, sk, causal) or _persistent_causal(d, q.dtype, causal)):
         return False
     return tma_ok(q, k, v, out)
 
@@ -297,6 +298,12 @@ def _persistent(d: int, dtype: torch.dtype, sk: int, causal: bool) -> bool:
     stages (the kernel's per-tile Q descriptor relies on it, see there), and no failed compile of it here."""
     _, block_n, _, num_stages = _tile(d)
     return PERSISTENT and not causal and cdiv(sk, block_n) > num_stages and (d, dtype, "persistent") not in _FAILED
+
+
+def _persistent_causal(d: int, dtype: torch.dtype, causal: bool) -> bool:
+    """Whether a causal call's long tiles take `_attn_fwd_ws_persistent` (PERSISTENT and CAUSAL_PERSISTENT on, no
+    failed compile of its causal form here); its short tiles take `_attn_fwd_ws`, at every head dim."""
+    return causal and PERSISTENT and CAUSAL_PERSISTENT and (d, dtype, "persistent_causal") not in _FAILED
 
 
 def _heads_strides(strides: tuple, b: int, hq: int, hkv: int, element_size: int) -> tuple:
@@ -337,7 +344,7 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if causal:
         offset = causal_offset(sq, sk, True, bottom_right)
         kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, sq), causal_offset=offset)
-        if CAUSAL_PERSISTENT and (d, q.dtype, "persistent_causal") not in _FAILED:
+        if _persistent_causal(d, q.dtype, causal):
             # the tiles that see more key blocks than stages (the per-tile Q descriptor's condition, see the
             # kernel) on the persistent kernel, longest first across all heads; then the `short` first query blocks
             # of every head, a program per tile in the same order
@@ -351,6 +358,8 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
             ), kwargs, _FAILED, (d, q.dtype, "persistent_causal")):
                 return not short or launch_or_mark(_attn_fwd_ws, grid_1d(short * nbh), args, dict(
                     kwargs, HEADS_FASTEST=True, TILE0=long_tiles, NUM_BH=nbh), _FAILED, (d, q.dtype, causal))
+            if d in PERSISTENT_ONLY:  # (its compile failed: the general kernel)
+                return False
             # (its compile failed: every tile a program)
     return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), args, kwargs, _FAILED, (d, q.dtype, causal))
 

@@ -236,6 +236,27 @@ def test_ws_causal_persistent_compile_failure_falls_back(ws_causal_persistent_la
     assert flash_fwd_ws._FAILED == {(d, torch.float16, "persistent_causal"), (d, torch.float16, "persistent")}
 
 
+def test_ws_causal_persistent_only_head_dims(ws_causal_launches, monkeypatch):
+    # a head dim in PERSISTENT_ONLY takes causal calls with CAUSAL_PERSISTENT only, and the general kernel if that
+    # kernel does not build
+    d = 64 if DEVICE == "cpu" else 128
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT_ONLY", frozenset({d}))
+    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", True)
+    block_n, stages = (16, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[d][1::2]
+    q, k, v = _qkv(1, 2, 2, 4 * block_n, 4 * block_n, d, torch.float16, False)
+    out = torch.empty_like(q)
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, True, True)
+    monkeypatch.setattr(flash_fwd_ws, "CAUSAL_PERSISTENT", True)
+    assert flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, True, True) == (DEVICE == "cpu" or ON_SM90)
+    _persistent_fails_to_compile(monkeypatch, ws_causal_launches)
+    for _ in range(2):
+        out, _ = flash_fwd(q, k, v, d ** -0.5, True, True)
+        assert_within_bar("out", out, attention_same_dtype(q, k, v, is_causal=True),
+                          attention_math(q.double(), k.double(), v.double(), is_causal=True))
+    assert ws_causal_launches == ["_attn_fwd_ws_persistent", "_attn_fwd", "_attn_fwd"]
+    assert not flash_fwd_ws.ws_eligible(q, k, v, out, 0.1, True, True)
+
+
 def test_ws_causal_only_where_every_row_sees_a_key(ws_causal_launches, monkeypatch):
     q, k, v = _qkv(1, 2, 2, 48, 32, 64 if DEVICE == "cpu" else 128, torch.float16, False)
     out = torch.empty_like(q)
