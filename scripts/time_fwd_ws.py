@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    switches = flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED, flash_fwd_ws.PERSISTENT, flash_fwd_ws.CAUSAL_PERSISTENT
+    switches = (flash_fwd_ws.ENABLED, flash_fwd_ws.CAUSAL_ENABLED, flash_fwd_ws.PERSISTENT,
+                flash_fwd_ws.CAUSAL_PERSISTENT)
     flash_fwd_split.ENABLED = False  # (d=96's 64 + 32 split goes first: this script times the two others)
     rows = []
     for d in args.dims:

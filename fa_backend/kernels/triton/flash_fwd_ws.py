@@ -172,8 +172,9 @@ def _attn_fwd_ws_persistent(
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr = False, ROWS=None, causal_offset=0,
 ):
     # The same tiles and contract as `_attn_fwd_ws`; causal (CAUSAL_PERSISTENT), the tiles in `_ws_tile`'s
-    # HEADS_FASTEST order, longest first, only as many as have more key blocks than stages (NUM_TILES, see below). Program p takes tiles p, p + P, p + 2P, ...
-    # (P programs, about one per SM), so the tiles running at one time stay adjacent (K / V shared in L2). The tile
+    # HEADS_FASTEST order, longest first, only the NUM_TILES that have more key blocks than stages (see below).
+    # Program p takes tiles p, p + P, p + 2P, ... (P programs, about one per SM), so the tiles running at one time
+    # stay adjacent (non-causal: K / V shared in L2; causal: tiles of equal length together). The tile
     # loop is the specialized one: the producer partition walks the tiles too, so it can load the next tile's Q, K
     # and V while the consumers finish this tile's last block and store it.
     # K and V are read through descriptors built once, over the whole tensors (4-D, one head's rows per box): a
@@ -255,9 +256,9 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                 plain: bool, bottom_right: bool = False) -> bool:
     """Whether `flash_fwd_ws` may run this call: plain (no mask, dropout, softcap, ALiBi, window) and not
     causal (with CAUSAL_ENABLED: causal where every query row sees a key), scale > 0, equal head dims in WS_TILES
-    (those in PERSISTENT_ONLY on the persistent kernel only, causal with CAUSAL_PERSISTENT), at least the head dim's MIN_SEQ_K keys, fp16 / bf16
-    (out too), a query length that is a multiple of 4 (the LSE rows' TMA alignment), on sm90 (or the interpreter)
-    with strides TMA accepts; and no forward tile pinned by `_configs.override`."""
+    (those in PERSISTENT_ONLY on the persistent kernel only, causal with CAUSAL_PERSISTENT), at least the head dim's
+    MIN_SEQ_K keys, fp16 / bf16 (out too), a query length that is a multiple of 4 (the LSE rows' TMA alignment), on
+    sm90 (or the interpreter) with strides TMA accepts; and no forward tile pinned by `_configs.override`."""
     if not (ENABLED and _HAS_WS and plain and scale > 0 and (CAUSAL_ENABLED or not causal)) or \
             _configs._override.get("fwd"):
         return False  # (a forward tile pinned by _configs.override: tuning and tests of `_attn_fwd`)
@@ -330,12 +331,8 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
     if _persistent(d, q.dtype, sk, causal):
-        tiles = num_m_blocks * b * hq
-        programs = min(tiles, INTERPRET_PROGRAMS if _launch._INTERPRET else _launch.sm_count(q.device))
-        if launch_or_mark(_attn_fwd_ws_persistent, grid_1d(programs), (
-                q, k, v, out, lse, *_heads_strides(strides, b, hq, hkv, q.element_size()), b, hq, hq // hkv, sq, sk,
-                num_m_blocks, tiles, scale * _LOG2E,
-        ), kwargs, _FAILED, (d, q.dtype, "persistent")):
+        if _launch_persistent(q, k, v, out, lse, strides, num_m_blocks, num_m_blocks * b * hq, scale, kwargs,
+                              "persistent"):
             return True
         if d in PERSISTENT_ONLY:  # (its compile failed: the general kernel)
             return False
@@ -351,17 +348,27 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
             short = _short_blocks(sk, offset, block_m, block_n, num_stages, num_m_blocks)
             nbh = b * hq
             long_tiles = (num_m_blocks - short) * nbh
-            programs = min(long_tiles, INTERPRET_PROGRAMS if _launch._INTERPRET else _launch.sm_count(q.device))
-            if not long_tiles or launch_or_mark(_attn_fwd_ws_persistent, grid_1d(programs), (
-                    q, k, v, out, lse, *_heads_strides(strides, b, hq, hkv, q.element_size()), b, hq, hq // hkv, sq,
-                    sk, num_m_blocks, long_tiles, scale * _LOG2E,
-            ), kwargs, _FAILED, (d, q.dtype, "persistent_causal")):
+            if not long_tiles or _launch_persistent(q, k, v, out, lse, strides, num_m_blocks, long_tiles, scale,
+                                                    kwargs, "persistent_causal"):
                 return not short or launch_or_mark(_attn_fwd_ws, grid_1d(short * nbh), args, dict(
                     kwargs, HEADS_FASTEST=True, TILE0=long_tiles, NUM_BH=nbh), _FAILED, (d, q.dtype, causal))
             if d in PERSISTENT_ONLY:  # (its compile failed: the general kernel)
                 return False
             # (its compile failed: every tile a program)
     return launch_or_mark(_attn_fwd_ws, grid_1d(num_m_blocks * b * hq), args, kwargs, _FAILED, (d, q.dtype, causal))
+
+
+def _launch_persistent(q, k, v, out, lse, strides: tuple, num_m_blocks: int, tiles: int, scale: float, kwargs: dict,
+                       form: str) -> bool:
+    """`_attn_fwd_ws_persistent` over the first `tiles` tiles, about one program per SM; False (marked in _FAILED
+    under `form`) when it does not build."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    programs = min(tiles, INTERPRET_PROGRAMS if _launch._INTERPRET else _launch.sm_count(q.device))
+    return launch_or_mark(_attn_fwd_ws_persistent, grid_1d(programs), (
+        q, k, v, out, lse, *_heads_strides(strides, b, hq, hkv, q.element_size()), b, hq, hq // hkv, sq, sk,
+        num_m_blocks, tiles, scale * _LOG2E,
+    ), kwargs, _FAILED, (d, q.dtype, form))
 
 
 def _short_blocks(sk: int, offset: int, block_m: int, block_n: int, stages: int, num_m_blocks: int) -> int:

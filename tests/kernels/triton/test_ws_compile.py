@@ -27,8 +27,8 @@ from fa_backend.kernels.triton import flash_bwd_ws, flash_fwd_ws
 kind, d, mask_cols, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 mod = flash_bwd_ws if kind == "bwd" else flash_fwd_ws
 block_m, block_n, num_warps, num_stages = mod.WS_TILES[d]
-fn = dict(fwd=flash_fwd_ws._attn_fwd_ws, short=flash_fwd_ws._attn_fwd_ws, persistent=flash_fwd_ws._attn_fwd_ws_persistent,
-          bwd=flash_bwd_ws._bwd_dkdv_ws)[kind]
+fn = dict(fwd=flash_fwd_ws._attn_fwd_ws, short=flash_fwd_ws._attn_fwd_ws,
+          persistent=flash_fwd_ws._attn_fwd_ws_persistent, bwd=flash_bwd_ws._bwd_dkdv_ws)[kind]
 constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n)
 constexprs["BLOCK_D"] = triton.next_power_of_2(d)
 if kind in ("fwd", "short"):
