@@ -285,15 +285,21 @@ if [[ " $steps " == *" ws_persist "* ]]; then
     || status=1
 fi
 if [[ " $steps " == *" ws_causal "* ]]; then
-  # the warp-specialized forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED, written in the forty-fourth
-  # session, its O store fixed in the fifty-fifth) and its persistent form (CAUSAL_PERSISTENT): its GPU tests (the
-  # per-tile ones are marked xfail until they pass: --runxfail runs them as plain tests), then its timing against
-  # the general kernel, cuDNN and SDPA-flash (ws_... a program per tile, wsp_... persistent)
+  # the warp-specialized kernels' opt-in causal forms. First the forward's (flash_fwd_ws.CAUSAL_ENABLED, written in
+  # the forty-fourth session, its O store fixed in the fifty-fifth) and its persistent form (CAUSAL_PERSISTENT): its
+  # GPU tests (the per-tile ones are marked xfail until they pass: --runxfail runs them as plain tests), then its
+  # timing against the general kernel, cuDNN and SDPA-flash (ws_... a program per tile, wsp_... persistent)
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_fwd_ws.py -m gpu -q -p no:cacheprovider \
     --runxfail -n ${SHARDS:-8} > "$OUT/ws_causal_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/ws_causal_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_causal_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_fwd_ws.py --dims ${WS_DIMS:-128 64} --causal yes --persistent \
     --seqlens ${WS_SEQLENS:-1024 2048 4096 8192 16384} --json "$OUT/ws_causal.json" 2>&1 | grep -v -i warn || status=1
+  # the dK / dV kernel's causal form (flash_bwd_ws.CAUSAL_ENABLED, fifty-fifth session): its GPU tests, its timing
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_bwd_ws.py -m gpu -q -p no:cacheprovider \
+    -k causal -n ${SHARDS:-8} > "$OUT/ws_causal_bwd_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/ws_causal_bwd_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_causal_bwd_tests.log" | head -20
+  timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_bwd_ws.py --dims ${WS_DIMS:-128 64} --causal yes \
+    --seqlens ${WS_SEQLENS:-1024 2048 4096 8192 16384} --json "$OUT/ws_causal_bwd.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" ds_gemm "* ]]; then
   # the d=193-256 backward's dQ from dS^T in memory (flash_bwd_split.DS_GEMM; forty-fourth session on one buffer,

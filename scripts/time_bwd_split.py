@@ -30,17 +30,15 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _bwd_case import backward_case  # noqa: E402
 from _records import write_records  # noqa: E402
 
 from fa_backend.kernels.triton import dq_from_ds, flash_bwd_split
 from fa_backend.kernels.triton.flash_bwd import bwd_delta, flash_bwd
-from fa_backend.kernels.triton.flash_fwd import flash_fwd
 
 
 def main() -> None:
@@ -81,17 +79,10 @@ def main() -> None:
         top = flash_bwd_split.split_widths(d, d, flash_bwd_split.SPLITS)[0]
         for causal in (c == "yes" for c in args.causal):
             for s in args.seqlens:
-                b, h = 16384 // s, 2048 // d
-                q, k, v, do = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
-                               for _ in range(4))
-                flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-                out, lse = flash_fwd(q, k, v, d ** -0.5, causal, False)
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    flash_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
-                ref = torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
+                case = backward_case(d, s, causal)
+                q, k, v, do, out, lse, flops, ref = (case.q, case.k, case.v, case.do, case.out, case.lse, case.flops,
+                                                     case.ref)
+                b, h = q.shape[:2]
 
                 def ours(pair=None, block_major=None, one_loop=None, ds_gemm=None, ds_mib=None, dq_tile=None):
                     # (None: the module's default for this split class)
@@ -123,8 +114,7 @@ def main() -> None:
                        (lambda p=p, kw=kw: ours(p, **kw)) for suffix, kw in variants.items()
                        for p in pairs or [tiles_before[top]]}
                 fns["general"] = ours
-                fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, do, retain_graph=True)
-                fns["sdpa_flash"] = lambda: torch.autograd.grad(flash_out, leaves, do, retain_graph=True)
+                fns.update(case.peers)
                 res = {}
                 for name, fn in fns.items():
                     try:

@@ -28,6 +28,21 @@ def _head_rows(T, off_b, off_h, stride_b, stride_h, stride_row, n_rows, HEAD_DIM
                                      strides=[stride_row, 1], block_shape=[BLOCK, BLOCK_D if BLOCK_D else HEAD_DIM])
 
 
+_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def index_table(device: torch.device, n: int) -> torch.Tensor:
+    """int32 0 .. n - 1 on device (a view of one table per device, grown in powers of two): the causal kernels'
+    query-row or key indices, read by TMA at a tile's own row coordinate. Triton 3.6's pass hands each consumer its
+    rows of a TMA load, where a `tl.arange` over the split rows reaches both as the first consumer's; read at the
+    coordinate of the tile's Q / K load (not a constant: the pass offsets a constant coordinate by remapping the
+    constant itself, every use of it included, fifty-fifth session)."""
+    table = _INDEX.get(device)
+    if table is None or table.numel() < n:
+        table = _INDEX[device] = torch.arange(max(1024, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
+    return table[:n]
+
+
 def platform_ok(t: torch.Tensor, interpret: bool) -> bool:
     """sm90 (Hopper, where these kernels were measured and checked); under TRITON_INTERPRET only when the module's
     INTERPRET switch (`interpret`) asks for it."""

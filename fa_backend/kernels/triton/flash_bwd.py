@@ -692,8 +692,8 @@ def flash_bwd(
     n_blocks = cdiv(sk, cfg.dkdv.block_n)
     # dK / dV by the warp-specialized kernel where it applies (flash_bwd_ws.py), else the general one; dQ below
     if not (not atomic and not exact_ds and lse.is_contiguous()
-            and dkdv_ws_eligible(q, k, v, dout, dk, dv, scale, causal, plain)
-            and bwd_dkdv_ws(q, k, v, dout, lse, delta, dk, dv, scale)):
+            and dkdv_ws_eligible(q, k, v, dout, dk, dv, scale, causal, plain, feat.causal_offset if causal else 0)
+            and bwd_dkdv_ws(q, k, v, dout, lse, delta, dk, dv, scale, feat.causal_offset if causal else None)):
         _launch_dkdv(q, k, v, dout, lse, delta, dk, dv, feat, cfg, n_blocks, scale, attn_mask, atomic, use_tma,
                      dq_acc, exact_ds, block_d, block_dv)
     if atomic:

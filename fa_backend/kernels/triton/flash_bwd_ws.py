@@ -5,8 +5,13 @@ Key-block stationary as `flash_bwd._bwd_dkdv`: a program holds BLOCK_N keys (spl
 warpgroups: the dots' M dimension) and walks every query block; K / V / Q / dO by TMA, dK / dV stored by TMA (a
 pointer store over the key rows would hit the pass's row-index fault), LSE and delta read per query block by
 pointer over the query axis (the dots' N dimension, not split). No GQA (the group loop would be a second loop
-around the specialized one), no causal mask, no mask / dropout / softcap / ALiBi / window. dQ stays with the
-general kernel.
+around the specialized one), no mask / dropout / softcap / ALiBi / window. dQ stays with the general kernel.
+
+CAUSAL_ENABLED (off: not yet run on a GPU; fifty-fifth session) also gives it causal calls in which every query row
+sees a key: the keys' indices come from a TMA load of an index table at the key block's row coordinate (as the
+forward's rows: the pass splits that load between the consumers, not a `tl.arange` over the keys), the query loop
+starts at the first block that sees the key block, and the mask is applied on every step (an `if` on the step
+would leave the loop unspecialized).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from . import _configs, _launch
 from ._launch import cdiv, grid_1d, pad_head_dim
 from ._tma import tma_ok
 from ._common import LOG2E
-from ._ws import HAS_WS as _HAS_WS, _head_rows, launch_or_mark, platform_ok
+from ._ws import HAS_WS as _HAS_WS, _head_rows, index_table, launch_or_mark, platform_ok
 
 
 @triton.jit(do_not_specialize=["SEQ_Q", "SEQ_K", "NUM_N_BLOCKS"])
@@ -29,7 +34,7 @@ def _bwd_dkdv_ws(
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     NUM_HEADS, SEQ_Q, SEQ_K, NUM_N_BLOCKS, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr = True,
-    BLOCK_D: tl.constexpr = 0,
+    BLOCK_D: tl.constexpr = 0, CAUSAL: tl.constexpr = False, KEYS=None, causal_offset=0,
 ):
     pid = tl.program_id(0)
     pid_n = pid % NUM_N_BLOCKS
@@ -52,11 +57,22 @@ def _bwd_dkdv_ws(
     offs_m = tl.arange(0, BLOCK_M)
     LSE_bh = LSE + bh.to(tl.int64) * SEQ_Q
     DELTA_bh = DELTA + bh.to(tl.int64) * SEQ_Q
-    for start_m in tl.range(0, SEQ_Q, BLOCK_M, warp_specialize=WARP_SPEC):
+    if CAUSAL:
+        # KEYS: int32 0, 1, ... (at least SEQ_K, index_table) read at n0, K's row coordinate: each consumer its keys.
+        # Query i sees key j <= i + causal_offset (>= 0: every query row sees a key); the first query block that
+        # sees key n0 is the first step, and a key block no query sees runs none (dK = dV = 0).
+        keys = tl.make_tensor_descriptor(KEYS, shape=[SEQ_K], strides=[1], block_shape=[BLOCK_N]).load([n0])
+        m_start = tl.maximum(n0 - causal_offset, 0) // BLOCK_M * BLOCK_M
+    else:
+        keys = offs_m  # (unused)
+        m_start = 0
+    for start_m in tl.range(m_start, SEQ_Q, BLOCK_M, warp_specialize=WARP_SPEC):
         rows = start_m + offs_m
         q = q_desc.load([start_m, 0])
         lse = tl.load(LSE_bh + rows, mask=rows < SEQ_Q, other=float("inf")) * LOG2E
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if CAUSAL:
+            p_t = tl.where(keys[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
         do = do_desc.load([start_m, 0])
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         delta = tl.load(DELTA_bh + rows, mask=rows < SEQ_Q, other=0.0)
@@ -82,20 +98,26 @@ CANDIDATE_TILES: dict[int, tuple[int, int, int, int]] = {}
 # Fewest keys at which a head dim takes this kernel (below it the general kernel was faster).
 MIN_SEQ_K: dict[int, int] = {64: 2048}
 ENABLED = True
+# Causal calls too (where every query row sees a key). Off: written on the CPU in the fifty-fifth session (sm90
+# compile: still specialized, tests/kernels/triton/test_ws_compile.py; interpreter tests pass), not yet run on a GPU.
+CAUSAL_ENABLED = False
 INTERPRET = False  # as flash_fwd_ws.INTERPRET: tests turn it on under the interpreter
-_FAILED: set = set()
+_FAILED: set = set()  # (head dim, dtype, causal) whose compile failed here: not tried again
 _LOG2E = 1.4426950408889634
 
 
 def dkdv_ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dk: torch.Tensor,
-                     dv: torch.Tensor, scale: float, causal: bool, plain: bool) -> bool:
-    """Whether `bwd_dkdv_ws` may compute this backward's dK / dV: plain, non-causal, MHA, equal head dims in
-    WS_TILES with at least MIN_SEQ_K keys, fp16 / bf16, scale > 0, on sm90 (or the interpreter with INTERPRET) with
-    strides TMA accepts, no tile pinned by `_configs.override`."""
-    if not (ENABLED and _HAS_WS and plain and not causal and scale > 0) or _configs._override.get("bwd"):
+                     dv: torch.Tensor, scale: float, causal: bool, plain: bool, causal_offset: int = 0) -> bool:
+    """Whether `bwd_dkdv_ws` may compute this backward's dK / dV: plain, non-causal (with CAUSAL_ENABLED: causal
+    with causal_offset >= 0, every query row seeing a key), MHA, equal head dims in WS_TILES with at least MIN_SEQ_K
+    keys, fp16 / bf16, scale > 0, on sm90 (or the interpreter with INTERPRET) with strides TMA accepts, no tile
+    pinned by `_configs.override`."""
+    if not (ENABLED and _HAS_WS and plain and scale > 0) or _configs._override.get("bwd"):
+        return False
+    if causal and not (CAUSAL_ENABLED and causal_offset >= 0):
         return False
     d = q.shape[-1]
-    if d not in WS_TILES or v.shape[-1] != d or q.shape[1] != k.shape[1] or (d, q.dtype) in _FAILED:
+    if d not in WS_TILES or v.shape[-1] != d or q.shape[1] != k.shape[1] or (d, q.dtype, causal) in _FAILED:
         return False
     if k.shape[2] < MIN_SEQ_K.get(d, 0):
         return False
@@ -106,16 +128,20 @@ def dkdv_ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: to
 
 
 def bwd_dkdv_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float) -> bool:
-    """Write dk, dv for a call `dkdv_ws_eligible` accepted (lse, delta: fp32 contiguous (b, h, sq)); False
-    (nothing written) when the kernel does not compile with this Triton."""
+                delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
+                causal_offset: int | None = None) -> bool:
+    """Write dk, dv for a call `dkdv_ws_eligible` accepted (lse, delta: fp32 contiguous (b, h, sq); causal_offset:
+    a causal call's, None without a mask); False (nothing written) when the kernel does not compile with this
+    Triton."""
     b, h, sq, d = q.shape
     sk = k.shape[2]
     block_m, block_n, num_warps, num_stages = (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
     n_blocks = cdiv(sk, block_n)
+    causal_kw = {} if causal_offset is None else dict(CAUSAL=True, KEYS=index_table(q.device, sk),
+                                                       causal_offset=causal_offset)
     return launch_or_mark(_bwd_dkdv_ws, grid_1d(n_blocks * b * h), (
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
         *dv.stride()[:3], h, sq, sk, n_blocks, scale * _LOG2E, scale,
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-            BLOCK_D=pad_head_dim(d)), _FAILED, (d, q.dtype))
+            BLOCK_D=pad_head_dim(d), **causal_kw), _FAILED, (d, q.dtype, causal_offset is not None))

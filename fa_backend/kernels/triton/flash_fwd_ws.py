@@ -31,7 +31,7 @@ from ..keep_bits import causal_offset
 from ._common import LN2
 from ._launch import cdiv, grid_1d, pad_head_dim
 from ._tma import tma_ok
-from ._ws import HAS_WS, _head_rows, launch_or_mark, platform_ok
+from ._ws import HAS_WS, _head_rows, index_table, launch_or_mark, platform_ok
 
 
 @triton.jit
@@ -113,7 +113,7 @@ def _ws_tile(
     # their O columns are dropped by the store.
     acc = tl.zeros([BLOCK_M, BLOCK_D if BLOCK_D else HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
-        # ROWS: int32 0, 1, ... (at least SEQ_Q of them, causal_rows), read by TMA so that each consumer gets its
+        # ROWS: int32 0, 1, ... (at least SEQ_Q of them, index_table), read by TMA so that each consumer gets its
         # own rows, at the tile's row coordinate m0 as Q's load and O's store: the pass offsets that coordinate for
         # the second consumer. (Read at a constant 0, the pass offset the constant, and with it the column
         # coordinate 0 of the O store: the second consumer stored its rows at columns 64-191, the forty-fifth
@@ -277,18 +277,6 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     return tma_ok(q, k, v, out)
 
 
-_ROWS: dict[torch.device, torch.Tensor] = {}
-
-
-def causal_rows(device: torch.device, n: int) -> torch.Tensor:
-    """int32 0 .. n - 1 on device, the causal kernel's row indices (a view of one table per device, grown in
-    powers of two)."""
-    table = _ROWS.get(device)
-    if table is None or table.numel() < n:
-        table = _ROWS[device] = torch.arange(max(1024, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
-    return table[:n]
-
-
 def _tile(d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a head dim's calls (a small tile under the interpreter)."""
     return (16, 16, 4, 1) if _launch._INTERPRET else WS_TILES[d]
@@ -340,7 +328,7 @@ def flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     args = (q, k, v, out, lse, *strides, hq, hq // hkv, sq, sk, num_m_blocks, scale * _LOG2E)
     if causal:
         offset = causal_offset(sq, sk, True, bottom_right)
-        kwargs.update(CAUSAL=True, ROWS=causal_rows(q.device, sq), causal_offset=offset)
+        kwargs.update(CAUSAL=True, ROWS=index_table(q.device, sq), causal_offset=offset)
         if _persistent_causal(d, q.dtype, causal):
             # the tiles that see more key blocks than stages (the per-tile Q descriptor's condition, see the
             # kernel) on the persistent kernel, longest first across all heads; then the `short` first query blocks

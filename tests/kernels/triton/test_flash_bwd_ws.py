@@ -67,6 +67,54 @@ def test_ws_dkdv_min_keys(launches, monkeypatch):
         assert kernel in launches and {"_bwd_dkdv", "_bwd_dkdv_ws"} - {kernel} - set(launches), (sk, launches)
 
 
+def _causal_attention(bottom_right):
+    align = "bottom_right" if bottom_right else "top_left"
+    return lambda q, k, v: fa_backend.attention(q, k, v, is_causal=True, causal_alignment=align)
+
+
+# d, sq, sk, bottom_right, bshd: top-left with more keys than queries (key blocks no query sees: dK = dV = 0),
+# bottom-right with keys to the left, square, partial tiles, padded head dims
+CPU_CAUSAL_CASES = [(64, 44, 70, False, True), (64, 30, 70, True, False), (128, 33, 33, False, True),
+                    (96, 36, 40, True, True), (48, 40, 40, True, False)]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,sq,sk,bottom_right,bshd", CPU_CAUSAL_CASES)
+def test_ws_dkdv_causal_interpreted(launches, monkeypatch, d, sq, sk, bottom_right, bshd):
+    monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
+    q, k, v = _qkv(2, 2, sq, sk, d, torch.float16, bshd)
+    check_attention(_causal_attention(bottom_right), q, k, v, is_causal=True, bottom_right=bottom_right)
+    assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
+
+
+def test_ws_dkdv_causal_only_where_every_row_sees_a_key(launches, monkeypatch):
+    # bottom-right with more queries than keys: the first rows see none (their zero gradients: the general kernel)
+    monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
+    d = 64 if DEVICE == "cpu" else 128
+    q, k, v = _qkv(1, 2, 48, 32, d, torch.float16, False)
+    check_attention(_causal_attention(True), q, k, v, is_causal=True, bottom_right=True)
+    assert "_bwd_dkdv" in launches and "_bwd_dkdv_ws" not in launches, launches
+    launches.clear()
+    check_attention(_causal_attention(False), q, k, v, is_causal=True)
+    assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sq,sk,bottom_right,bshd", [(2048, 2048, False, True), (1000, 3001, False, False),
+                                                     (1000, 3001, True, True), (3001, 3001, True, False),
+                                                     (4096, 8192, True, True)])
+@pytest.mark.parametrize("d", [128, 96, 64])
+def test_ws_dkdv_causal_real_size(launches, monkeypatch, dtype, sq, sk, bottom_right, bshd, d):
+    # the opt-in causal form (CAUSAL_ENABLED): what its first GPU run has to pass before it goes on by default
+    monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
+    monkeypatch.setattr(flash_bwd_ws, "MIN_SEQ_K", {})
+    q, k, v = _qkv(2, 4, sq, sk, d, dtype, bshd)
+    check_attention(_causal_attention(bottom_right), q, k, v, is_causal=True, bottom_right=bottom_right)
+    assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -36,6 +36,9 @@ if kind in ("fwd", "short"):
     constexprs["HEADS_FASTEST"] = kind == "short"
 if kind == "bwd":
     constexprs["WARP_SPEC"] = True
+    constexprs["CAUSAL"] = causal
+    if not causal:
+        constexprs["KEYS"] = None
 if kind != "bwd":
     constexprs["MASK_COLS"] = mask_cols
 if kind != "bwd":
@@ -43,7 +46,7 @@ if kind != "bwd":
     if not causal:
         constexprs["ROWS"] = None
 types = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV")}
-types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32", ROWS="*i32")
+types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32", ROWS="*i32", KEYS="*i32")
 signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
 k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -57,15 +60,15 @@ print(json.dumps(dict(num_warps=k.metadata.num_warps, asked=num_warps, shared=k.
 
 
 # the forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED) and its persistent kernel (PERSISTENT), causal
-# or not (CAUSAL_PERSISTENT; "short": the per-tile launch of the tiles it leaves), too: their loops must still be
-# specialized
+# or not (CAUSAL_PERSISTENT; "short": the per-tile launch of the tiles it leaves), and the dK / dV kernel, causal
+# (flash_bwd_ws.CAUSAL_ENABLED) or not, too: their loops must still be specialized
 @pytest.mark.parametrize("kind,d,mask_cols,causal", [("fwd", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES)
                                                      for m in (0, 1)]
                          + [("fwd", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
                          + [("persistent", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES) for m in (0, 1)]
                          + [("persistent", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
                          + [("short", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
-                         + [("bwd", d, 0, 0) for d in sorted(flash_bwd_ws.WS_TILES)])
+                         + [("bwd", d, 0, c) for d in sorted(flash_bwd_ws.WS_TILES) for c in (0, 1)])
 def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols, causal):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE, kind, str(d), str(mask_cols), str(causal)], env=env,
