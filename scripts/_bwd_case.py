@@ -26,16 +26,21 @@ class BackwardCase:
     peers: dict[str, Callable[[], tuple]]  # "cudnn", "sdpa_flash": their backward through autograd
 
 
-def backward_case(d: int, s: int, causal: bool) -> BackwardCase:
-    """bf16, (b, s, h, d) layout transposed to (b, h, s, d), batch 16384 / s, heads 2048 / d."""
+def backward_case(d: int, s: int, causal: bool, gqa: int = 1) -> BackwardCase:
+    """bf16, (b, s, h, d) layout transposed to (b, h, s, d), batch 16384 / s, heads 2048 / d (query heads; key /
+    value heads h / gqa)."""
     b, h = 16384 // s, 2048 // d
-    q, k, v, do = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(4))
+
+    def make(heads):
+        return torch.randn(b, s, heads, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+
+    q, k, v, do = make(h), make(h // gqa), make(h // gqa), make(h)
     out, lse = flash_fwd(q, k, v, d ** -0.5, causal, False)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     outs = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
         with sdpa_kernel(backend):
-            outs[name] = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+            outs[name] = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa > 1)
     peers = {name: (lambda o=o: torch.autograd.grad(o, leaves, do, retain_graph=True)) for name, o in outs.items()}
     return BackwardCase(q, k, v, do, out, lse, 2.5 * 4 * b * h * s * s * d / (2 if causal else 1),
                         peers["cudnn"](), peers)

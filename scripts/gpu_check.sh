@@ -300,6 +300,12 @@ if [[ " $steps " == *" ws_causal "* ]]; then
   tail -n 3 "$OUT/ws_causal_bwd_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_causal_bwd_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_bwd_ws.py --dims ${WS_DIMS:-128 64} --causal yes \
     --seqlens ${WS_SEQLENS:-1024 2048 4096 8192 16384} --json "$OUT/ws_causal_bwd.json" 2>&1 | grep -v -i warn || status=1
+  # and its GQA form (flash_bwd_ws.GQA_ENABLED, fifty-fifth session): tests, then hq = 4 hkv, causal or not
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_bwd_ws.py -m gpu -q -p no:cacheprovider \
+    -k gqa -n ${SHARDS:-8} > "$OUT/ws_gqa_bwd_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/ws_gqa_bwd_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_gqa_bwd_tests.log" | head -20
+  timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_bwd_ws.py --dims 128 --causal no yes --gqa 4 \
+    --seqlens ${WS_SEQLENS:-2048 8192} --json "$OUT/ws_gqa_bwd.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" ds_gemm "* ]]; then
   # the d=193-256 backward's dQ from dS^T in memory (flash_bwd_split.DS_GEMM; forty-fourth session on one buffer,

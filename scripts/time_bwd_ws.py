@@ -1,12 +1,13 @@
 """The warp-specialized dK / dV kernel against the general one and cuDNN's backward (GPU, sm90): TFLOP/s of the
 whole backward (bf16, MHA, batch = 16384 / seqlen, heads = 2048 / d; 2.5x the forward's FLOPs, halved when causal;
---causal yes: its opt-in causal form, `flash_bwd_ws.CAUSAL_ENABLED`).
+--causal yes: its opt-in causal form, `flash_bwd_ws.CAUSAL_ENABLED`; --gqa N: N query heads per key / value head,
+its opt-in GQA form, `flash_bwd_ws.GQA_ENABLED`).
 
 `ours` times `flash_bwd` (delta, dK / dV, dQ) with `flash_bwd_ws` on and off; cuDNN and SDPA-flash their SDPA
 backward through autograd (retain_graph). Each gradient is compared with cuDNN's first.
 
     python3 scripts/time_bwd_ws.py [--dims 128 96] [--seqlens 1024 2048 4096 8192 16384] [--tile 64,128,4,2]
-                                   [--causal no yes] [--json F]
+                                   [--causal no yes] [--gqa 4] [--json F]
 
 --tile: the WS tile (BLOCK_M, BLOCK_N, warps, stages) for every head dim given, in WS_TILES or not (an
 experiment, e.g. d=64: 64 x 128 x 4 warps x 2 stages compiles for sm90 at 168 registers, no spills, 82 KB).
@@ -36,18 +37,19 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--tile")
     parser.add_argument("--causal", nargs="+", default=["no"], choices=["no", "yes"])
+    parser.add_argument("--gqa", type=int, default=1, help="query heads per key / value head")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.tile:
         flash_bwd_ws.WS_TILES.update({d: tuple(int(x) for x in args.tile.split(",")) for d in args.dims})
     rows = []
     for d, causal, s in ((d, c == "yes", s) for d in args.dims for c in args.causal for s in args.seqlens):
-        case = backward_case(d, s, causal)
+        case = backward_case(d, s, causal, args.gqa)
         q, k, v, do, out, lse, flops, ref = case.q, case.k, case.v, case.do, case.out, case.lse, case.flops, case.ref
         b, h = q.shape[:2]
 
         def ours(ws):
-            flash_bwd_ws.ENABLED = flash_bwd_ws.CAUSAL_ENABLED = ws
+            flash_bwd_ws.ENABLED = flash_bwd_ws.CAUSAL_ENABLED = flash_bwd_ws.GQA_ENABLED = ws
             return flash_bwd(do, q, k, v, out, lse, d ** -0.5, causal, False)
 
         res = {}
@@ -57,12 +59,12 @@ def main() -> None:
             diff = torch.stack([(g.float() - r.float()).abs().max() for g, r in zip(grads, ref)]).max().item()
             ms = triton.testing.do_bench(fn, warmup=30, rep=200)
             res[name] = dict(tflops=flops / ms / 1e9, ms=ms, max_diff_vs_cudnn=diff)
-        rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, results=res))
+        rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, heads=h, kv_heads=k.shape[1], results=res))
         cud = res["cudnn"]["tflops"]
         print(f"d={d} causal={int(causal)} s={s}: " + "  ".join(
             f"{n} {r['tflops']:.0f} ({r['tflops'] / cud:.3f}, diff {r['max_diff_vs_cudnn']:.1e})"
             for n, r in res.items()), flush=True)
-    flash_bwd_ws.ENABLED, flash_bwd_ws.CAUSAL_ENABLED = True, False
+    flash_bwd_ws.ENABLED, flash_bwd_ws.CAUSAL_ENABLED, flash_bwd_ws.GQA_ENABLED = True, False, False
     write_records(args.json, rows)
 
 

@@ -87,6 +87,27 @@ def test_ws_dkdv_causal_interpreted(launches, monkeypatch, d, sq, sk, bottom_rig
     assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
 
 
+def _qkv_gqa(b, hq, hkv, sq, sk, d, dtype, bshd):
+    q = _qkv(b, hq, sq, sq, d, dtype, bshd)[0]
+    return (q, *_qkv(b, hkv, sk, sk, d, dtype, bshd)[1:])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes")
+@pytest.mark.parametrize("d,hq,hkv,sq,sk,causal,bottom_right,bshd", [
+    (64, 4, 2, 44, 70, False, False, True), (64, 6, 2, 30, 70, True, True, False),
+    (96, 3, 1, 36, 40, True, False, True), (48, 4, 1, 40, 28, False, False, False),
+    (64, 2, 1, 20, 60, True, False, True)])
+def test_ws_dkdv_gqa_interpreted(launches, monkeypatch, d, hq, hkv, sq, sk, causal, bottom_right, bshd):
+    # GQA_ENABLED: a program per key / value head over its group's query heads (the last causal case: key blocks
+    # no query sees)
+    monkeypatch.setattr(flash_bwd_ws, "GQA_ENABLED", True)
+    monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
+    q, k, v = _qkv_gqa(2, hq, hkv, sq, sk, d, torch.float16, bshd)
+    fn = _causal_attention(bottom_right) if causal else (lambda q, k, v: fa_backend.attention(q, k, v))
+    check_attention(fn, q, k, v, is_causal=causal, bottom_right=bottom_right)
+    assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
+
+
 def test_ws_dkdv_causal_only_where_every_row_sees_a_key(launches, monkeypatch):
     # bottom-right with more queries than keys: the first rows see none (their zero gradients: the general kernel)
     monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
@@ -112,6 +133,24 @@ def test_ws_dkdv_causal_real_size(launches, monkeypatch, dtype, sq, sk, bottom_r
     monkeypatch.setattr(flash_bwd_ws, "MIN_SEQ_K", {})
     q, k, v = _qkv(2, 4, sq, sk, d, dtype, bshd)
     check_attention(_causal_attention(bottom_right), q, k, v, is_causal=True, bottom_right=bottom_right)
+    assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="sm90 (Triton's warp specialization on Hopper)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hq,hkv,sq,sk,causal,bottom_right,bshd", [
+    (8, 2, 2048, 2048, False, False, True), (8, 2, 1000, 3001, True, True, False),
+    (4, 1, 3001, 1000, False, False, True), (6, 2, 2048, 4096, True, False, True)])
+@pytest.mark.parametrize("d", [128, 64])
+def test_ws_dkdv_gqa_real_size(launches, monkeypatch, dtype, hq, hkv, sq, sk, causal, bottom_right, bshd, d):
+    # the opt-in GQA form (GQA_ENABLED), causal too: what its first GPU run has to pass before it goes on by default
+    monkeypatch.setattr(flash_bwd_ws, "GQA_ENABLED", True)
+    monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
+    monkeypatch.setattr(flash_bwd_ws, "MIN_SEQ_K", {})
+    q, k, v = _qkv_gqa(2, hq, hkv, sq, sk, d, dtype, bshd)
+    fn = _causal_attention(bottom_right) if causal else (lambda q, k, v: fa_backend.attention(q, k, v))
+    check_attention(fn, q, k, v, is_causal=causal, bottom_right=bottom_right)
     assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
 
 

@@ -25,23 +25,24 @@ from triton.compiler import ASTSource
 from fa_backend.kernels.triton import flash_bwd_ws, flash_fwd_ws
 
 kind, d, mask_cols, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-mod = flash_bwd_ws if kind == "bwd" else flash_fwd_ws
+mod = flash_bwd_ws if kind.startswith("bwd") else flash_fwd_ws
 block_m, block_n, num_warps, num_stages = mod.WS_TILES[d]
 fn = dict(fwd=flash_fwd_ws._attn_fwd_ws, short=flash_fwd_ws._attn_fwd_ws,
-          persistent=flash_fwd_ws._attn_fwd_ws_persistent, bwd=flash_bwd_ws._bwd_dkdv_ws)[kind]
+          persistent=flash_fwd_ws._attn_fwd_ws_persistent, bwd=flash_bwd_ws._bwd_dkdv_ws,
+          bwd_gqa=flash_bwd_ws._bwd_dkdv_ws)[kind]
 constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n)
 constexprs["BLOCK_D"] = triton.next_power_of_2(d)
 if kind in ("fwd", "short"):
     constexprs["WARP_SPEC"] = True
     constexprs["HEADS_FASTEST"] = kind == "short"
-if kind == "bwd":
+if kind in ("bwd", "bwd_gqa"):
     constexprs["WARP_SPEC"] = True
+    constexprs["GROUP"] = 4 if kind == "bwd_gqa" else 1
     constexprs["CAUSAL"] = causal
     if not causal:
         constexprs["KEYS"] = None
-if kind != "bwd":
+if not kind.startswith("bwd"):
     constexprs["MASK_COLS"] = mask_cols
-if kind != "bwd":
     constexprs["CAUSAL"] = causal
     if not causal:
         constexprs["ROWS"] = None
@@ -61,14 +62,15 @@ print(json.dumps(dict(num_warps=k.metadata.num_warps, asked=num_warps, shared=k.
 
 # the forward's opt-in causal variant (flash_fwd_ws.CAUSAL_ENABLED) and its persistent kernel (PERSISTENT), causal
 # or not (CAUSAL_PERSISTENT; "short": the per-tile launch of the tiles it leaves), and the dK / dV kernel, causal
-# (flash_bwd_ws.CAUSAL_ENABLED) or not, too: their loops must still be specialized
+# (flash_bwd_ws.CAUSAL_ENABLED) or not, MHA or GQA (GQA_ENABLED), too: their loops must still be specialized
 @pytest.mark.parametrize("kind,d,mask_cols,causal", [("fwd", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES)
                                                      for m in (0, 1)]
                          + [("fwd", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
                          + [("persistent", d, m, 0) for d in sorted(flash_fwd_ws.WS_TILES) for m in (0, 1)]
                          + [("persistent", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
                          + [("short", d, 1, 1) for d in sorted(flash_fwd_ws.WS_TILES)]
-                         + [("bwd", d, 0, c) for d in sorted(flash_bwd_ws.WS_TILES) for c in (0, 1)])
+                         + [(kind, d, 0, c) for kind in ("bwd", "bwd_gqa") for d in sorted(flash_bwd_ws.WS_TILES)
+                            for c in (0, 1)])
 def test_ws_kernel_specializes_for_sm90(kind, d, mask_cols, causal):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE, kind, str(d), str(mask_cols), str(causal)], env=env,
