@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite (sharded over processes so kernels compile in parallel),
 # optional tuning, then the benchmark. Logs and JSON go to $OUT (or ./out).
-#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [figures] [product] [ws_persist] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal] [ds_gemm]
+#   bash scripts/gpu_check.sh [tests] [tests_rest] [tests_tail] [feature_tests] [tune] [tune_features] [bench] [memory] [modules] [features] [decode] [overhead] [host] [varlen] [decode_tune] [figures] [product] [ws_persist] [module_kernels] [cute] [cute_bwd] [cute_profile] [cute_order] [dropout] [op] [split] [order] [d96] [d128] [hang256] [ws_causal] [ws_bwd] [ds_gemm]
 # cute: the CuTe GPU tests and scripts/bench_cute.py; cute_bwd: the CuTe backward's test and timing; cute_profile:
 # ncu on one CuTe backward launch (stall reasons); all three need
 # the DSL on the machine (cutedsl-prepare.sh part 1 and 2)
@@ -285,27 +285,26 @@ if [[ " $steps " == *" ws_persist "* ]]; then
     || status=1
 fi
 if [[ " $steps " == *" ws_causal "* ]]; then
-  # the warp-specialized kernels' opt-in causal forms. First the forward's (flash_fwd_ws.CAUSAL_ENABLED, written in
-  # the forty-fourth session, its O store fixed in the fifty-fifth) and its persistent form (CAUSAL_PERSISTENT): its
-  # GPU tests (the per-tile ones are marked xfail until they pass: --runxfail runs them as plain tests), then its
+  # the warp-specialized forward's opt-in causal form (flash_fwd_ws.CAUSAL_ENABLED, written in the forty-fourth
+  # session, its O store fixed in the fifty-fifth) and its persistent form (CAUSAL_PERSISTENT): the file's GPU tests (the per-tile ones are marked xfail until they pass: --runxfail runs them as plain tests), then its
   # timing against the general kernel, cuDNN and SDPA-flash (ws_... a program per tile, wsp_... persistent)
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_fwd_ws.py -m gpu -q -p no:cacheprovider \
     --runxfail -n ${SHARDS:-8} > "$OUT/ws_causal_tests.log" 2>&1 || status=1
   tail -n 3 "$OUT/ws_causal_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_causal_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_fwd_ws.py --dims ${WS_DIMS:-128 64} --causal yes --persistent \
     --seqlens ${WS_SEQLENS:-1024 2048 4096 8192 16384} --json "$OUT/ws_causal.json" 2>&1 | grep -v -i warn || status=1
-  # the dK / dV kernel's causal form (flash_bwd_ws.CAUSAL_ENABLED, fifty-fifth session): its GPU tests, its timing
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_bwd_ws.py -m gpu -q -p no:cacheprovider \
-    -k causal -n ${SHARDS:-8} > "$OUT/ws_causal_bwd_tests.log" 2>&1 || status=1
-  tail -n 3 "$OUT/ws_causal_bwd_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_causal_bwd_tests.log" | head -20
+fi
+if [[ " $steps " == *" ws_bwd "* ]]; then
+  # the dK / dV kernel's opt-in causal and GQA forms (flash_bwd_ws.CAUSAL_ENABLED, GQA_ENABLED, fifty-fifth session):
+  # the file's GPU tests (MHA too), then the timings: causal MHA, then hq = 4 hkv causal or not (another call than
+  # ws_causal: both in one pass the 600 s limit)
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/kernels/triton/test_flash_bwd_ws.py -m gpu -q -p no:cacheprovider \
+    -n ${SHARDS:-8} > "$OUT/ws_bwd_tests.log" 2>&1 || status=1
+  tail -n 3 "$OUT/ws_bwd_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_bwd_tests.log" | head -20
   timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_bwd_ws.py --dims ${WS_DIMS:-128 64} --causal yes \
     --seqlens ${WS_SEQLENS:-1024 2048 4096 8192 16384} --json "$OUT/ws_causal_bwd.json" 2>&1 | grep -v -i warn || status=1
-  # and its GQA form (flash_bwd_ws.GQA_ENABLED, fifty-fifth session): tests, then hq = 4 hkv, causal or not
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/kernels/triton/test_flash_bwd_ws.py -m gpu -q -p no:cacheprovider \
-    -k gqa -n ${SHARDS:-8} > "$OUT/ws_gqa_bwd_tests.log" 2>&1 || status=1
-  tail -n 3 "$OUT/ws_gqa_bwd_tests.log"; grep -h -E "^(FAILED|ERROR)|^E " "$OUT/ws_gqa_bwd_tests.log" | head -20
-  timeout ${BENCH_TIMEOUT:-200} python3 scripts/time_bwd_ws.py --dims 128 --causal no yes --gqa 4 \
-    --seqlens ${WS_SEQLENS:-2048 8192} --json "$OUT/ws_gqa_bwd.json" 2>&1 | grep -v -i warn || status=1
+  timeout ${BENCH_TIMEOUT:-150} python3 scripts/time_bwd_ws.py --dims 128 --causal no yes --gqa 4 \
+    --seqlens ${WS_GQA_SEQLENS:-2048 8192} --json "$OUT/ws_gqa_bwd.json" 2>&1 | grep -v -i warn || status=1
 fi
 if [[ " $steps " == *" ds_gemm "* ]]; then
   # the d=193-256 backward's dQ from dS^T in memory (flash_bwd_split.DS_GEMM; forty-fourth session on one buffer,
