@@ -248,8 +248,8 @@ CAUSAL_PERSISTENT = False
 INTERPRET = False
 _LOG2E = 1.4426950408889634
 _HAS_WS = HAS_WS
-_FAILED: set = set()  # (head dim, dtype, causal, "persistent" or "persistent_causal") whose compile failed here: not
-# tried again
+# (head dim, dtype, causal, "persistent" or "persistent_causal") whose compile failed here: not tried again
+_FAILED: set = set()
 
 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, causal: bool,
