@@ -67,9 +67,11 @@ def test_ws_dkdv_min_keys(launches, monkeypatch):
         assert kernel in launches and {"_bwd_dkdv", "_bwd_dkdv_ws"} - {kernel} - set(launches), (sk, launches)
 
 
-def _causal_attention(bottom_right):
+def _check_causal(q, k, v, causal=True, bottom_right=False):
+    """check_attention of fa_backend.attention, causal (in either alignment) or not."""
     align = "bottom_right" if bottom_right else "top_left"
-    return lambda q, k, v: fa_backend.attention(q, k, v, is_causal=True, causal_alignment=align)
+    check_attention(lambda q, k, v: fa_backend.attention(q, k, v, is_causal=causal, causal_alignment=align), q, k, v,
+                    is_causal=causal, bottom_right=bottom_right)
 
 
 # d, sq, sk, bottom_right, bshd: top-left with more keys than queries (key blocks no query sees: dK = dV = 0),
@@ -83,7 +85,7 @@ CPU_CAUSAL_CASES = [(64, 44, 70, False, True), (64, 30, 70, True, False), (128, 
 def test_ws_dkdv_causal_interpreted(launches, monkeypatch, d, sq, sk, bottom_right, bshd):
     monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
     q, k, v = _qkv(2, 2, sq, sk, d, torch.float16, bshd)
-    check_attention(_causal_attention(bottom_right), q, k, v, is_causal=True, bottom_right=bottom_right)
+    _check_causal(q, k, v, bottom_right=bottom_right)
     assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
 
 
@@ -103,8 +105,7 @@ def test_ws_dkdv_gqa_interpreted(launches, monkeypatch, d, hq, hkv, sq, sk, caus
     monkeypatch.setattr(flash_bwd_ws, "GQA_ENABLED", True)
     monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
     q, k, v = _qkv_gqa(2, hq, hkv, sq, sk, d, torch.float16, bshd)
-    fn = _causal_attention(bottom_right) if causal else (lambda q, k, v: fa_backend.attention(q, k, v))
-    check_attention(fn, q, k, v, is_causal=causal, bottom_right=bottom_right)
+    _check_causal(q, k, v, causal, bottom_right)
     assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
 
 
@@ -113,10 +114,10 @@ def test_ws_dkdv_causal_only_where_every_row_sees_a_key(launches, monkeypatch):
     monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
     d = 64 if DEVICE == "cpu" else 128
     q, k, v = _qkv(1, 2, 48, 32, d, torch.float16, False)
-    check_attention(_causal_attention(True), q, k, v, is_causal=True, bottom_right=True)
+    _check_causal(q, k, v, bottom_right=True)
     assert "_bwd_dkdv" in launches and "_bwd_dkdv_ws" not in launches, launches
     launches.clear()
-    check_attention(_causal_attention(False), q, k, v, is_causal=True)
+    _check_causal(q, k, v)
     assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
 
 
@@ -132,7 +133,7 @@ def test_ws_dkdv_causal_real_size(launches, monkeypatch, dtype, sq, sk, bottom_r
     monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
     monkeypatch.setattr(flash_bwd_ws, "MIN_SEQ_K", {})
     q, k, v = _qkv(2, 4, sq, sk, d, dtype, bshd)
-    check_attention(_causal_attention(bottom_right), q, k, v, is_causal=True, bottom_right=bottom_right)
+    _check_causal(q, k, v, bottom_right=bottom_right)
     assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
 
 
@@ -149,8 +150,7 @@ def test_ws_dkdv_gqa_real_size(launches, monkeypatch, dtype, hq, hkv, sq, sk, ca
     monkeypatch.setattr(flash_bwd_ws, "CAUSAL_ENABLED", True)
     monkeypatch.setattr(flash_bwd_ws, "MIN_SEQ_K", {})
     q, k, v = _qkv_gqa(2, hq, hkv, sq, sk, d, dtype, bshd)
-    fn = _causal_attention(bottom_right) if causal else (lambda q, k, v: fa_backend.attention(q, k, v))
-    check_attention(fn, q, k, v, is_causal=causal, bottom_right=bottom_right)
+    _check_causal(q, k, v, causal, bottom_right)
     assert "_bwd_dkdv_ws" in launches and "_bwd_dkdv" not in launches, launches
 
 

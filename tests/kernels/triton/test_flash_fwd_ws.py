@@ -181,20 +181,18 @@ def test_ws_random_shapes_interpreted(ws_causal_launches, monkeypatch, b, hkv, g
            mode == "br")
 
 
-@pytest.fixture(params=[3, 5] if DEVICE == "cpu" else [0], ids=lambda n: f"{n}programs" if n else "sms")
-def ws_causal_persistent_launches(ws_causal_launches, monkeypatch, request):
-    """ws_causal_launches with causal calls on the persistent kernel (CAUSAL_PERSISTENT)."""
-    monkeypatch.setattr(flash_fwd_ws, "PERSISTENT", True)
+@pytest.fixture
+def ws_causal_persistent_launches(ws_persistent_launches, monkeypatch):
+    """ws_persistent_launches with causal calls on the persistent kernel (CAUSAL_ENABLED, CAUSAL_PERSISTENT)."""
+    monkeypatch.setattr(flash_fwd_ws, "CAUSAL_ENABLED", True)
     monkeypatch.setattr(flash_fwd_ws, "CAUSAL_PERSISTENT", True)
-    if request.param:
-        monkeypatch.setattr(flash_fwd_ws, "INTERPRET_PROGRAMS", request.param)
-    return ws_causal_launches
+    return ws_persistent_launches
 
 
 def _causal_launches(sq, sk, d, bottom_right):
     """The kernels a causal call takes with CAUSAL_PERSISTENT: the persistent kernel for the tiles that see more
     key blocks than stages, the per-tile kernel for the rest (each only if it has tiles)."""
-    block_m, block_n, _, stages = (16, 16, 4, 1) if DEVICE == "cpu" else flash_fwd_ws.WS_TILES[d]
+    block_m, block_n, _, stages = flash_fwd_ws.WS_TILES[d]  # (ws_launches: the interpreter's tile on the CPU)
     offset = sk - sq if bottom_right else 0
     ends = [min(sk, (i + 1) * block_m + offset) for i in range(-(-sq // block_m))]
     long_tiles = sum(-(-end // block_n) > stages for end in ends)
