@@ -4,6 +4,8 @@
 # torch 2.14.1 is a CUDA build on this machine's local disk (about 5.4 GB in the venv; it runs on the CPU) and brings
 # its own triton (3.8.0), so the interpreter tests run that Triton's frontend too. The project says it works on torch
 # 2.11 through 2.15: CI covers 2.13, the GPU machine 2.11, this script what else the machine can install.
+# This machine's pip caps torch at 2.14.1 (/etc/xdg/pip/constraints.txt: the releases on its disk); torch 2.15.0
+# (with triton 3.9.0) comes from PyPI past the cap: PIP_CONSTRAINT=/dev/null bash scripts/compat_check.sh 2.15.0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-2.14.1}"

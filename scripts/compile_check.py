@@ -33,7 +33,18 @@ from fa_backend.kernels.triton import _configs  # noqa: E402
 from fa_backend.kernels.triton.flash_bwd import _bwd_dkdv, _bwd_dq  # noqa: E402
 from fa_backend.kernels.triton.flash_fwd import _attn_fwd  # noqa: E402
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+def _ptxas() -> str:
+    """The ptxas Triton itself runs for sm90: Triton 3.9 writes PTX 9.x, which only its newer bundled ptxas (named
+    ptxas-blackwell) reads; older Triton releases use the plain one."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(90).path
+    except (ImportError, TypeError, AttributeError):  # before get_ptxas(arch) -> NvidiaTool
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+PTXAS = _ptxas()
 TARGET = GPUTarget("cuda", 90, 32)
 
 

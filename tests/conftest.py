@@ -12,9 +12,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests import _interpreter
+    from tests import _interpreter, _strict_masks
 
     _interpreter.install()
+    _strict_masks.install()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter computes bf16 tl.dot wrongly (seen with triton 3.6-3.7): bf16 runs on GPU only.

@@ -111,6 +111,14 @@ def _tile_ptrs(base, row0, stride_row, stride_col, BLOCK_R: tl.constexpr, BLOCK_
             + tl.arange(0, BLOCK_R)[:, None] * stride_row + tl.arange(0, BLOCK_C)[None, :] * stride_col)
 
 
+@triton.jit
+def _bool_block(cond, N: tl.constexpr):
+    """The scalar condition cond as an (N,) block of bools, to be and-ed into a block mask. Written `mask & cond`,
+    Triton's interpreter splats the scalar comparison as int32 (the dtype of the values it compared), and Triton
+    3.9's interpreter rejects int32 load and store masks; compiled, this is the same splat of an i1."""
+    return tl.where(cond, tl.full([N], 1, tl.int1), False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Optional score features (attn_mask, ALiBi, softcap, sliding window, dropout). Every one is
 # gated by a constexpr at the call site: a launch without features compiles none of this.

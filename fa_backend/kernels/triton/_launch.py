@@ -12,6 +12,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _compile_options(version: str | None = None) -> dict:
+    """Compile options every launch names. FMA contraction is asked for explicitly from Triton 3.9 on, which warns
+    that its default turns it off in 3.10: the kernels' tiles and timings assume it (an exp2 argument is one FMA
+    per score). Nothing before 3.9, where it is the default: compiled kernels and their cache keys stay as they
+    are."""
+    if version is None:
+        try:
+            import triton
+        except ImportError:
+            return {}
+        version = triton.__version__
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return {}
+    return {"enable_fp_fusion": True} if (major, minor) >= (3, 9) else {}
+
+
+COMPILE_OPTIONS = _compile_options()
+
+
 def pad_head_dim(d: int) -> int:
     """Tile width for a head dim: Triton tiles are powers of two and tl.dot needs K >= 16."""
     return max(16, 1 << (d - 1).bit_length())  # next power of two (triton.next_power_of_2 is a JIT call)
@@ -227,6 +248,8 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     """kernel[grid](*args, **kwargs), with runtime arguments positional or by keyword and every constexpr
     (then compile options) by keyword. With FAST_LAUNCH, repeated launches with the same specialisation
     skip the JIT's per-call work."""
+    if COMPILE_OPTIONS:
+        kwargs = {**kwargs, **COMPILE_OPTIONS}
     if not FAST_LAUNCH or _INTERPRET:
         kernel[grid](*args, **kwargs)
         return

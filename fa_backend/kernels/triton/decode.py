@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._common import LN2, LOG2E, _mask_values_at, _masked_scores
+from ._common import LN2, LOG2E, _bool_block, _mask_values_at, _masked_scores
 from ._features import expand_mask
 from ._launch import grid_1d, interpreting, pad_head_dim
 from .kv_append import _rotate
@@ -178,8 +178,10 @@ def _decode_split(
                 in_page = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)
             else:
                 page_next = tl.load(page_base + (leftpad + nxt + offs_n) // PAGE_SIZE,
-                                    mask=(nxt < end) & (nxt + offs_n < seqlen_k), other=0)
+                                    mask=_bool_block(nxt < end, BLOCK_N) & (nxt + offs_n < seqlen_k), other=0)
                 in_page = ((leftpad + cols) % PAGE_SIZE).to(tl.int64)
+            if PAGE_TILES:  # one page index per tile: a scalar
+                page_ok = _bool_block(page_ok, BLOCK_N)
             lost = lost | (col_ok & ~page_ok)
             col_ok = col_ok & page_ok
             k_off = page * stride_kb + in_page * stride_kn

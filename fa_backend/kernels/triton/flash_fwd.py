@@ -516,7 +516,7 @@ def dropout_keep_mask(b: int, hq: int, sq: int, sk: int, dropout_p: float, rng: 
     grid = (cdiv(sq, 16), cdiv(sk, 16), b * hq)
     draw, threshold = dropout_draw(dropout_p)
     _dropout_mask_kernel[grid](keep, int(rng[0]), int(rng[1]), threshold, hq, sq, sk,
-                               BLOCK_M=16, BLOCK_N=16, DROPOUT=draw)
+                               BLOCK_M=16, BLOCK_N=16, DROPOUT=draw, **_launch.COMPILE_OPTIONS)
     return keep.bool()
 
 

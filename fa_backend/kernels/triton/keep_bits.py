@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..keep_bits import (KEEP_KEYS, KEEP_ROWS, KEEP_TILE_BYTES, keep_bit, keep_bits_bytes, keep_byte,
                          keep_head_tiles, keep_row_blocks, keep_row_start)
+from . import _launch
 from ._features import DROP_HALVES, dropout_draw
 
 
@@ -71,7 +72,8 @@ def fill_keep_bits(bits: torch.Tensor, b: int, hq: int, sq: int, sk: int, dropou
         rows, keys = keep_row_blocks(sq, period), -(-sk // KEEP_KEYS)
         _keep_bits_kernel[(keys, rows, b * hq)](bits, starts, int(rng[0]), int(rng[1]), threshold, sq, sk,
                                                 keep_head_tiles(sq, sk, period, causal_offset),
-                                                TILE_BYTES=KEEP_TILE_BYTES, PERIOD=period)
+                                                TILE_BYTES=KEEP_TILE_BYTES, PERIOD=period,
+                                                **_launch.COMPILE_OPTIONS)
     return bits
 
 

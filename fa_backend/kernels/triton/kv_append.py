@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
+from ._common import _bool_block
 from ._launch import grid_1d, pad_head_dim
 
 
@@ -76,7 +77,7 @@ def _append_kv(
         seq_off += tl.load(SEQ_OFF + off_b)
     dst_row = seq_off + offs_s
     # rows of an entry without room (or with a negative offset) are not written (module docstring)
-    row_ok = (offs_s < SEQ) & (seq_off >= 0) & (seq_off + SEQ <= CAPACITY)
+    row_ok = (offs_s < SEQ) & _bool_block((seq_off >= 0) & (seq_off + SEQ <= CAPACITY), BLOCK_S)
     if PAGE_SIZE > 0:  # paged cache: (num_pages, page_size, h, d)
         page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt + dst_row // PAGE_SIZE, mask=row_ok, other=0)
         page = page.to(tl.int64)
@@ -88,7 +89,7 @@ def _append_kv(
         dst_b = off_b.to(tl.int64)
         if BATCH_IDX is not None:
             dst_b = tl.load(BATCH_IDX + off_b).to(tl.int64)
-            row_ok = row_ok & (dst_b >= 0) & (dst_b < NUM_CACHE)
+            row_ok = row_ok & _bool_block((dst_b >= 0) & (dst_b < NUM_CACHE), BLOCK_S)
         kc_rows = K_CACHE + dst_b * stride_kcb + dst_row.to(tl.int64) * stride_kcs
         vc_rows = V_CACHE + dst_b * stride_vcb + dst_row.to(tl.int64) * stride_vcs
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)

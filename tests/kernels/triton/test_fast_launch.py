@@ -160,3 +160,24 @@ def test_fast_launch_leaves_other_argument_types_to_the_jit(fast):
     for _ in range(2):
         _launch.launch(kern, (1,), (x, np.int64(5)), {"BLOCK": 16})
     assert [e[0] for e in kern.log] == ["jit", "jit"] and not _launch._FAST
+
+
+@pytest.mark.parametrize("version,options", [("3.6.0", {}), ("3.8.0", {}), ("3.9.0", {"enable_fp_fusion": True}),
+                                             ("3.10.0+git1234", {"enable_fp_fusion": True}), ("unknown", {})])
+def test_compile_options_ask_for_fma_contraction_from_triton_3_9(version, options):
+    """Triton 3.9 warns that FMA contraction turns off by default in 3.10: from 3.9 every launch asks for it."""
+    assert _launch._compile_options(version) == options
+
+
+def test_launch_passes_the_compile_options(monkeypatch):
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs)
+
+    monkeypatch.setattr(_launch, "COMPILE_OPTIONS", {"enable_fp_fusion": True})
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+    kwargs = {"BLOCK": 16}
+    _launch.launch(Kernel(), (1,), (), kwargs)
+    assert seen == [{"BLOCK": 16, "enable_fp_fusion": True}] and kwargs == {"BLOCK": 16}
